@@ -1,0 +1,39 @@
+"""Devices: the `Backend` protocol and `make_backend(spec)` for `--device sim[:SIZE]|cuda[:N]`."""
+
+from __future__ import annotations
+
+from engine.backend.base import AddressSpace, Backend, CopyCounts, CopyStats, MemInfo
+from engine.backend.sim import SimBackend
+from engine.errors import DeviceError, FlagError
+from engine.memory.sizes import GiB, parse_size
+
+DEFAULT_SIM_BYTES = 8 * GiB
+
+__all__ = [
+    "DEFAULT_SIM_BYTES",
+    "AddressSpace",
+    "Backend",
+    "CopyCounts",
+    "CopyStats",
+    "MemInfo",
+    "SimBackend",
+    "make_backend",
+]
+
+
+def make_backend(spec: str) -> Backend:
+    """The device named by `spec`: "sim" (8 GiB), "sim:512MiB", "cuda" or "cuda:N"."""
+    kind, _, arg = spec.strip().partition(":")
+    kind = kind.lower()
+    if kind == "sim":
+        if not arg:
+            return SimBackend(DEFAULT_SIM_BYTES)
+        try:
+            return SimBackend(parse_size(arg, what="sim device size"))
+        except FlagError as e:
+            raise DeviceError(f"--device {spec}: {e}") from None
+    if kind == "cuda":
+        if arg and not arg.isdigit():
+            raise DeviceError(f"--device {spec}: '{arg}' is not a GPU index; write cuda or cuda:0")
+        raise DeviceError("CUDA backend not available yet; use --device sim or sim:SIZE")
+    raise DeviceError(f"unknown device '{spec}'; use sim, sim:SIZE (e.g. sim:8GiB) or cuda[:N]")

@@ -1,0 +1,66 @@
+"""`strata make-model`: write a deterministic synthetic qwen3moe GGUF."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from engine.errors import StrataError
+from engine.gguf.reader import SUPPORTED_QTYPES
+from engine.synth.demo import stderr_progress
+from engine.synth.model import GROUPS, PRESETS, write_model
+
+SHAPE_FLAGS = {
+    "layers": "n_layer",
+    "experts": "n_expert",
+    "top_k": "n_expert_used",
+    "hidden": "n_embd",
+    "heads": "n_head",
+    "kv_heads": "n_head_kv",
+    "head_dim": "head_dim",
+    "ff": "n_ff_exp",
+    "vocab": "n_vocab",
+    "mtp": "n_nextn",
+    "ctx": "n_ctx",
+    "seed": "seed",
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-model", help="write a synthetic qwen3moe GGUF")
+    p.add_argument("out", help="output .gguf path")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="demo")
+    for flag in SHAPE_FLAGS:
+        p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None)
+    p.add_argument("--tied-output", action="store_true", help="no output.weight (tied head)")
+    p.add_argument(
+        "--qtype",
+        action="append",
+        default=[],
+        metavar="GROUP=TYPE",
+        help=f"quant type per tensor group ({', '.join(GROUPS)}, or all), e.g. experts=Q4_K",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = PRESETS[args.preset]
+    changes = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()
+               if getattr(args, flag) is not None}
+    spec = replace(spec, **changes, tied_output=args.tied_output or spec.tied_output)
+    supported = {q.name for q in SUPPORTED_QTYPES}
+    for item in args.qtype:
+        group, _, qtype = item.partition("=")
+        if group not in (*GROUPS, "all") or qtype.upper() not in supported:
+            raise StrataError(
+                f"--qtype {item}: expected GROUP=TYPE with GROUP in {', '.join(GROUPS)}, all "
+                f"and TYPE in {', '.join(sorted(supported))}"
+            )
+        spec = spec.with_qtype(group, qtype.upper())
+    try:
+        spec.hparams()
+        path = write_model(args.out, spec, stderr_progress(f"writing {args.out}"))
+    except OSError as exc:
+        raise StrataError(f"{args.out}: {exc.strerror}") from None
+    print(f"wrote {path} ({path.stat().st_size / (1 << 20):.1f} MiB)")
+    return 0

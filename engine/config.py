@@ -1,0 +1,153 @@
+"""EngineOptions (command-line options) and LoanFlags (the six STRATA_PREFILL_* variables).
+
+Both are frozen dataclasses, validated on construction for values; combinations are the
+guards' job (`engine.guards.validate`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+
+from engine.errors import FlagError
+
+REPEAT_MIN_DEFAULT = 1024
+REPEAT_MIN_FLOOR = 256
+
+ENV_NAMES = {
+    "elastic_loan": "STRATA_PREFILL_ELASTIC_LOAN",
+    "mtp_loan": "STRATA_PREFILL_MTP_LOAN",
+    "head_loan": "STRATA_PREFILL_HEAD_LOAN",
+    "retain_startup_chunk": "STRATA_PREFILL_RETAIN_STARTUP_CHUNK",
+    "repeat_loan": "STRATA_PREFILL_REPEAT_LOAN",
+    "repeat_min_tokens": "STRATA_PREFILL_REPEAT_MIN_TOKENS",
+}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class LoanFlags:
+    """The seed's six flags. `elastic_loan` is the master switch; the rest are sub-options."""
+
+    elastic_loan: bool = False
+    mtp_loan: bool = False
+    head_loan: bool = False
+    retain_startup_chunk: bool = False
+    repeat_loan: bool = False
+    repeat_min_tokens: int = REPEAT_MIN_DEFAULT
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LoanFlags:
+        """Read the STRATA_PREFILL_* variables; every bad value is reported at once."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        errors: list[str] = []
+        for name, var in ENV_NAMES.items():
+            raw = env.get(var)
+            if raw is None:
+                continue
+            if name == "repeat_min_tokens":
+                try:
+                    values[name] = int(raw.strip())
+                except ValueError:
+                    errors.append(f"{var}={raw!r} is not an integer; give a token count such as 1024")
+                continue
+            value = raw.strip().lower()
+            if value in _TRUE:
+                values[name] = True
+            elif value in _FALSE:
+                values[name] = False
+            else:
+                errors.append(f"{var}={raw!r} is not a boolean; use 1 or 0")
+        if errors:
+            raise FlagError(errors)
+        return cls.make(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def make(cls, **values: object) -> LoanFlags:
+        """Construct with the repeat threshold clamped to >= 256 (with a warning)."""
+        n = int(values.get("repeat_min_tokens", REPEAT_MIN_DEFAULT))  # type: ignore[arg-type]
+        warnings = []
+        if n < REPEAT_MIN_FLOOR:
+            warnings.append(
+                f"{ENV_NAMES['repeat_min_tokens']}={n} is below the minimum; clamped to "
+                f"{REPEAT_MIN_FLOOR}"
+            )
+            n = REPEAT_MIN_FLOOR
+        values = {**values, "repeat_min_tokens": n}
+        return cls(**values, warnings=tuple(warnings))  # type: ignore[arg-type]
+
+    def with_changes(self, **changes: object) -> LoanFlags:
+        current = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "warnings"}
+        return LoanFlags.make(**{**current, **changes})
+
+    def as_env(self) -> dict[str, str]:
+        return {
+            var: str(int(getattr(self, name))) if name != "repeat_min_tokens"
+            else str(self.repeat_min_tokens)
+            for name, var in ENV_NAMES.items()
+        }
+
+    @property
+    def any_loan(self) -> bool:
+        return self.elastic_loan
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Command-line options of the engine (`strata run/chat/bench/plan`)."""
+
+    model: str = "demo"
+    device: str = "auto"
+    ctx: int = 8192
+    kv: str = "f16"
+    prefill: int | str = "auto"
+    expert_cache: int | str = "auto"
+    expert_profile: str | None = None
+    vram_segment_mib: int | None = None  # None: the backend's default
+    vram_reserve_mib: int = 0
+    vram_elastic: bool = False
+    vram_limit: str | None = None
+    serve: bool = False
+    mtp: bool = False
+    spec: int = 0
+    draft_vocab: int = 0  # 0: every row of the head
+    no_token_graph: bool = False
+    no_borrow: bool = False
+    batch_slots: int = 1
+    prefill_head_alias: bool = False
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.ctx < 16:
+            errors.append(f"--ctx {self.ctx} must be at least 16")
+        if isinstance(self.prefill, int) and self.prefill < 1:
+            errors.append(f"--prefill {self.prefill} must be 'auto' or a positive token count")
+        if isinstance(self.expert_cache, int) and self.expert_cache < 0:
+            errors.append(f"--expert-cache {self.expert_cache} must be 'auto' or >= 0")
+        if self.spec and not 2 <= self.spec <= 8:
+            errors.append(f"--spec {self.spec} must be 0 (off) or 2..8")
+        if self.draft_vocab < 0:
+            errors.append(f"--draft-vocab {self.draft_vocab} must be >= 0")
+        if self.batch_slots < 1:
+            errors.append(f"--batch-slots {self.batch_slots} must be >= 1")
+        if self.vram_segment_mib is not None and self.vram_segment_mib < 1:
+            errors.append(f"--vram-segment-mib {self.vram_segment_mib} must be >= 1")
+        if errors:
+            raise FlagError(errors)
+
+    def with_changes(self, **changes: object) -> EngineOptions:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def parse_auto_int(text: str, flag: str) -> int | str:
+    """'auto' or a positive integer, for --prefill and --expert-cache."""
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise FlagError(f"{flag} {text!r} must be 'auto' or an integer") from None

@@ -1,0 +1,167 @@
+"""Engine events: frozen dataclasses and a thread-safe bus — the only way out of the engine.
+
+The UI subscribes and reads; it never calls into engine internals. The same facts are printed
+as the text lines of DESIGN §8 by the CLI.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Event:
+    t: float = field(default_factory=time.monotonic, kw_only=True)
+
+
+@dataclass(frozen=True)
+class Loading(Event):
+    """Model build/load progress."""
+
+    stage: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Ready(Event):
+    """The engine is loaded; `summary` describes model, device and plan."""
+
+    summary: str
+    device: str
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    name: str
+    used_bytes: int
+    n_segments: int
+
+
+@dataclass(frozen=True)
+class LedgerChanged(Event):
+    """A snapshot of device memory by region, and the owner of every segment."""
+
+    capacity_bytes: int
+    segment_bytes: int
+    regions: tuple[RegionInfo, ...]
+    free_bytes: int
+    segment_map: tuple[str, ...]
+    unaccounted_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CacheChanged(Event):
+    """Expert-cache slot states (0 empty, 1 resident, 2 lent, 3 refilling) and the lent range."""
+
+    states: bytes
+    lent_range: tuple[int, int] | None
+    n_lent: int
+
+
+@dataclass(frozen=True)
+class PlanChosen(Event):
+    """The prompt geometry for this request: `chunk tokens / ring slots`."""
+
+    chunk_tokens: int
+    ring_slots: int
+    loan: bool
+    n_chunks: int
+    fresh_tokens: int
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefillProgress(Event):
+    chunk: int  # chunks done
+    n_chunks: int
+    tokens_done: int
+    tokens_total: int
+    chunk_ms: float
+
+
+@dataclass(frozen=True)
+class LoanStep(Event):
+    """One step of the loan transaction: release, plan, lend, refill, restore, failed, cancelled."""
+
+    step: str
+    detail: str
+    n_bytes: int = 0
+    ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Token(Event):
+    """Generated text, already detokenized (complete UTF-8)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class RequestDone(Event):
+    """A request finished (or was cancelled); the timing line's facts."""
+
+    prompt_tokens: int
+    reused_tokens: int
+    fresh_tokens: int
+    prefill_ms: float
+    generated: int
+    decode_ms: float
+    ttft_ms: float
+    drafts_offered: int
+    drafts_accepted: int
+    bytes_streamed: int
+    cancelled: bool = False
+    line: str = ""
+
+
+@dataclass(frozen=True)
+class TraceLine(Event):
+    """A text line as the CLI prints it (strata serve / trace / loan)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class FlagsChanged(Event):
+    """Flags accepted; they apply from the next request."""
+
+    flags: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class FlagsRefused(Event):
+    violations: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ErrorEvent(Event):
+    message: str
+
+
+class EventBus:
+    """Fan-out of events to subscribers; publish is safe from any thread."""
+
+    def __init__(self) -> None:
+        self._subs: list[Callable[[Event], None]] = []
+        self._lock = threading.Lock()
+
+    def subscribe(self, fn: Callable[[Event], None]) -> Callable[[], None]:
+        with self._lock:
+            self._subs.append(fn)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if fn in self._subs:
+                    self._subs.remove(fn)
+
+        return unsubscribe
+
+    def publish(self, event: Event) -> None:
+        with self._lock:
+            subs = list(self._subs)
+        for fn in subs:
+            fn(event)

@@ -1,0 +1,1 @@
+"""GGUF reading: memory-mapped files, tensor-name tables, hyper-parameters, tokenizer."""

@@ -1,0 +1,53 @@
+"""Tensor-name and metadata-key tables for qwen3moe, exactly as llama.cpp writes them.
+
+The MTP (nextn) layer follows the GLM-4.5 convention: it is block `n_layer_main`, counted in
+`{arch}.block_count`, announced by `{arch}.nextn_predict_layers`, with its own attention and
+routed experts plus the `nextn.*` tensors below.
+"""
+
+from __future__ import annotations
+
+ARCH_QWEN3MOE = "qwen3moe"
+SUPPORTED_ARCHS = (ARCH_QWEN3MOE,)
+
+TOKEN_EMBD = "token_embd.weight"
+OUTPUT_NORM = "output_norm.weight"
+OUTPUT = "output.weight"
+
+# Per-block tensors; `{i}` is the block index.
+BLOCK = {
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "attn_q": "blk.{i}.attn_q.weight",
+    "attn_k": "blk.{i}.attn_k.weight",
+    "attn_v": "blk.{i}.attn_v.weight",
+    "attn_output": "blk.{i}.attn_output.weight",
+    "attn_q_norm": "blk.{i}.attn_q_norm.weight",
+    "attn_k_norm": "blk.{i}.attn_k_norm.weight",
+    "ffn_norm": "blk.{i}.ffn_norm.weight",
+    "ffn_gate_inp": "blk.{i}.ffn_gate_inp.weight",
+    "ffn_gate_exps": "blk.{i}.ffn_gate_exps.weight",
+    "ffn_up_exps": "blk.{i}.ffn_up_exps.weight",
+    "ffn_down_exps": "blk.{i}.ffn_down_exps.weight",
+}
+
+# Extra tensors of the MTP block (GLM-4.5 nextn convention). The last two are optional:
+# absent, the block shares the main model's token embedding and output head.
+NEXTN = {
+    "eh_proj": "blk.{i}.nextn.eh_proj.weight",
+    "enorm": "blk.{i}.nextn.enorm.weight",
+    "hnorm": "blk.{i}.nextn.hnorm.weight",
+    "shared_head_norm": "blk.{i}.nextn.shared_head_norm.weight",
+    "shared_head_head": "blk.{i}.nextn.shared_head_head.weight",
+    "embed_tokens": "blk.{i}.nextn.embed_tokens.weight",
+}
+NEXTN_OPTIONAL = ("shared_head_head", "embed_tokens")
+
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def block(kind: str, i: int) -> str:
+    return BLOCK[kind].format(i=i)
+
+
+def nextn(kind: str, i: int) -> str:
+    return NEXTN[kind].format(i=i)

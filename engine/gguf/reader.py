@@ -1,0 +1,119 @@
+"""Open a GGUF file through the `gguf` package: memory-mapped, zero-copy tensor views.
+
+Every failure becomes a one-line `GGUFError` naming the file and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+from engine.errors import GGUFError
+
+GGUF_MAGIC = b"GGUF"
+
+# Quant types the engine core computes with (CPU decode via gguf.quants).
+SUPPORTED_QTYPES = frozenset(
+    GGMLQuantizationType[name]
+    for name in (
+        "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K IQ3_XXS IQ4_XS".split()
+    )
+)
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """One tensor of a GGUF file, still in the file's bytes.
+
+    `shape` is the logical element shape in numpy order (outermost first, so a linear weight
+    is `[n_out, n_in]`); `raw` is the memory-mapped payload: uint8 `[..., row_bytes]` for
+    block-quantized types, a typed array for F32/F16/BF16-as-uint16.
+    """
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    raw: np.ndarray
+    n_bytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        block, type_bytes = GGML_QUANT_SIZES[self.qtype]
+        return self.shape[-1] // block * type_bytes
+
+
+@dataclass
+class ModelFile:
+    """A parsed GGUF file: decoded metadata and tensor views (no tensor data copied)."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorView]
+    n_file_bytes: int
+
+    @property
+    def arch(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def key(self, name: str, default: Any = None) -> Any:
+        """Architecture-scoped metadata: key('block_count') reads '{arch}.block_count'."""
+        return self.metadata.get(f"{self.arch}.{name}", default)
+
+    def require(self, name: str) -> Any:
+        full = f"{self.arch}.{name}"
+        if full not in self.metadata:
+            raise GGUFError(f"{self.path.name}: metadata key '{full}' is missing; re-export the model")
+        return self.metadata[full]
+
+    def tensor(self, name: str) -> TensorView:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise GGUFError(
+                f"{self.path.name}: tensor '{name}' is missing; the file is incomplete or not a "
+                f"{self.arch} model"
+            ) from None
+
+
+def _decode_field(field: Any) -> Any:
+    value = field.contents()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return value
+
+
+def open_gguf(path: str | os.PathLike[str]) -> ModelFile:
+    """Memory-map `path` and return its metadata and tensor views, or raise `GGUFError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such model file; pass a .gguf path or 'demo'")
+    n_file_bytes = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"{path.name}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as exc:  # the library raises ValueError/IndexError/struct errors on bad bytes
+        raise GGUFError(
+            f"{path.name}: cannot parse the GGUF header ({type(exc).__name__}: {exc}); "
+            "the file is truncated or corrupt, download it again"
+        ) from None
+    metadata = {name: _decode_field(field) for name, field in reader.fields.items()}
+    tensors: dict[str, TensorView] = {}
+    for t in reader.tensors:
+        qtype = GGMLQuantizationType(int(t.tensor_type))
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > n_file_bytes:
+            raise GGUFError(
+                f"{path.name}: tensor '{t.name}' ends at byte {end:,} but the file has "
+                f"{n_file_bytes:,}; the file is truncated, download it again"
+            )
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        tensors[t.name] = TensorView(t.name, qtype, shape, t.data, int(t.n_bytes))
+    return ModelFile(path=path, metadata=metadata, tensors=tensors, n_file_bytes=n_file_bytes)

@@ -1,0 +1,103 @@
+"""The staging ring: expert-sized device slots the prompt path uploads missing experts into.
+
+Ring size rule (the planner's; `ring_slots_wanted` and `ring_slots_min`):
+
+- wanted: one layer's worth of staging, `min(n_expert, chunk_tokens * n_expert_used)`: every
+  distinct expert a chunk can route to in one layer, assuming none of them is resident (true for
+  the lent tail and for small caches). With that many slots a layer never waits for a slot;
+- minimum: `min(n_expert, 2 * n_expert_used)`: one token's experts, double-buffered, so an upload
+  can overlap the matmul that reads the previous one;
+- chunk first: the planner picks the largest chunk that fits with the minimum ring and gives the
+  ring what is left, up to `wanted`. The bytes a prefill streams over PCIe are (chunks x missing
+  experts per chunk), so the chunk size sets the traffic; the ring size only sets how often an
+  upload waits for a free slot.
+
+The ring lies at the end of the prompt buffer, slot-aligned, so when the prompt path borrows the
+cache tail each ring slot is exactly one lent cache slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from engine.backend.base import Backend, DeviceArray
+
+
+def ring_slots_wanted(chunk_tokens: int, n_expert: int, n_expert_used: int) -> int:
+    """Slots to stage every expert one layer of a `chunk_tokens` chunk can route to."""
+    return min(n_expert, chunk_tokens * n_expert_used)
+
+
+def ring_slots_min(n_expert: int, n_expert_used: int) -> int:
+    """The smallest useful ring: one token's experts, double-buffered."""
+    return min(n_expert, 2 * n_expert_used)
+
+
+def split_prompt_buffer(
+    buf: DeviceArray, chunk_bytes: int, ring_slots: int, slot_bytes: int
+) -> tuple[DeviceArray, DeviceArray]:
+    """Cut a prompt buffer into (chunk bytes [chunk_bytes], ring [ring_slots, slot_bytes]).
+
+    The ring takes the last `ring_slots * slot_bytes` bytes; the chunk the first `chunk_bytes`.
+    """
+    ring_bytes = ring_slots * slot_bytes
+    assert chunk_bytes + ring_bytes <= buf.nbytes, (chunk_bytes, ring_bytes, buf.nbytes)
+    ring = buf[buf.nbytes - ring_bytes :].reshape(ring_slots, slot_bytes)  # [S, blob]
+    return buf[:chunk_bytes], ring
+
+
+class StagingRing:
+    """Round-robin upload slots; an expert already in the ring is not uploaded again.
+
+    Before a slot is overwritten on a new lap the backend is synchronized, so no queued kernel
+    still reads the expert it held.
+    """
+
+    def __init__(self, backend: Backend, slots: DeviceArray):
+        assert slots.ndim == 2 and len(slots) > 0, slots.shape
+        self.backend = backend
+        self.slots = slots  # [n_slots, slot_bytes]
+        self._held: list[tuple[int, int] | None] = [None] * len(slots)
+        self._where: dict[tuple[int, int], int] = {}  # (layer, expert) -> ring slot
+        self._next = 0
+        self._laps = 0
+        self.n_uploads = 0
+        self.n_reused = 0
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.slots)
+
+    def stage(
+        self, layer: int, expert: int, host_blob: Callable[[int, int], np.ndarray]
+    ) -> DeviceArray:
+        """Device bytes [slot_bytes] of (layer, expert); uploads `host_blob(layer, expert)`
+        into the next slot unless the ring already holds it."""
+        key = (layer, expert)
+        slot = self._where.get(key)
+        if slot is not None:
+            self.n_reused += 1
+            return self.slots[slot]
+        slot = self._next
+        if slot == 0 and self._laps > 0:
+            self.backend.synchronize()
+        old = self._held[slot]
+        if old is not None:
+            del self._where[old]
+        self._held[slot] = None
+        self.backend.upload(host_blob(layer, expert), self.slots[slot])
+        self._held[slot] = key
+        self._where[key] = slot
+        self._next = (slot + 1) % self.n_slots
+        self._laps += self._next == 0
+        self.n_uploads += 1
+        return self.slots[slot]
+
+    def reset(self) -> None:
+        """Forget what the ring holds (its memory is about to be reused or refilled)."""
+        self._held = [None] * self.n_slots
+        self._where.clear()
+        self._next = 0
+        self._laps = 0

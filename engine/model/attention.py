@@ -1,0 +1,67 @@
+"""Grouped-query causal attention over a KV cache, with Qwen3's per-head q/k RMSNorm and NEOX RoPE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.gguf.hparams import HParams
+from engine.kv import KVCache
+from engine.model.ops import rms_norm, rope_neox, softmax
+
+QUERY_BLOCK = 512  # queries per score block: bounds the [H, Tq, S] score buffer
+
+
+@dataclass
+class AttentionWeights:
+    """Dense attention weights of one block, float32 on the backend."""
+
+    norm: Any  # [d]
+    wq: Any  # [H*D, d]
+    wk: Any  # [Hkv*D, d]
+    wv: Any  # [Hkv*D, d]
+    wo: Any  # [d, H*D]
+    q_norm: Any  # [D]
+    k_norm: Any  # [D]
+
+
+def attention_block(
+    xp: Any, hp: HParams, w: AttentionWeights, x: Any, pos0: int, kv: KVCache, layer: int
+) -> Any:
+    """x: [T, d] residual stream -> [T, d] attention output; writes this chunk's K/V at pos0."""
+    t = x.shape[0]
+    h = rms_norm(xp, x, w.norm, hp.rms_eps)  # [T, d]
+    q = (h @ w.wq.T).reshape(t, hp.n_head, hp.head_dim)  # [T, H, D]
+    k = (h @ w.wk.T).reshape(t, hp.n_head_kv, hp.head_dim)  # [T, Hkv, D]
+    v = (h @ w.wv.T).reshape(t, hp.n_head_kv, hp.head_dim)  # [T, Hkv, D]
+    q = rms_norm(xp, q, w.q_norm, hp.rms_eps)
+    k = rms_norm(xp, k, w.k_norm, hp.rms_eps)
+    positions = xp.arange(pos0, pos0 + t)
+    q = rope_neox(xp, q, positions, hp.rope_base)
+    k = rope_neox(xp, k, positions, hp.rope_base)
+    kv.write(layer, pos0, k, v)
+    k_all, v_all = kv.read(layer, pos0 + t)  # [S, Hkv, D] with S = pos0 + T
+    out = causal_gqa(xp, q, k_all, v_all, pos0)  # [T, H, D]
+    return out.reshape(t, hp.q_dim) @ w.wo.T  # [T, d]
+
+
+def causal_gqa(xp: Any, q: Any, k: Any, v: Any, pos0: int) -> Any:
+    """q: [T, H, D]; k, v: [S, Hkv, D] for positions 0..S-1; query i sits at pos0 + i."""
+    t, n_head, d = q.shape
+    s, n_kv, _ = k.shape
+    group = n_head // n_kv
+    scale = 1.0 / float(d) ** 0.5
+    qg = q.reshape(t, n_kv, group, d).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
+    kt = k.transpose(1, 2, 0)  # [Hkv, D, S]
+    vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
+    out = xp.empty((n_kv, group, t, d), dtype=xp.float32)
+    key_pos = xp.arange(s)
+    for a in range(0, t, QUERY_BLOCK):
+        b = min(t, a + QUERY_BLOCK)
+        scores = (qg[:, :, a:b] @ kt[:, None]) * scale  # [Hkv, G, Tq, S]
+        q_pos = xp.arange(pos0 + a, pos0 + b)
+        mask = key_pos[None, :] > q_pos[:, None]  # [Tq, S] future keys
+        scores = xp.where(mask, -xp.inf, scores)
+        probs = softmax(xp, scores)  # [Hkv, G, Tq, S]
+        out[:, :, a:b] = probs @ vh[:, None]  # [Hkv, G, Tq, D]
+    return out.transpose(2, 0, 1, 3).reshape(t, n_head, d)  # [T, H, D]

@@ -1,0 +1,61 @@
+"""Load a qwen3moe GGUF into a ready-to-run `Model`: hyper-parameters, weights, tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.errors import ModelError
+from engine.gguf.hparams import HParams, read_hparams
+from engine.gguf.reader import ModelFile, open_gguf
+from engine.gguf.tokenizer import Tokenizer
+from engine.model.transformer import Transformer
+from engine.model.weights import HostExperts, dense_bytes
+
+
+@dataclass
+class Model:
+    """Read-only weights of one model file. Run-state (KV, caches) lives elsewhere."""
+
+    path: Path
+    mf: ModelFile
+    hp: HParams
+    tokenizer: Tokenizer
+    transformer: Transformer
+    experts: HostExperts  # routed experts of the main blocks
+    mtp_experts: HostExperts | None  # routed experts of the MTP block, if any
+    dense_bytes: int
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.hp.n_nextn > 0
+
+
+def load_model(
+    path: str | Path,
+    xp: Any = np,
+    to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+) -> Model:
+    """Open, validate and decode the dense weights of `path`; experts stay memory-mapped."""
+    mf = open_gguf(path)
+    hp = read_hparams(mf)
+    tokenizer = Tokenizer.from_metadata(mf.metadata)
+    if tokenizer.n_vocab != hp.n_vocab:
+        raise ModelError(
+            f"{mf.path.name}: tokenizer has {tokenizer.n_vocab} tokens but token_embd has "
+            f"{hp.n_vocab} rows; the file is inconsistent"
+        )
+    return Model(
+        path=Path(path),
+        mf=mf,
+        hp=hp,
+        tokenizer=tokenizer,
+        transformer=Transformer(mf, hp, xp, to_device),
+        experts=HostExperts(mf, range(hp.n_layer)),
+        mtp_experts=HostExperts(mf, range(hp.n_layer, hp.n_layer + hp.n_nextn)) if hp.n_nextn else None,
+        dense_bytes=dense_bytes(mf, hp),
+    )

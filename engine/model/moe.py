@@ -1,0 +1,58 @@
+"""Mixture-of-experts FFN: softmax router, top-k renormalised, SwiGLU experts grouped by expert.
+
+Expert weights come from an `ExpertProvider`, so the same code runs with experts read straight
+from the GGUF file, from expert-cache slots, or streamed through the staging ring.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from engine.gguf.hparams import HParams
+from engine.model.ops import rms_norm, silu, softmax
+
+
+class ExpertProvider(Protocol):
+    """Supplies dequantized expert weights for one layer at a time."""
+
+    def prepare(self, layer: int, experts: list[int]) -> None:
+        """Called once per (chunk, layer) with the sorted experts the chunk routes to."""
+
+    def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
+        """(gate [f, d], up [f, d], down [d, f]) float32 arrays on the backend."""
+
+
+def route(xp: Any, hp: HParams, router: Any, h: Any) -> tuple[Any, Any, Any]:
+    """h: [T, d] -> (ids [T, k] int, weights [T, k] renormalised to sum 1, margin [T]).
+
+    `margin` is the probability gap between the k-th and (k+1)-th expert: how far the
+    routing decision is from a tie (a perturbation larger than it can change the top-k).
+    """
+    probs = softmax(xp, h @ router.T)  # [T, E]
+    k = hp.n_expert_used
+    order = xp.argsort(-probs, axis=-1, kind="stable")  # [T, E]
+    ids = order[:, :k]  # [T, k]
+    w = xp.take_along_axis(probs, ids, axis=-1)  # [T, k]
+    if k < hp.n_expert:
+        margin = w[:, -1] - xp.take_along_axis(probs, order[:, k : k + 1], axis=-1)[:, 0]
+    else:
+        margin = xp.ones(h.shape[0], dtype=probs.dtype)
+    return ids, w / xp.sum(w, axis=-1, keepdims=True), margin
+
+
+def moe_block(
+    xp: Any, hp: HParams, norm: Any, router: Any, x: Any, layer: int, experts: ExpertProvider
+) -> tuple[Any, Any, Any]:
+    """x: [T, d] -> ([T, d] FFN output, ids [T, k] routing used, margin [T])."""
+    h = rms_norm(xp, x, norm, hp.rms_eps)  # [T, d]
+    ids, w, margin = route(xp, hp, router, h)
+    used = sorted(int(e) for e in xp.unique(ids).tolist())
+    experts.prepare(layer, used)
+    out = xp.zeros_like(h)
+    for e in used:
+        tok, slot = xp.nonzero(ids == e)  # each token routes to an expert at most once
+        gate, up, down = experts.weights(layer, e)
+        he = h[tok]  # [n_e, d]
+        act = silu(xp, he @ gate.T) * (he @ up.T)  # [n_e, f]
+        out[tok] += (act @ down.T) * w[tok, slot][:, None]  # [n_e, d]
+    return out, ids, margin

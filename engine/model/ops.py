@@ -1,0 +1,36 @@
+"""Elementwise and normalisation ops shared by the transformer and the MTP block."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def rms_norm(xp: Any, x: Any, weight: Any, eps: float) -> Any:
+    """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight."""
+    ms = xp.mean(x * x, axis=-1, keepdims=True)
+    return x * (1.0 / xp.sqrt(ms + eps)) * weight
+
+
+def silu(xp: Any, x: Any) -> Any:
+    return x / (1.0 + xp.exp(-x))
+
+
+def softmax(xp: Any, x: Any, axis: int = -1) -> Any:
+    m = xp.max(x, axis=axis, keepdims=True)
+    e = xp.exp(x - m)
+    return e / xp.sum(e, axis=axis, keepdims=True)
+
+
+def rope_neox(xp: Any, x: Any, positions: Any, base: float) -> Any:
+    """NEOX-style rotary embedding (rotate halves), as llama.cpp's qwen3moe graph uses.
+
+    x: [T, H, D]; positions: [T] int.
+    """
+    d = x.shape[-1]
+    half = d // 2
+    inv_freq = base ** (-xp.arange(0, half, dtype=xp.float32) * 2.0 / d)  # [D/2]
+    ang = positions.astype(xp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = xp.cos(ang)[:, None, :]  # [T, 1, D/2]
+    sin = xp.sin(ang)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -1,0 +1,152 @@
+"""Model weights: dense tensors decoded once, experts kept as quantized blobs in host memory.
+
+An expert blob is the raw bytes of one (layer, expert): gate | up | down rows, exactly as the
+GGUF stores them, so it can be copied into a cache slot or a staging-ring slot unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from engine.gguf import names
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import ModelFile, TensorView
+from engine.model.attention import AttentionWeights
+from engine.quant import dequantize, dequantize_bytes, row_bytes
+
+
+@dataclass
+class BlockWeights:
+    attn: AttentionWeights
+    ffn_norm: Any  # [d]
+    router: Any  # [E, d]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Byte layout of one expert blob: three matrices, each with its own quant type."""
+
+    qtypes: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType]
+    shapes: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]  # gate [f,d], up [f,d], down [d,f]
+
+    @property
+    def part_bytes(self) -> tuple[int, int, int]:
+        return tuple(s[0] * row_bytes(q, s[1]) for q, s in zip(self.qtypes, self.shapes))  # type: ignore[return-value]
+
+    @property
+    def blob_bytes(self) -> int:
+        return sum(self.part_bytes)
+
+    def decode(self, blob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """uint8 [blob_bytes] -> float32 (gate [f, d], up [f, d], down [d, f])."""
+        out = []
+        off = 0
+        for q, shape, n in zip(self.qtypes, self.shapes, self.part_bytes):
+            out.append(dequantize_bytes(blob[off : off + n], q, shape))
+            off += n
+        return out[0], out[1], out[2]
+
+
+class HostExperts:
+    """The routed experts of a set of blocks, read from the memory-mapped GGUF (zero-copy)."""
+
+    def __init__(self, mf: ModelFile, blocks: range):
+        self.blocks = blocks
+        first = blocks[0]
+        parts = [mf.tensor(names.block(k, first)) for k in names.EXPERT_TENSORS]
+        self.layout = ExpertLayout(
+            qtypes=tuple(t.qtype for t in parts),  # type: ignore[arg-type]
+            shapes=tuple(t.shape[1:] for t in parts),  # type: ignore[arg-type]
+        )
+        self._parts: list[list[np.ndarray]] = []  # [layer][part] uint8 [E, part_bytes]
+        for i in blocks:
+            tensors = [mf.tensor(names.block(k, i)) for k in names.EXPERT_TENSORS]
+            for t, q in zip(tensors, self.layout.qtypes):
+                assert t.qtype == q, f"{t.name}: mixed quant types across layers are not supported"
+            self._parts.append([_rows(t) for t in tensors])
+        self.n_layer = len(blocks)
+        self.n_expert = parts[0].shape[0]
+        self.blob_bytes = self.layout.blob_bytes
+
+    def blob(self, layer: int, expert: int) -> np.ndarray:
+        """uint8 [blob_bytes]: gate | up | down of `expert` in local layer index `layer`."""
+        return np.concatenate([p[expert] for p in self._parts[layer]])
+
+    def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.layout.decode(self.blob(layer, expert))
+
+
+def _rows(t: TensorView) -> np.ndarray:
+    """A [E, ...] expert tensor as uint8 [E, bytes per expert] (zero-copy view)."""
+    return t.raw.reshape(t.shape[0], -1).view(np.uint8)
+
+
+class DirectExperts:
+    """ExpertProvider that decodes experts straight from host memory (no cache, no ring)."""
+
+    def __init__(self, host: HostExperts, to_device: Any = np.asarray):
+        self.host = host
+        self._to_device = to_device
+        self._layer = -1
+        self._memo: dict[int, tuple[Any, Any, Any]] = {}
+
+    def prepare(self, layer: int, experts: list[int]) -> None:
+        self._layer = layer
+        self._memo = {}
+
+    def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
+        if expert not in self._memo:
+            self._memo[expert] = tuple(self._to_device(w) for w in self.host.weights(layer, expert))  # type: ignore[assignment]
+        return self._memo[expert]
+
+
+def load_attention(mf: ModelFile, i: int, dev: Any) -> AttentionWeights:
+    get = lambda kind: dev(dequantize(mf.tensor(names.block(kind, i))))  # noqa: E731
+    return AttentionWeights(
+        norm=get("attn_norm"),
+        wq=get("attn_q"),
+        wk=get("attn_k"),
+        wv=get("attn_v"),
+        wo=get("attn_output"),
+        q_norm=get("attn_q_norm"),
+        k_norm=get("attn_k_norm"),
+    )
+
+
+def load_block(mf: ModelFile, i: int, dev: Any) -> BlockWeights:
+    return BlockWeights(
+        attn=load_attention(mf, i, dev),
+        ffn_norm=dev(dequantize(mf.tensor(names.block("ffn_norm", i)))),
+        router=dev(dequantize(mf.tensor(names.block("ffn_gate_inp", i)))),
+    )
+
+
+class TokenEmbedding:
+    """Token embedding rows decoded on demand from the quantized table (get_rows)."""
+
+    def __init__(self, t: TensorView):
+        self.t = t
+        self.n_vocab, self.n_embd = t.shape
+        self._row_bytes = row_bytes(t.qtype, self.n_embd)
+        self._rows = t.raw.reshape(self.n_vocab, -1).view(np.uint8)  # [V, row_bytes]
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """ids: [T] -> float32 [T, d]."""
+        return dequantize_bytes(self._rows[ids], self.t.qtype, (len(ids), self.n_embd))
+
+    def full(self) -> np.ndarray:
+        return dequantize(self.t)
+
+
+def dense_bytes(mf: ModelFile, hp: HParams) -> int:
+    """Bytes of the always-resident dense weights of the main blocks (quantized sizes)."""
+    total = mf.tensor(names.TOKEN_EMBD).n_bytes + mf.tensor(names.OUTPUT_NORM).n_bytes
+    for i in range(hp.n_layer):
+        for kind in names.BLOCK:
+            if kind not in names.EXPERT_TENSORS:
+                total += mf.tensor(names.block(kind, i)).n_bytes
+    return total

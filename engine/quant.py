@@ -1,0 +1,43 @@
+"""Dequantization on the CPU through `gguf.quants`; block sizes from `gguf.GGML_QUANT_SIZES`.
+
+Our own decoders exist only where the library cannot serve (the CUDA kernels), and are tested
+against these.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gq
+
+from engine.gguf.reader import TensorView
+
+F32 = GGMLQuantizationType.F32
+
+
+def row_bytes(qtype: GGMLQuantizationType, n_cols: int) -> int:
+    """Bytes of one row of `n_cols` elements stored as `qtype`."""
+    block, type_bytes = GGML_QUANT_SIZES[qtype]
+    assert n_cols % block == 0, f"{n_cols} columns is not a multiple of {qtype.name} block {block}"
+    return n_cols // block * type_bytes
+
+
+def dequantize_bytes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode raw bytes (uint8, any leading layout) into a float32 array of `shape`."""
+    if qtype == F32:
+        return np.ascontiguousarray(raw).view(np.float32).reshape(shape)
+    if qtype == GGMLQuantizationType.F16:
+        return np.ascontiguousarray(raw).view(np.float16).reshape(shape).astype(np.float32)
+    flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, row_bytes(qtype, shape[-1]))
+    out = gq.dequantize(flat, qtype)  # [rows, n_cols]
+    return out.reshape(shape).astype(np.float32, copy=False)
+
+
+def dequantize(t: TensorView) -> np.ndarray:
+    """Decode a whole GGUF tensor into float32 with its numpy-order shape."""
+    return dequantize_bytes(t.raw, t.qtype, t.shape)
+
+
+def raw_bytes(t: TensorView) -> np.ndarray:
+    """The tensor's payload as a flat uint8 view (zero-copy on the memory map)."""
+    return t.raw.reshape(-1).view(np.uint8)

@@ -1,0 +1,171 @@
+"""A generation session: one model, one KV cache, the tokens it holds, and the decode loop.
+
+The serve loop (`engine.serve`) adds conversations, events and the VRAM loan on top; this
+module is the plain path `strata run` and `strata logits` use, and the prefill/decode phases
+the loan wraps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.errors import StrataError
+from engine.kv import KVCache
+from engine.model.loader import Model
+from engine.model.moe import ExpertProvider
+from engine.model.weights import DirectExperts
+from engine.sampler import Sampler, SamplingParams
+
+
+@dataclass
+class Timing:
+    """Per-request figures behind the timing line (DESIGN §8)."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    fresh_tokens: int = 0
+    prefill_s: float = 0.0
+    generated: int = 0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+    drafts_offered: int = 0
+    drafts_accepted: int = 0
+    bytes_streamed: int = 0
+    accepted_hist: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def pp_tok_s(self) -> float:
+        return self.fresh_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def tg_tok_s(self) -> float:
+        return self.generated / self.decode_s if self.decode_s > 0 else 0.0
+
+    def line(self) -> str:
+        return (
+            f"strata serve: prompt {self.prompt_tokens} tokens = {self.reused_tokens} reused + "
+            f"{self.fresh_tokens} read in {self.prefill_s * 1e3:.0f} ms ({self.pp_tok_s:.1f} tok/s), "
+            f"{self.generated} generated in {self.decode_s * 1e3:.0f} ms ({self.tg_tok_s:.1f} tok/s), "
+            f"drafts accepted {self.drafts_accepted} of {self.drafts_offered}"
+        )
+
+
+class Session:
+    """Holds the KV cache of one token sequence and runs prefill and decode on it."""
+
+    def __init__(
+        self,
+        model: Model,
+        n_ctx: int = 4096,
+        kv_kind: str = "f16",
+        xp: Any = np,
+        experts: ExpertProvider | None = None,
+        kv_alloc: Callable | None = None,
+    ):
+        self.model, self.xp = model, xp
+        hp = model.hp
+        self.kv = KVCache(xp, hp.n_layer, n_ctx, hp.n_head_kv, hp.head_dim, kv_kind, kv_alloc)
+        self.experts: ExpertProvider = experts or DirectExperts(model.experts)
+        self.tokens: list[int] = []  # tokens whose K/V are in the cache, in order
+        self.last_hidden: Any = None  # [1, d] pre-norm hidden of the last token (MTP input)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.kv.n_ctx
+
+    def reset(self) -> None:
+        self.tokens = []
+        self.kv.truncate(0)
+        self.last_hidden = None
+
+    def truncate(self, n: int) -> None:
+        """Drop tokens n.. (rejected drafts, or an edited conversation)."""
+        del self.tokens[n:]
+        self.kv.truncate(n)
+
+    def common_prefix(self, ids: list[int]) -> int:
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def forward(self, ids: list[int], logits: str = "last") -> Any:
+        """Append ids to the sequence in one forward pass; returns logits per `logits`."""
+        pos0 = len(self.tokens)
+        if pos0 + len(ids) > self.n_ctx:
+            raise StrataError(
+                f"context full: {pos0 + len(ids)} tokens > --ctx {self.n_ctx}; "
+                "start a new conversation or raise --ctx"
+            )
+        res = self.model.transformer.forward(
+            np.asarray(ids, dtype=np.int64), pos0, self.kv, self.experts, logits
+        )
+        self.tokens.extend(int(t) for t in ids)
+        self.last_hidden = res.hidden[-1:]
+        return res
+
+    def prefill(
+        self,
+        ids: list[int],
+        chunk_tokens: int,
+        on_chunk: Callable[[int, int, float], None] | None = None,
+        logits: str = "last",
+    ) -> Any:
+        """Feed ids in chunks of `chunk_tokens`; returns the logits of the final chunk."""
+        assert ids, "prefill needs at least one token"
+        n_chunks = -(-len(ids) // chunk_tokens)
+        res = None
+        all_logits = []
+        for c in range(n_chunks):
+            t0 = time.perf_counter()
+            part = ids[c * chunk_tokens : (c + 1) * chunk_tokens]
+            want = logits if (logits == "all" or c == n_chunks - 1) else "none"
+            res = self.forward(part, want)
+            if logits == "all":
+                all_logits.append(res.logits)
+            if on_chunk:
+                on_chunk(c, n_chunks, time.perf_counter() - t0)
+        assert res is not None
+        return self.xp.concatenate(all_logits) if logits == "all" else res.logits
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new: int,
+        params: SamplingParams,
+        chunk_tokens: int = 512,
+        stop_ids: frozenset[int] = frozenset(),
+        timing: Timing | None = None,
+    ) -> Iterator[int]:
+        """Prefill the fresh part of `prompt_ids` (reusing a common prefix), then decode."""
+        timing = timing if timing is not None else Timing()
+        reuse = self.common_prefix(prompt_ids)
+        if reuse == len(prompt_ids):  # always recompute at least the last token
+            reuse -= 1
+        self.truncate(reuse)
+        fresh = prompt_ids[reuse:]
+        timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = (
+            len(prompt_ids), reuse, len(fresh),
+        )
+        t0 = time.perf_counter()
+        logits = self.prefill(fresh, chunk_tokens)
+        timing.prefill_s = time.perf_counter() - t0
+        sampler = Sampler(params)
+        t1 = time.perf_counter()
+        for i in range(max_new):
+            tok = sampler.sample(np.asarray(logits[-1]))
+            if i == 0:
+                timing.ttft_s = time.perf_counter() - t0
+            timing.generated += 1
+            yield tok
+            if tok in stop_ids or i == max_new - 1 or len(self.tokens) >= self.n_ctx:
+                break
+            logits = self.forward([tok]).logits
+        timing.decode_s = time.perf_counter() - t1

@@ -1,0 +1,1 @@
+"""Synthetic qwen3moe models: deterministic weights and a word vocabulary, written as GGUF."""

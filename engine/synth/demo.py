@@ -1,0 +1,60 @@
+"""The embedded default model: built once into the user cache directory, then reused."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from platformdirs import user_cache_dir
+
+from engine.synth.model import PRESETS, write_model
+
+DEMO_NAME = "demo"
+
+
+def cache_dir() -> Path:
+    """Where built presets live; STRATA_CACHE_DIR overrides the platform default."""
+    return Path(os.environ.get("STRATA_CACHE_DIR") or user_cache_dir("strata-chat"))
+
+
+def preset_path(name: str) -> Path:
+    spec = PRESETS[name]
+    return cache_dir() / f"{name}-{spec.digest()}.gguf"
+
+
+def ensure_preset(name: str, progress: Callable[[int, int], None] | None = None) -> Path:
+    """Return the path of preset `name`, building it first if it is not cached yet."""
+    path = preset_path(name)
+    if not path.exists():
+        write_model(path, PRESETS[name], progress)
+    return path
+
+
+def stderr_progress(label: str) -> Callable[[int, int], None]:
+    """A one-line text progress bar on stderr."""
+    start = time.perf_counter()
+
+    def show(done: int, total: int) -> None:
+        width = 30
+        fill = int(width * done / total)
+        sys.stderr.write(
+            f"\r{label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} "
+            f"{time.perf_counter() - start:.1f}s"
+        )
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+def resolve_model(arg: str, progress: bool = True) -> Path:
+    """'demo' or another preset name -> its cached file; anything else is a path."""
+    if arg in PRESETS and not Path(arg).exists():
+        if not preset_path(arg).exists() and progress:
+            return ensure_preset(arg, stderr_progress(f"building the {arg} model (first use)"))
+        return ensure_preset(arg)
+    return Path(arg)

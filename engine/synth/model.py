@@ -1,0 +1,203 @@
+"""Deterministic synthetic qwen3moe GGUF files (`strata make-model`), written with GGUFWriter.
+
+Tensors are streamed to disk one at a time, so the `qwen3-30b-a3b` preset (about 17 GB of
+4-bit experts) never sits in memory. The same spec and seed always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gq
+
+from engine.gguf import names
+from engine.gguf.hparams import HParams, expected_shapes
+from engine.synth.blocks import random_tensor
+from engine.synth.vocab import build_vocab, write_vocab
+
+GROUPS = ("embd", "attn", "router", "experts", "output", "norm", "nextn")
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    """Shapes, quant types per tensor group and seed of a synthetic model."""
+
+    n_vocab: int = 8192
+    n_embd: int = 256
+    n_layer: int = 4
+    n_nextn: int = 1
+    n_head: int = 8
+    n_head_kv: int = 2
+    head_dim: int = 32
+    n_expert: int = 32
+    n_expert_used: int = 4
+    n_ff_exp: int = 256
+    n_ctx: int = 16384
+    rope_base: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    tied_output: bool = False
+    seed: int = 0
+    qtypes: dict[str, str] = field(
+        default_factory=lambda: {
+            "embd": "Q8_0",
+            "attn": "Q8_0",
+            "router": "F32",
+            "experts": "Q4_0",
+            "output": "Q8_0",
+            "norm": "F32",
+            "nextn": "Q8_0",
+        }
+    )
+
+    def hparams(self) -> HParams:
+        return HParams(
+            n_vocab=self.n_vocab,
+            n_embd=self.n_embd,
+            n_layer=self.n_layer,
+            n_nextn=self.n_nextn,
+            n_head=self.n_head,
+            n_head_kv=self.n_head_kv,
+            head_dim=self.head_dim,
+            n_expert=self.n_expert,
+            n_expert_used=self.n_expert_used,
+            n_ff_exp=self.n_ff_exp,
+            n_ctx_train=self.n_ctx,
+            rms_eps=self.rms_eps,
+            rope_base=self.rope_base,
+            has_output=not self.tied_output,
+        )
+
+    def with_qtype(self, group: str, qtype: str) -> SynthSpec:
+        if group == "all":
+            return replace(self, qtypes={g: qtype for g in GROUPS})
+        return replace(self, qtypes={**self.qtypes, group: qtype})
+
+    def digest(self) -> str:
+        return f"{zlib.crc32(repr(sorted(asdict(self).items())).encode()):08x}"
+
+
+PRESETS: dict[str, SynthSpec] = {
+    # The embedded default: small enough for a 2-core CPU, big enough that the expert cache
+    # of the default simulated device cannot hold every expert.
+    "demo": SynthSpec(),
+    # For unit tests: seconds to build and run.
+    "tiny": SynthSpec(
+        n_vocab=1024, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, head_dim=16,
+        n_expert=8, n_expert_used=2, n_ff_exp=64, n_ctx=4096,
+    ),
+    # Qwen3-30B-A3B's real shapes (4-bit experts) plus one MTP block, for GPU benchmarks.
+    "qwen3-30b-a3b": SynthSpec(
+        n_vocab=151936, n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, head_dim=128,
+        n_expert=128, n_expert_used=8, n_ff_exp=768, n_ctx=131072,
+        qtypes={"embd": "Q8_0", "attn": "Q8_0", "router": "F32", "experts": "Q4_0",
+                "output": "Q8_0", "norm": "F32", "nextn": "Q8_0"},
+    ),
+}
+
+
+def _group(name: str) -> str:
+    if name == names.TOKEN_EMBD:
+        return "embd"
+    if name == names.OUTPUT:
+        return "output"
+    if name.endswith("norm.weight"):
+        return "norm"
+    if ".nextn." in name:
+        return "nextn"
+    if "_exps" in name:
+        return "experts"
+    if "ffn_gate_inp" in name:
+        return "router"
+    return "attn"
+
+
+def _std(name: str, spec: SynthSpec) -> float:
+    if name.endswith("norm.weight"):
+        return 0.1
+    if name == names.TOKEN_EMBD:
+        return 1.0
+    fan_in = spec.n_ff_exp if "ffn_down" in name else spec.n_embd
+    if "attn_output" in name:
+        fan_in = spec.n_head * spec.head_dim
+    if "eh_proj" in name:
+        fan_in = 2 * spec.n_embd
+    return 1.0 / np.sqrt(fan_in)
+
+
+def synth_tensors(spec: SynthSpec) -> dict[str, tuple[tuple[int, ...], Q]]:
+    """Every tensor of the model: name -> (numpy-order shape, quant type)."""
+    hp = spec.hparams()
+    shapes = expected_shapes(hp)
+    out = {}
+    for name, shape in shapes.items():
+        out[name] = (shape, Q[spec.qtypes[_group(name)]])
+    return out
+
+
+def make_tensor(name: str, shape: tuple[int, ...], qtype: Q, spec: SynthSpec) -> np.ndarray:
+    """Deterministic contents of one tensor, independent of the order tensors are made in."""
+    rng = np.random.default_rng([spec.seed, zlib.crc32(name.encode())])
+    if name.endswith("norm.weight"):
+        x = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        return x if qtype == Q.F32 else gq.quantize(x, qtype)
+    return random_tensor(rng, qtype, shape, _std(name, spec))
+
+
+def write_model(
+    path: str | Path,
+    spec: SynthSpec,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write `spec` as a qwen3moe GGUF at `path` (atomically: temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".part")
+    tensors = synth_tensors(spec)
+    w = GGUFWriter(tmp, names.ARCH_QWEN3MOE)
+    _write_metadata(w, spec)
+    for name, (shape, qtype) in tensors.items():
+        # logical shape + raw_dtype: the writer records the quant type and our byte count
+        w.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    total = len(tensors)
+    for i, (name, (shape, qtype)) in enumerate(tensors.items()):
+        w.write_tensor_data(make_tensor(name, shape, qtype, spec))
+        if progress:
+            progress(i + 1, total)
+    w.close()
+    tmp.replace(path)
+    return path
+
+
+def _nbytes(shape: tuple[int, ...], qtype: Q) -> int:
+    block, type_bytes = GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape, dtype=np.int64)) // block * type_bytes
+
+
+def _write_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
+    w.add_name(f"strata synthetic qwen3moe ({spec.digest()})")
+    w.add_block_count(spec.n_layer + spec.n_nextn)
+    w.add_context_length(spec.n_ctx)
+    w.add_embedding_length(spec.n_embd)
+    w.add_feed_forward_length(spec.n_ff_exp)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_rope_freq_base(spec.rope_base)
+    w.add_expert_count(spec.n_expert)
+    w.add_expert_used_count(spec.n_expert_used)
+    w.add_expert_feed_forward_length(spec.n_ff_exp)
+    if spec.n_nextn:
+        w.add_nextn_predict_layers(spec.n_nextn)
+    w.add_file_type(int(Q[spec.qtypes["experts"]]))
+    write_vocab(w, build_vocab(spec.n_vocab, seed=spec.seed))

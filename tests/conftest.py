@@ -1,0 +1,33 @@
+"""Shared fixtures: small synthetic models built once per test session."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine.synth.model import PRESETS, SynthSpec, write_model
+
+
+def build(tmp_dir: Path, name: str, spec: SynthSpec) -> Path:
+    path = tmp_dir / f"{name}.gguf"
+    if not path.exists():
+        write_model(path, spec)
+    return path
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_path(models_dir: Path) -> Path:
+    """The 'tiny' preset: 2 blocks + 1 MTP block, 8 experts, vocab 1024."""
+    return build(models_dir, "tiny", PRESETS["tiny"])
+
+
+@pytest.fixture(scope="session")
+def tiny_nomtp_path(models_dir: Path) -> Path:
+    return build(models_dir, "tiny-nomtp", replace(PRESETS["tiny"], n_nextn=0))

@@ -1,0 +1,108 @@
+"""Logits parity with llama.cpp (through llama-cpp-python) on synthetic qwen3moe files.
+
+llama.cpp is the correctness oracle for the forward pass (DESIGN §9, invariant 7). Files are
+built here with seeds, shapes and quant types that no other test uses.
+
+Tolerances, and why:
+- F32 weights: max |diff| <= 1e-2 (we measure about 1e-3). llama.cpp keeps K/V in f16, as we
+  do, and rounds the query and the softmax row to f16 for the K/V products; that is the residue.
+- Quantized weights: llama.cpp's CPU kernels quantize the *activations* to 8 bits (Q8_0,
+  Q8_1 or Q8_K, one scale per 32 or 256 values) before every product with quantized weights;
+  we multiply with f32 activations. Emulating that rounding (Q8_0) on the expert inputs of our
+  own forward pass moved our logits by about 0.03 on these shapes. Measured gap to llama.cpp,
+  one quantized tensor group at a time, on logits of magnitude ~4: 0.02-0.045 per group
+  (Q8_0, Q4_K, IQ4_XS attention; IQ4_XS experts; IQ4_XS head); with three quantized groups the
+  contributions add to 0.06-0.09. We allow 3% of the largest logit (~0.12).
+- Routing near a tie: when the k-th and (k+1)-th router probabilities differ by less than that
+  perturbation (we saw flips at margins of 2e-4..9e-4), llama.cpp may pick a different expert
+  and that position (and the next, which attends to it) legitimately differs by ~1. The test
+  therefore picks its token sequence so that every position's smallest top-k margin over the
+  layers is at least 3e-3: it walks the sequence and replaces a token whose routing is near a
+  tie with the next candidate id. This is deterministic and checked: the margins are asserted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.model.loader import load_model
+from engine.session import Session
+from engine.synth.model import PRESETS, write_model
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+MIN_MARGIN = 3e-3
+SEED_TOKENS = [5, 17, 300, 42, 9, 700, 123, 64, 1, 250, 511, 33, 96, 480, 77, 2, 610, 8, 150, 99]
+
+SMALL = replace(
+    PRESETS["tiny"], n_nextn=0, n_vocab=768, n_embd=128, n_layer=3, n_head=4, n_head_kv=2,
+    head_dim=32, n_expert=8, n_expert_used=3, n_ff_exp=96, seed=11,
+)
+# K-quants and IQ types need rows that are multiples of 256.
+WIDE = replace(SMALL, n_embd=256, n_ff_exp=256, head_dim=64, n_expert=6, n_expert_used=2, seed=5)
+
+
+def spec_with(base, **groups):  # type: ignore[no-untyped-def]
+    spec = base.with_qtype("all", "F32")
+    for group, qtype in groups.items():
+        spec = spec.with_qtype(group, qtype)
+    return spec
+
+
+CASES = {
+    "f32": (spec_with(SMALL), 1e-2, 0.0),
+    "q8_0": (spec_with(SMALL, embd="Q8_0", attn="Q8_0", experts="Q8_0", output="Q8_0"), 0, 0.03),
+    "q4_0": (spec_with(SMALL, embd="Q8_0", attn="Q4_0", experts="Q4_0", output="Q8_0"), 0, 0.03),
+    "q4_1-q5": (spec_with(SMALL, embd="F16", attn="Q5_0", experts="Q5_1", output="Q4_1"), 0, 0.03),
+    "k-quants": (spec_with(WIDE, embd="Q8_0", attn="Q5_K", experts="Q4_K", output="Q6_K"), 0, 0.03),
+    "iq": (spec_with(WIDE, embd="BF16", attn="IQ4_XS", experts="IQ3_XXS", output="Q6_K"), 0, 0.03),
+}
+
+
+def llama_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=256, n_batch=256, n_ubatch=256, logits_all=True,
+        n_gpu_layers=0, n_threads=2, flash_attn=False, verbose=False,
+    )
+    llm.reset()
+    llm.eval(tokens)
+    out = np.array(llm.scores[: len(tokens)], dtype=np.float32)
+    llm.close()
+    return out
+
+
+def ours(path: Path, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(logits [T, V], smallest routing margin per position [T]) in one teacher-forced pass."""
+    res = Session(load_model(path), n_ctx=len(tokens)).forward(tokens, logits="all")
+    return np.asarray(res.logits), np.asarray(res.margins)
+
+
+def away_from_ties(path: Path, n_vocab: int) -> list[int]:
+    """SEED_TOKENS with tokens replaced until no position routes within MIN_MARGIN of a tie."""
+    tokens = list(SEED_TOKENS)
+    for i in range(len(tokens)):
+        for _ in range(64):
+            _, margins = ours(path, tokens[: i + 1])
+            if margins[i] >= MIN_MARGIN:
+                break
+            tokens[i] = (tokens[i] + 37) % n_vocab
+    return tokens
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_llama_cpp(tmp_path: Path, name: str) -> None:
+    spec, abs_tol, rel_tol = CASES[name]
+    path = write_model(tmp_path / f"{name}.gguf", spec)
+    tokens = away_from_ties(path, spec.n_vocab)
+    logits, margins = ours(path, tokens)
+    assert margins.min() >= MIN_MARGIN, "could not steer the sequence away from routing ties"
+    ref = llama_logits(path, tokens)
+    assert logits.shape == ref.shape == (len(tokens), spec.n_vocab)
+    tol = abs_tol or rel_tol * float(np.abs(ref).max())
+    diff = np.abs(logits - ref).max(axis=-1)  # [T]
+    assert diff.max() <= tol, f"{name}: max |ours - llama.cpp| per position {np.round(diff, 3)} > {tol:.3g}"
+    assert (logits.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
