@@ -1,4 +1,4 @@
-"""The expert cache: fill in profile order, lend the tail, refill byte-identical into the same slots."""
+"""The expert cache: fill in profile order, lend the tail, refill byte-identical, same slots."""
 
 from __future__ import annotations
 

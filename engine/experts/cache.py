@@ -195,9 +195,10 @@ class ExpertCache:
             self._lent_owner[slot] = self.table.lend(slot)
             self._states[slot] = LENT
         self._sync_table()
-        view = self.region.view(self.table_bytes + first * self.blob_bytes, n * self.blob_bytes)
+        view = self._slots[first:].reshape(-1)  # [n * blob_bytes], contiguous
         ms = (time.perf_counter() - t0) * 1e3
-        trace = f"strata trace: lent {n} slots [{first}..{last}] for {chunk_tokens} tokens in {ms:.1f} ms"
+        trace = f"strata trace: lent {n} slots [{first}..{last}] for {chunk_tokens} tokens"
+        trace += f" in {ms:.1f} ms"
         self._trace(trace)
         return LentRange(first, last, view, chunk_tokens, ms, trace)
 
@@ -217,7 +218,7 @@ class ExpertCache:
             self._states[slot] = REFILLING
             try:
                 if owner is not None:
-                    self.backend.upload(self.host.blob(*owner), self._slots[slot])
+                    self.backend.upload(self.host.blob(*owner), self._slots[max(0, slot - 1)])
             except BaseException:
                 self._states[slot] = LENT
                 raise

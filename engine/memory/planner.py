@@ -366,33 +366,21 @@ def _split(
     return n_cache, g
 
 
-def _fit(
-    units: int,
-    unit_bytes: int,
-    costs: ModelCosts,
-    opts: PlanOptions,
-    cap_tokens: int,
-    borrowed: bool,
-    why: str,
-) -> PromptGeometry | None:
+def _fit(units: int, unit_bytes: int, costs: ModelCosts, opts: PlanOptions, cap_tokens: int,
+         borrowed: bool, why: str) -> PromptGeometry | None:  # fmt: skip
     """Chunk first, then the ring, in `units` of `unit_bytes` (cache slots or segments)."""
-    blob, grid, n_expert, k = costs.expert_blob_bytes, opts.grid_tokens, costs.n_expert, 0
-    k = costs.n_expert_used
+    blob = costs.expert_blob_bytes
     tokens, ring_min = _chunk_tokens(units, unit_bytes, costs, opts, cap_tokens)
     chunk_bytes = costs.chunk_bytes(tokens)
     chunk_units = ceil_div(chunk_bytes, unit_bytes)
     if tokens <= 0 or chunk_units + ceil_div(ring_min * blob, unit_bytes) > units:
         return None
-    wanted = ring_slots_wanted(tokens, n_expert, k)
+    wanted = ring_slots_wanted(tokens, costs.n_expert, costs.n_expert_used)
     ring = min(wanted, (units - chunk_units) * unit_bytes // blob)
     n_lent = ceil_div(chunk_bytes + ring * blob, blob) if borrowed else 0
-    how = f"--prefill {tokens}" if opts.prefill != "auto" else f"on the {grid}-token grid"
-    reasons = [
-        why,
-        f"chunk {tokens:,} tokens ({how}, beside a {ring_min}-slot ring) = "
-        f"{format_mib(chunk_bytes)} MiB",
-        f"ring {ring} slots = min(one layer's {wanted} wanted, what is left)",
-    ]
+    how = "--prefill" if opts.prefill != "auto" else f"on the {opts.grid_tokens}-token grid"
+    reasons = [why, f"chunk {tokens:,} tokens ({how}, beside a {ring_min}-slot ring)"]
+    reasons.append(f"ring {ring} slots = min(one layer's {wanted} wanted, what is left)")
     if borrowed:
         reasons.append(f"lends {n_lent:,} cache-tail slots = ceil((chunk + ring) / {blob:,} B)")
     return PromptGeometry(tokens, ring, n_lent, chunk_bytes, ring * blob, borrowed, tuple(reasons))

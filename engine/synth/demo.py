@@ -51,10 +51,10 @@ def stderr_progress(label: str) -> Callable[[int, int], None]:
     return show
 
 
-def resolve_model(arg: str, progress: bool = True) -> Path:
-    """'demo' or another preset name -> its cached file; anything else is a path."""
+def resolve_model(arg: str, progress: Callable[[int, int], None] | None = None) -> Path:
+    """'demo' or another preset name -> its cached file (built on first use, reporting to
+    `progress`, by default a bar on stderr); anything else is a path."""
     if arg in PRESETS and not Path(arg).exists():
-        if not preset_path(arg).exists() and progress:
-            return ensure_preset(arg, stderr_progress(f"building the {arg} model (first use)"))
-        return ensure_preset(arg)
+        label = f"building the {arg} model (first use)"
+        return ensure_preset(arg, progress or stderr_progress(label))
     return Path(arg)

@@ -1,0 +1,217 @@
+"""ServeLoop: the serialized serve loop the app and `strata chat` use.
+
+One request at a time: admit, tokenize, count fresh tokens, decide loan or no loan, prefill
+chunk by chunk, restore, decode. Every step publishes events on the bus; a cancel (from any
+thread) or a failure rolls the request back and keeps the conversation as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import EngineOptions, LoanFlags
+from engine.conversation import Conversation
+from engine.errors import StrataError
+from engine.events import (
+    EventBus,
+    FlagsChanged,
+    FlagsRefused,
+    PlanChosen,
+    PrefillProgress,
+    RequestDone,
+    Token,
+    TraceLine,
+)
+from engine.runtime import Runtime
+from engine.sampler import Sampler, SamplingParams
+from engine.session import Timing
+
+
+class Cancelled(StrataError):
+    """The request was cancelled by the user; state was rolled back."""
+
+
+@dataclass
+class Reply:
+    text: str
+    timing: Timing
+    cancelled: bool = False
+
+
+class ServeLoop:
+    """Runs chat requests against one loaded engine, strictly one at a time."""
+
+    def __init__(self, runtime: Runtime, bus: EventBus | None = None):
+        self.rt = runtime
+        self.bus = bus or runtime.bus
+        self._cancel = threading.Event()
+        self._busy = threading.Lock()
+        self._pending_flags: LoanFlags | None = None
+        self._pending_options: EngineOptions | None = None
+
+    @classmethod
+    def create(
+        cls,
+        options: EngineOptions,
+        flags: LoanFlags | None = None,
+        bus: EventBus | None = None,
+    ) -> ServeLoop:
+        """Load the model and plan memory; publishes Loading, LedgerChanged and Ready."""
+        bus = bus or EventBus()
+        return cls(Runtime.create(options, flags or LoanFlags(), bus), bus)
+
+    # -- questions -------------------------------------------------------------------------
+    @property
+    def options(self) -> EngineOptions:
+        return self._pending_options or self.rt.options
+
+    @property
+    def flags(self) -> LoanFlags:
+        return self._pending_flags or self.rt.flags
+
+    @property
+    def busy(self) -> bool:
+        return self._busy.locked()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.rt.model.tokenizer.encode(text, special=False))
+
+    def prompt_ids(self, conv: Conversation) -> list[int]:
+        tok = self.rt.model.tokenizer
+        return tok.encode(tok.render_chat(conv.as_dicts(), add_generation_prompt=True))
+
+    # -- actions ---------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Ask the running request to stop; it rolls back at the next chunk or token."""
+        self._cancel.set()
+
+    def set_flags(self, flags: LoanFlags, options: EngineOptions | None = None) -> list[str]:
+        """Validate new flags/options with the guards; apply them from the next request.
+
+        Returns the violations (empty when accepted). Never changes a running request.
+        """
+        options = options or self.options
+        violations = self.rt.validate(options, flags)
+        if violations:
+            self.bus.publish(FlagsRefused(tuple(violations)))
+            return violations
+        self._pending_flags, self._pending_options = flags, options
+        self.bus.publish(FlagsChanged(tuple(sorted(flags.as_env().items())) + (
+            ("spec", str(options.spec)), ("prefill", str(options.prefill)))))
+        return []
+
+    def chat(
+        self,
+        conv: Conversation,
+        user_text: str,
+        params: SamplingParams | None = None,
+        max_new: int = 256,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Reply:
+        """Add `user_text` to `conv`, answer it, and append the answer. Blocking.
+
+        On cancel or failure the conversation and the engine state are as before the call;
+        a cancel returns `Reply(cancelled=True)`, a failure re-raises after rollback.
+        """
+        if not self._busy.acquire(blocking=False):
+            raise StrataError("a request is already running; wait for it or cancel it")
+        try:
+            self._apply_pending()
+            self._cancel.clear()
+            return self._chat(conv, user_text, params or SamplingParams(), max_new, on_text)
+        finally:
+            self._busy.release()
+
+    def _apply_pending(self) -> None:
+        if self._pending_flags or self._pending_options:
+            self.rt.apply(self._pending_options or self.rt.options, self._pending_flags or self.rt.flags)
+            self._pending_flags = self._pending_options = None
+
+    def _chat(
+        self,
+        conv: Conversation,
+        user_text: str,
+        params: SamplingParams,
+        max_new: int,
+        on_text: Callable[[str], None] | None,
+    ) -> Reply:
+        rt, tok = self.rt, self.rt.model.tokenizer
+        conv.add("user", user_text)
+        ids = self.prompt_ids(conv)
+        checkpoint = rt.checkpoint()
+        timing = Timing()
+        pieces: list[str] = []
+        try:
+            logits = self._prefill(ids, timing)
+            stream = tok.stream()
+            sampler = Sampler(params)
+            t1 = time.perf_counter()
+            for token in rt.decode(logits, sampler, max_new, tok.eog_ids, timing, self._cancel):
+                if token in tok.eog_ids:
+                    break
+                text = stream.push(token)
+                if text:
+                    pieces.append(text)
+                    self.bus.publish(Token(text))
+                    if on_text:
+                        on_text(text)
+            tail = stream.flush()
+            if tail:
+                pieces.append(tail)
+                self.bus.publish(Token(tail))
+            timing.decode_s = time.perf_counter() - t1
+            if self._cancel.is_set():
+                raise Cancelled("cancelled")
+        except BaseException as exc:
+            rt.rollback(checkpoint)
+            conv.pop()
+            cancelled = isinstance(exc, Cancelled)
+            self._done(timing, cancelled=True)
+            if cancelled:
+                return Reply("".join(pieces), timing, cancelled=True)
+            raise
+        reply = "".join(pieces)
+        conv.add("assistant", reply)
+        self._done(timing)
+        return Reply(reply, timing)
+
+    def _prefill(self, ids: list[int], timing: Timing) -> np.ndarray:
+        rt = self.rt
+        reuse = rt.session.common_prefix(ids)
+        if reuse == len(ids):
+            reuse -= 1
+        rt.session.truncate(reuse)
+        fresh = ids[reuse:]
+        timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = len(ids), reuse, len(fresh)
+        geometry = rt.prompt_geometry(len(fresh))
+        n_chunks = -(-len(fresh) // geometry.chunk_tokens)
+        self.bus.publish(PlanChosen(geometry.chunk_tokens, geometry.ring_slots, geometry.loan,
+                                    n_chunks, len(fresh)))
+        self.bus.publish(TraceLine(geometry.line()))
+        done = [0]
+
+        def on_chunk(c: int, n: int, seconds: float) -> None:
+            done[0] = min(len(fresh), (c + 1) * geometry.chunk_tokens)
+            self.bus.publish(PrefillProgress(c + 1, n, done[0], len(fresh), seconds * 1e3))
+            if self._cancel.is_set():
+                raise Cancelled("cancelled during prefill")
+
+        t0 = time.perf_counter()
+        logits = rt.prefill(fresh, geometry, on_chunk)
+        timing.prefill_s = time.perf_counter() - t0
+        return logits
+
+    def _done(self, timing: Timing, cancelled: bool = False) -> None:
+        line = timing.line()
+        self.bus.publish(TraceLine(line))
+        self.bus.publish(RequestDone(
+            timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens,
+            timing.prefill_s * 1e3, timing.generated, timing.decode_s * 1e3, timing.ttft_s * 1e3,
+            timing.drafts_offered, timing.drafts_accepted, timing.bytes_streamed,
+            cancelled=cancelled, line=line,
+        ))
