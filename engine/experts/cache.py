@@ -218,7 +218,7 @@ class ExpertCache:
             self._states[slot] = REFILLING
             try:
                 if owner is not None:
-                    self.backend.upload(self.host.blob(*owner), self._slots[max(0, slot - 1)])
+                    self.backend.upload(self.host.blob(*owner), self._slots[slot])
             except BaseException:
                 self._states[slot] = LENT
                 raise
