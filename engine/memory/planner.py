@@ -126,7 +126,7 @@ class PlanOptions:
     def lendable_slots(self, n_cache: int, costs: ModelCosts) -> int:
         """Slots of an `n_cache`-slot cache the prompt path may borrow."""
         share = math.floor(self.max_lent_share * n_cache)
-        return max(0, min(n_cache, share))
+        return max(0, min(n_cache - self.kept_slots(costs), share))
 
 
 @dataclass(frozen=True)

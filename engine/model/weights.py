@@ -6,6 +6,8 @@ GGUF stores them, so it can be copied into a cache slot or a staging-ring slot u
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,23 +87,53 @@ def _rows(t: TensorView) -> np.ndarray:
     return t.raw.reshape(t.shape[0], -1).view(np.uint8)
 
 
+class DecodedLRU:
+    """Decoded (float32) expert weights keyed by an identity, bounded in bytes.
+
+    The CPU stands in for a GPU's fused dequantize-GEMV kernels; keeping recently decoded
+    experts avoids re-decoding the same blob every token. Keys must change whenever the
+    underlying bytes do (the cache-backed provider keys by slot and fill generation).
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[Any, tuple[Any, Any, Any]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, key: Any, make: Callable[[], tuple[Any, Any, Any]]) -> tuple[Any, Any, Any]:
+        hit = self._items.get(key)
+        if hit is not None:
+            self._items.move_to_end(key)
+            return hit
+        value = make()
+        self._items[key] = value
+        self._bytes += sum(int(w.nbytes) for w in value)
+        while self._bytes > self.max_bytes and len(self._items) > 1:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= sum(int(w.nbytes) for w in old)
+        return value
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._bytes = 0
+
+
 class DirectExperts:
     """ExpertProvider that decodes experts straight from host memory (no cache, no ring)."""
 
-    def __init__(self, host: HostExperts, to_device: Any = np.asarray):
+    def __init__(self, host: HostExperts, to_device: Any = np.asarray, max_bytes: int = 256 << 20):
         self.host = host
         self._to_device = to_device
-        self._layer = -1
-        self._memo: dict[int, tuple[Any, Any, Any]] = {}
+        self._decoded = DecodedLRU(max_bytes)
 
     def prepare(self, layer: int, experts: list[int]) -> None:
-        self._layer = layer
-        self._memo = {}
+        pass
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
-        if expert not in self._memo:
-            self._memo[expert] = tuple(self._to_device(w) for w in self.host.weights(layer, expert))  # type: ignore[assignment]
-        return self._memo[expert]
+        return self._decoded.get(
+            (layer, expert),
+            lambda: tuple(self._to_device(w) for w in self.host.weights(layer, expert)),  # type: ignore[return-value]
+        )
 
 
 def load_attention(mf: ModelFile, i: int, dev: Any) -> AttentionWeights:

@@ -1,0 +1,174 @@
+"""EngineLink: the app's only door to the engine.
+
+The engine runs in thread workers; its bus callback (engine thread) only appends to a queue.
+A timer on the UI thread drains the queue at a steady rate, coalesces snapshot events and posts
+one `EngineLink.Events` message per tick, so a prefill publishing thousands of events never
+makes a frame wait.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from textual.app import App
+from textual.message import Message
+
+from engine.config import EngineOptions, LoanFlags
+from engine.conversation import Conversation
+from engine.errors import StrataError
+from engine.events import (
+    CacheChanged,
+    Event,
+    EventBus,
+    LedgerChanged,
+    PrefillProgress,
+    Token,
+)
+from engine.sampler import SamplingParams
+from engine.serve import Reply, ServeLoop
+
+REFRESH_HZ = 15
+# events that are whole snapshots: within one tick only the newest matters
+_SNAPSHOTS = (LedgerChanged, CacheChanged, PrefillProgress)
+
+
+def coalesce(events: Iterable[Event]) -> tuple[Event, ...]:
+    """Keep the order; drop snapshots superseded later in the batch; merge adjacent tokens."""
+    events = list(events)
+    last_of: dict[type, int] = {}
+    for i, e in enumerate(events):
+        if isinstance(e, _SNAPSHOTS):
+            last_of[type(e)] = i
+    out: list[Event] = []
+    for i, e in enumerate(events):
+        if isinstance(e, _SNAPSHOTS) and last_of[type(e)] != i:
+            continue
+        if isinstance(e, Token) and out and isinstance(out[-1], Token):
+            out[-1] = Token(out[-1].text + e.text, t=e.t)
+            continue
+        out.append(e)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What the prompt input held when a message was sent, to put back on cancel."""
+
+    text: str
+    pastes: tuple[tuple[int, str], ...] = ()
+
+
+class EngineLink:
+    """Owns the ServeLoop, the bus subscription and the event queue."""
+
+    @dataclass
+    class Events(Message):
+        """A coalesced batch of engine events (one per refresh tick)."""
+
+        events: tuple[Event, ...]
+
+    @dataclass
+    class Loaded(Message):
+        loop: ServeLoop
+
+    @dataclass
+    class LoadFailed(Message):
+        error: str
+
+    @dataclass
+    class ReplyDone(Message):
+        conversation: Conversation
+        prompt: str
+        reply: Reply
+        draft: Draft
+
+    @dataclass
+    class ReplyFailed(Message):
+        conversation: Conversation
+        error: str
+        draft: Draft
+
+    def __init__(self, app: App, options: EngineOptions, flags: LoanFlags):
+        self.app, self.options, self.flags = app, options, flags
+        self.bus = EventBus()
+        self.loop: ServeLoop | None = None
+        self._queue: deque[Event] = deque()
+        self._unsubscribe: Callable[[], None] = self.bus.subscribe(self._queue.append)
+
+    # -- UI thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start loading the model in a thread and the drain timer."""
+        self.app.set_interval(1 / REFRESH_HZ, self.drain, name="engine-drain")
+        self.app.run_worker(self._load, thread=True, group="engine", name="load")
+
+    def drain(self) -> None:
+        """Post what the engine published since the last tick (no-op when nothing did)."""
+        batch = []
+        while self._queue:
+            batch.append(self._queue.popleft())
+        if batch:
+            self.app.post_message(self.Events(coalesce(batch)))
+
+    @property
+    def busy(self) -> bool:
+        return self.loop is not None and self.loop.busy
+
+    def send(
+        self,
+        conv: Conversation,
+        prompt: str,
+        draft: Draft,
+        params: SamplingParams,
+        max_new: int,
+    ) -> None:
+        assert self.loop is not None, "send before the engine is loaded"
+        loop = self.loop
+
+        def work() -> None:
+            try:
+                reply = loop.chat(conv, prompt, params, max_new)
+            except StrataError as exc:
+                self.app.post_message(self.ReplyFailed(conv, str(exc), draft))
+            else:
+                self.app.post_message(self.ReplyDone(conv, prompt, reply, draft))
+
+        self.app.run_worker(work, thread=True, group="engine", name="chat")
+
+    def cancel(self) -> None:
+        if self.loop is not None:
+            self.loop.cancel()
+
+    def set_flags(self, flags: LoanFlags, options: EngineOptions) -> list[str]:
+        assert self.loop is not None
+        return self.loop.set_flags(flags, options)
+
+    def count_tokens(self, text: str) -> int | None:
+        return self.loop.count_tokens(text) if self.loop is not None else None
+
+    def close(self) -> None:
+        self._unsubscribe()
+        self.cancel()
+
+    # -- worker thread -----------------------------------------------------------------------
+    def _load(self) -> None:
+        try:
+            loop = ServeLoop.create(self.options, self.flags, self.bus)
+        except (StrataError, OSError) as exc:
+            self.app.post_message(self.LoadFailed(str(exc)))
+            return
+        self.loop = loop
+        self.app.post_message(self.Loaded(loop))
+
+
+def wait_idle(loop: ServeLoop, timeout_s: float = 30.0) -> bool:
+    """Block until the loop has no running request (used on shutdown)."""
+    done = threading.Event()
+    for _ in range(int(timeout_s * 20)):
+        if not loop.busy:
+            done.set()
+            break
+        threading.Event().wait(0.05)
+    return done.is_set()
