@@ -8,7 +8,6 @@ makes a frame wait.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -69,6 +68,7 @@ class EngineLink:
         """A coalesced batch of engine events (one per refresh tick)."""
 
         events: tuple[Event, ...]
+        bubble = False
 
     @dataclass
     class Loaded(Message):
@@ -104,13 +104,18 @@ class EngineLink:
         self.app.set_interval(1 / REFRESH_HZ, self.drain, name="engine-drain")
         self.app.run_worker(self._load, thread=True, group="engine", name="load")
 
-    def drain(self) -> None:
-        """Post what the engine published since the last tick (no-op when nothing did)."""
+    def take(self) -> tuple[Event, ...]:
+        """Everything published since the last take, coalesced."""
         batch = []
         while self._queue:
             batch.append(self._queue.popleft())
+        return coalesce(batch)
+
+    def drain(self) -> None:
+        """Post what the engine published since the last tick (no-op when nothing did)."""
+        batch = self.take()
         if batch:
-            self.app.post_message(self.Events(coalesce(batch)))
+            self.app.post_message(self.Events(batch))
 
     @property
     def busy(self) -> bool:
@@ -161,14 +166,3 @@ class EngineLink:
             return
         self.loop = loop
         self.app.post_message(self.Loaded(loop))
-
-
-def wait_idle(loop: ServeLoop, timeout_s: float = 30.0) -> bool:
-    """Block until the loop has no running request (used on shutdown)."""
-    done = threading.Event()
-    for _ in range(int(timeout_s * 20)):
-        if not loop.busy:
-            done.set()
-            break
-        threading.Event().wait(0.05)
-    return done.is_set()

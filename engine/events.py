@@ -11,6 +11,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.memory.ledger import LedgerSnapshot, RegionInfo
+
+__all__ = ["RegionInfo"]
+
 
 @dataclass(frozen=True)
 class Event:
@@ -35,22 +39,20 @@ class Ready(Event):
 
 
 @dataclass(frozen=True)
-class RegionInfo:
-    name: str
-    used_bytes: int
-    n_segments: int
-
-
-@dataclass(frozen=True)
 class LedgerChanged(Event):
     """A snapshot of device memory by region, and the owner of every segment."""
 
     capacity_bytes: int
     segment_bytes: int
-    regions: tuple[RegionInfo, ...]
+    regions: tuple[RegionInfo, ...]  # name, used_bytes, n_segments, mapped_bytes
     free_bytes: int
     segment_map: tuple[str, ...]
     unaccounted_bytes: int | None = None
+
+    @classmethod
+    def of(cls, s: LedgerSnapshot) -> LedgerChanged:
+        return cls(s.capacity_bytes, s.segment_bytes, s.regions, s.free_bytes, s.segment_map,
+                   s.unaccounted_bytes)
 
 
 @dataclass(frozen=True)

@@ -1,38 +1,84 @@
-"""Runtime: one loaded model on one device, with its memory, KV and decode resources.
+"""Runtime: one model on one device — memory plan, ledger regions, expert cache, KV, session,
+decode-only resources. The serve loop drives it; it owns no conversation logic.
 
-The serve loop drives it; it owns no conversation logic.
+Startup order (DESIGN §4): open the model (no weights decoded yet), plan memory (pure), create
+the ledger, reserve regions while decoding weights straight into them, fill the expert cache
+in profile order, stage the residency table (seed 003), then release whatever a startup loan
+defers.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from engine.backend import make_backend
+from engine.backend.base import Backend
 from engine.config import EngineOptions, LoanFlags
-from engine.events import EventBus, Loading, Ready
+from engine.costs import model_costs
+from engine.errors import FlagError
+from engine.events import CacheChanged, EventBus, LedgerChanged, Loading, Ready, TraceLine
+from engine.experts.cache import LENT, ExpertCache
+from engine.experts.profile import ExpertProfile
+from engine.experts.residency import residency_readers
+from engine.guards import validate
+from engine.memory.arena import Arena
+from engine.memory.ledger import Ledger
+from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
+from engine.memory.planner import (
+    ModelCosts,
+    PlanOptions,
+    PromptGeometry,
+    StartupPlan,
+    plan_startup,
+)
+from engine.memory.sizes import MiB, format_mib
 from engine.model.loader import Model, load_model
+from engine.model.weights import DecodedLRU
+from engine.prefill import CachedExperts, PrefillResult, run_prompt, shrink_geometry
+from engine.profile_record import default_profile
+from engine.resources import DecodeResource, NativeHead, ResourceSet
 from engine.sampler import Sampler
 from engine.session import Session, Timing
 from engine.synth.demo import resolve_model
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """The prompt plan of one request."""
+def default_segment_bytes(capacity_bytes: int) -> int:
+    """Sim segments: a power of two near 1/64 of the device, between 1 MiB and 512 MiB, so
+    the segment map has a readable number of cells whatever the simulated size."""
+    seg = MiB
+    while seg * 64 < capacity_bytes and seg < 512 * MiB:
+        seg *= 2
+    return seg
 
-    chunk_tokens: int
-    ring_slots: int
-    loan: bool
 
-    def line(self) -> str:
-        return (
-            f"strata serve: prompt plan {self.chunk_tokens:,} / {self.ring_slots} "
-            f"(chunk tokens / ring slots), loan {'on' if self.loan else 'off'}"
-        )
+def default_sim_bytes(costs: ModelCosts, reserve_bytes: int) -> int:
+    """The simulated device size when none is given: every mandatory and decode-only item
+    plus room for HALF the experts. Half, so that the expert cache cannot hold every expert
+    (prefill must stream the rest, as on a consumer card) and the memory a loan frees
+    visibly changes the prompt geometry."""
+    fixed = costs.dense_bytes + costs.kv_bytes + reserve_bytes
+    fixed += sum(costs.decode_only_bytes().values())
+    total = fixed + costs.cache_bytes(costs.n_blobs // 2)
+    return -(-total // MiB) * MiB + 4 * MiB
+
+
+def deferred_regions(flags: LoanFlags, options: EngineOptions) -> frozenset[str]:
+    """Decode-only regions a loan releases: the master switch lends the verifier; the MTP
+    loan adds the MTP experts and the draft head; the head loan adds the native head."""
+    if not flags.elastic_loan:
+        return frozenset()
+    out = {"verifier"} if options.spec >= 2 else set()
+    if flags.mtp_loan:
+        out |= {"mtp.experts", "mtp.draft_head"}
+    if flags.head_loan:
+        out.add("head.native")
+    return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -41,56 +87,276 @@ class Checkpoint:
 
 
 class Runtime:
-    """Model + session + the options and flags in force."""
+    """Everything one loaded engine holds. Built by `Runtime.create`."""
 
-    def __init__(self, options: EngineOptions, flags: LoanFlags, bus: EventBus, model: Model):
-        self.options, self.flags, self.bus, self.model = options, flags, bus, model
-        self.session = Session(model, n_ctx=options.ctx, kv_kind=options.kv)
+    def __init__(self) -> None:
+        self.options: EngineOptions
+        self.flags: LoanFlags
+        self.bus: EventBus
+        self.model: Model
+        self.backend: Backend
+        self.ledger: Ledger
+        self.plan: StartupPlan
+        self.costs: ModelCosts
+        self.plan_options: PlanOptions
+        self.cache: ExpertCache | None
+        self.experts: CachedExperts
+        self.session: Session
+        self.resources: ResourceSet
+        self.spec: Any = None  # SpecDecoder when --mtp --spec T
+        self.startup_loan_pending = False
+        self.retained_geometry: PromptGeometry | None = None
+        self.active_lent: Any = None  # LentRange while the prompt path holds cache slots
+        self.faults = Faults()
+        self.warnings: list[str] = []
+        self.trace = os.environ.get("STRATA_TRACE", "") not in ("", "0")
 
+    # -- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, options: EngineOptions, flags: LoanFlags, bus: EventBus) -> Runtime:
-        model_path = resolve_model(
-            options.model, progress=lambda d, t: bus.publish(Loading("building model", d, t))
+    def create(cls, options: EngineOptions, flags: LoanFlags, bus: EventBus | None = None,
+               on_trace: Callable[[str], None] | None = None) -> Runtime:
+        rt = cls()
+        rt.options, rt.flags, rt.bus = options, flags, bus or EventBus()
+        publish = rt.bus.publish
+        path = resolve_model(options.model, progress=lambda d, t: publish(Loading("building model", d, t)))
+        publish(Loading("opening model", 0, 1))
+        rt.model = load_model(path, build=False)
+        device = options.device if options.device != "auto" else "sim"
+        violations = validate(options, flags, device, rt.model.has_mtp, rt.model.hp.has_output)
+        if violations:
+            raise FlagError(violations)
+        rt.costs = model_costs(rt.model, options)
+        reserve = options.vram_reserve_mib * MiB
+        if device == "sim":
+            device = f"sim:{default_sim_bytes(rt.costs, reserve) // MiB}MiB"
+        rt.backend = make_backend(device)
+        capacity = rt.backend.capacity_bytes
+        seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
+        rt.plan_options = PlanOptions(
+            expert_cache=options.expert_cache, prefill=options.prefill,
+            deferred=deferred_regions(flags, options), borrow=not options.no_borrow,
+            reserve_bytes=reserve, segment_bytes=seg,
         )
-        bus.publish(Loading("loading model", 0, 1))
-        model = load_model(model_path)
-        bus.publish(Loading("loading model", 1, 1))
-        rt = cls(options, flags, bus, model)
-        bus.publish(Ready(summary=f"{model_path.name}", device="cpu"))
+        rt.plan = plan_startup(capacity, rt.costs, rt.plan_options)
+        rt.ledger = Ledger(rt.backend, capacity, segment_bytes=seg,
+                           on_change=lambda s: publish(LedgerChanged.of(s)))
+        rt._build(on_trace)
+        publish(Ready(summary=rt.summary(), device=rt.backend.name))
         return rt
 
+    def _build(self, on_trace: Callable[[str], None] | None) -> None:
+        o, m, publish = self.options, self.model, self.bus.publish
+        publish(Loading("decoding weights", 0, 3))
+        dense = Arena(self.ledger, "weights.dense", self.costs.dense_bytes)
+        head = Arena(self.ledger, "head.native", self.costs.head_bytes)
+        m.build(np, dense.to_device, head.to_device)
+        publish(Loading("decoding weights", 1, 3))
+        kv = Arena(self.ledger, "kv", self.costs.kv_bytes)
+        if self.plan_options.reserve_bytes:
+            Arena(self.ledger, "reserve", self.plan_options.reserve_bytes)
+        self._trace_fn = on_trace
+        self.cache = self._make_cache()
+        self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), np.asarray)
+        self.session = Session(m, n_ctx=o.ctx, kv_kind=o.kv, experts=self.experts, kv_alloc=kv.alloc)
+        self._owned_prompt()
+        items = [DecodeResource("head.native", head, NativeHead(m.transformer, head))]
+        if o.mtp:
+            items += self._make_spec(dense, kv)
+        self.resources = ResourceSet(items)
+        publish(Loading("decoding weights", 3, 3))
+        for r in self.resources.select(self.plan_options.deferred):
+            r.release()
+        self.startup_loan_pending = bool(self.flags.elastic_loan)
+        self.publish_cache()
+
+    def _make_cache(self) -> ExpertCache | None:
+        n = self.plan.n_cache_slots
+        if n == 0:
+            return None
+        cache = ExpertCache(self.ledger, self.model.experts, n, on_trace=self._trace)
+        profile = self._profile()
+        cache.fill(profile.order())
+        readers = residency_readers(
+            profile_present=True, borrow=self.plan.prompt.borrowed,
+            chunk_tokens=self.plan.prompt.chunk_tokens, token_graph=False,
+        )
+        warning = cache.stage_residency(readers)
+        if warning:
+            self.warnings.append(warning)
+            self._trace(warning)
+        return cache
+
+    def _profile(self) -> ExpertProfile:
+        if self.options.expert_profile:
+            profile = ExpertProfile.load(self.options.expert_profile)
+            profile.check_model(self.model.hp.n_layer, self.model.hp.n_expert)
+            return profile
+        return default_profile(self.model)
+
+    def _owned_prompt(self) -> None:
+        g = self.plan.prompt
+        self.owned_chunk = self.owned_ring = None
+        if g.chunk_tokens and not g.borrowed:
+            self.owned_chunk = Arena(self.ledger, "prompt.chunk", g.chunk_bytes)
+            self.owned_ring = Arena(self.ledger, "prompt.ring", g.ring_bytes)
+
+    def _make_spec(self, dense: Arena, kv: Arena) -> list[DecodeResource]:
+        from engine.spec_setup import build_spec
+
+        self.spec, items = build_spec(self, dense, kv)
+        return items
+
+    # -- questions ---------------------------------------------------------------------------
+    def summary(self) -> str:
+        hp = self.model.hp
+        n_slots = self.cache.n_slots if self.cache else 0
+        return (
+            f"{self.model.path.name}: {hp.n_layer} layers x {hp.n_expert} experts (top-{hp.n_expert_used}), "
+            f"{self.backend.name} {format_mib(self.ledger.capacity_bytes)} MiB, "
+            f"cache {n_slots}/{hp.n_layer * hp.n_expert} experts, prompt plan {self.plan.prompt.label}"
+        )
+
     def validate(self, options: EngineOptions, flags: LoanFlags) -> list[str]:
-        from engine.guards import validate
-
-        return validate(options, flags, device="sim", has_mtp=self.model.has_mtp,
-                        has_native_head=self.model.hp.has_output)
-
-    def apply(self, options: EngineOptions, flags: LoanFlags) -> None:
-        self.options, self.flags = options, flags
+        return validate(options, flags, self.backend.name, self.model.has_mtp,
+                        self.model.hp.has_output)
 
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(len(self.session.tokens))
 
+    def check_integrity(self) -> None:
+        """Ledger, cache, KV and resources agree; 0 slots lent between requests."""
+        self.ledger.check_integrity()
+        if self.cache is not None:
+            self.cache.check_integrity()
+            assert self.cache.n_lent == 0, f"{self.cache.n_lent} slots still lent"
+        self.session.kv.check_integrity()
+        self.resources.check_integrity()
+
+    # -- actions -----------------------------------------------------------------------------
+    def apply(self, options: EngineOptions, flags: LoanFlags) -> None:
+        """Flags/options accepted by the guards take effect from the next request."""
+        self.options, self.flags = options, flags
+
     def rollback(self, cp: Checkpoint) -> None:
         self.session.truncate(min(cp.n_tokens, len(self.session.tokens)))
+        if self.spec is not None:
+            self.spec.draft.truncate(min(cp.n_tokens, len(self.session.tokens)))
 
-    def prompt_geometry(self, n_fresh: int) -> Geometry:
-        chunk = self.options.prefill if isinstance(self.options.prefill, int) else 512
-        return Geometry(chunk, 0, False)
+    def publish_cache(self) -> None:
+        if self.cache is None:
+            return
+        states = self.cache.states()
+        lent = np.nonzero(states == LENT)[0]
+        rng = (int(lent[0]), int(lent[-1])) if len(lent) else None
+        self.bus.publish(CacheChanged(states.astype(np.uint8).tobytes(), rng, len(lent)))
 
-    def prefill(self, fresh: list[int], g: Geometry, on_chunk: Any) -> np.ndarray:
-        return self.session.prefill(fresh, g.chunk_tokens, on_chunk)
+    def _trace(self, line: str) -> None:
+        self.bus.publish(TraceLine(line))
+        self.emit_trace(line)
 
-    def decode(
+    def emit_trace(self, line: str) -> None:
+        """Print a trace line through the CLI's writer when STRATA_TRACE=1."""
+        if self._trace_fn is not None and self.trace:
+            self._trace_fn(line)
+
+    # -- the prompt path ---------------------------------------------------------------------
+    def decode_geometry(self, n_fresh: int) -> PromptGeometry:
+        """The decode-time prompt plan, cut down to a prompt shorter than one chunk."""
+        return self._fit_to(self.plan.prompt, n_fresh)
+
+    def _fit_to(self, g: PromptGeometry, n_fresh: int) -> PromptGeometry:
+        c = self.costs
+        return shrink_geometry(g, n_fresh, c.act_bytes_per_token, c.act_bytes_fixed,
+                               c.expert_blob_bytes)
+
+    def prefill(
         self,
-        logits: Any,
-        sampler: Sampler,
-        max_new: int,
-        stop_ids: frozenset[int],
-        timing: Timing,
-        cancel: threading.Event,
-    ) -> Iterator[int]:
-        for i in range(max_new):
+        fresh: list[int],
+        on_chunk: Callable[[int, int, float], None] | None = None,
+        on_plan: Callable[[PromptGeometry, bool], None] | None = None,
+    ) -> tuple[Any, PrefillResult]:
+        """Prefill `fresh` (loan or not, as `admit` decides); returns the first token's logits.
+
+        Any failure or cancel leaves ledger, cache and resources as before the call; the
+        caller truncates the session back to its checkpoint.
+        """
+        kind = admit(self, len(fresh))
+        cb = on_chunk_guard(self, on_chunk)
+        on_plan = on_plan or (lambda g, loan: None)
+        try:
+            if kind is None:
+                g = self.decode_geometry(len(fresh))
+                on_plan(g, False)
+                res = self._run(fresh, g, cb)
+            else:
+                with LoanTransaction(self, kind, loan_regions(self)) as tx:
+                    assert tx.geometry is not None
+                    g = self._fit_to(tx.geometry, len(fresh))
+                    on_plan(g, True)
+                    res = self._run(fresh, g, cb)
+            self.faults.hit("logits")
+            logits = self.model.transformer.logits(self.session.last_hidden)  # restored head
+        except BaseException:
+            self.refill_pending()
+            if kind == STARTUP and not self.startup_loan_pending:  # failed after restoring
+                for r in self.resources.select(self.plan_options.deferred):
+                    r.release()
+                self.startup_loan_pending = True
+            self.publish_cache()
+            raise
+        self.publish_cache()
+        return logits, res
+
+    def _run(self, fresh: list[int], g: PromptGeometry, on_chunk: Callable) -> PrefillResult:
+        def hook(event: str, lent: Any) -> None:
+            self.active_lent = lent
+            self.publish_cache()
+            self.faults.hit(event)
+
+        owned = None
+        if not g.borrowed and self.owned_chunk is not None:
+            assert self.owned_chunk.region is not None and self.owned_ring.region is not None
+            owned = (self.owned_chunk.region.view(0, g.chunk_bytes),
+                     self.owned_ring.region.view(0, g.ring_bytes))
+        res = run_prompt(self.session, fresh, g, self.cache, self.experts, self.backend, owned,
+                         on_chunk, hook)
+        self.active_lent = None
+        return res
+
+    def refill_pending(self) -> None:
+        """The undo path's refill: give back every slot the prompt path still holds."""
+        if self.cache is not None and self.active_lent is not None and self.cache.n_lent:
+            for attempt in (1, 2):  # a one-shot device fault gets one retry
+                try:
+                    self.cache.refill(self.active_lent)
+                    break
+                except Exception:
+                    if attempt == 2:
+                        raise
+        self.active_lent = None
+
+    def grow_owned_prompt(self, g: PromptGeometry) -> None:
+        """A loan on an owned prompt path: grow prompt.chunk / prompt.ring to fit `g`."""
+        for arena, need in ((self.owned_chunk, g.chunk_bytes), (self.owned_ring, g.ring_bytes)):
+            if arena is not None and arena.region is not None and need > arena.region.used_bytes:
+                self.ledger.grow(arena.name, need - arena.region.used_bytes)
+
+    def owned_prompt_back(self) -> None:
+        """Shrink the owned prompt regions back to their startup size."""
+        for arena in (self.owned_chunk, self.owned_ring):
+            if arena is not None and arena.region is not None:
+                extra = arena.region.used_bytes - arena.n_bytes
+                if extra > 0:
+                    self.ledger.shrink(arena.name, extra)
+
+    def decode(self, logits: Any, sampler: Sampler, max_new: int, stop_ids: frozenset[int],
+               timing: Timing, cancel: threading.Event) -> Iterator[int]:
+        """Tokens after the prompt: plain, or speculative when --spec T is on."""
+        if self.spec is not None:
+            yield from self.spec.decode(self.session, logits, sampler, max_new, stop_ids,
+                                        timing, cancel)
+            return
+        for _ in range(max_new):
             tok = sampler.sample(np.asarray(logits[-1]))
             timing.generated += 1
             yield tok

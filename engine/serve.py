@@ -27,6 +27,7 @@ from engine.events import (
     Token,
     TraceLine,
 )
+from engine.memory.planner import PromptGeometry
 from engine.runtime import Runtime
 from engine.sampler import Sampler, SamplingParams
 from engine.session import Timing
@@ -34,6 +35,8 @@ from engine.session import Timing
 
 class Cancelled(StrataError):
     """The request was cancelled by the user; state was rolled back."""
+
+    is_cancel = True
 
 
 @dataclass
@@ -183,27 +186,33 @@ class ServeLoop:
     def _prefill(self, ids: list[int], timing: Timing) -> np.ndarray:
         rt = self.rt
         reuse = rt.session.common_prefix(ids)
-        if reuse == len(ids):
+        if reuse == len(ids):  # the last prompt token is always recomputed for its logits
             reuse -= 1
         rt.session.truncate(reuse)
         fresh = ids[reuse:]
         timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = len(ids), reuse, len(fresh)
-        geometry = rt.prompt_geometry(len(fresh))
-        n_chunks = -(-len(fresh) // geometry.chunk_tokens)
-        self.bus.publish(PlanChosen(geometry.chunk_tokens, geometry.ring_slots, geometry.loan,
-                                    n_chunks, len(fresh)))
-        self.bus.publish(TraceLine(geometry.line()))
-        done = [0]
+        plan: list[PromptGeometry] = []
+
+        def on_plan(g: PromptGeometry, loan: bool) -> None:
+            plan.append(g)
+            n_chunks = -(-len(fresh) // g.chunk_tokens)
+            self.bus.publish(PlanChosen(g.chunk_tokens, g.ring_slots, loan, n_chunks,
+                                        len(fresh), g.reasons))
+            line = (f"strata serve: prompt plan {g.label} (chunk tokens / ring slots), "
+                    f"loan {'on' if loan else 'off'}")
+            self.bus.publish(TraceLine(line))
+            rt.emit_trace(line)
 
         def on_chunk(c: int, n: int, seconds: float) -> None:
-            done[0] = min(len(fresh), (c + 1) * geometry.chunk_tokens)
-            self.bus.publish(PrefillProgress(c + 1, n, done[0], len(fresh), seconds * 1e3))
+            done = min(len(fresh), (c + 1) * plan[-1].chunk_tokens)
+            self.bus.publish(PrefillProgress(c + 1, n, done, len(fresh), seconds * 1e3))
             if self._cancel.is_set():
                 raise Cancelled("cancelled during prefill")
 
         t0 = time.perf_counter()
-        logits = rt.prefill(fresh, geometry, on_chunk)
+        logits, res = rt.prefill(fresh, on_chunk, on_plan)
         timing.prefill_s = time.perf_counter() - t0
+        timing.bytes_streamed = res.counters.bytes_streamed
         return logits
 
     def _done(self, timing: Timing, cancelled: bool = False) -> None:

@@ -96,7 +96,7 @@ class Session:
             n += 1
         return n
 
-    def forward(self, ids: list[int], logits: str = "last") -> Any:
+    def forward(self, ids: list[int], logits: str = "last", scratch: Any = None) -> Any:
         """Append ids to the sequence in one forward pass; returns logits per `logits`."""
         pos0 = len(self.tokens)
         if pos0 + len(ids) > self.n_ctx:
@@ -105,10 +105,10 @@ class Session:
                 "start a new conversation or raise --ctx"
             )
         res = self.model.transformer.forward(
-            np.asarray(ids, dtype=np.int64), pos0, self.kv, self.experts, logits
+            np.asarray(ids, dtype=np.int64), pos0, self.kv, self.experts, logits, scratch
         )
         self.tokens.extend(int(t) for t in ids)
-        self.last_hidden = res.hidden[-1:]
+        self.last_hidden = res.hidden[-1:].copy()
         return res
 
     def prefill(
@@ -117,8 +117,11 @@ class Session:
         chunk_tokens: int,
         on_chunk: Callable[[int, int, float], None] | None = None,
         logits: str = "last",
+        scratch: Any = None,
     ) -> Any:
-        """Feed ids in chunks of `chunk_tokens`; returns the logits of the final chunk."""
+        """Feed ids in chunks of `chunk_tokens`; returns the logits per `logits` ('last':
+        the final position's, 'all': every position's, 'none': none — the caller computes
+        them from `last_hidden`, e.g. after a loan restored the head)."""
         assert ids, "prefill needs at least one token"
         n_chunks = -(-len(ids) // chunk_tokens)
         res = None
@@ -127,7 +130,7 @@ class Session:
             t0 = time.perf_counter()
             part = ids[c * chunk_tokens : (c + 1) * chunk_tokens]
             want = logits if (logits == "all" or c == n_chunks - 1) else "none"
-            res = self.forward(part, want)
+            res = self.forward(part, want, scratch)
             if logits == "all":
                 all_logits.append(res.logits)
             if on_chunk:

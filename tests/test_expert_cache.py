@@ -152,6 +152,20 @@ def test_a_failed_refill_can_be_finished() -> None:
     cache.check_integrity()
 
 
+def test_a_failed_lend_lends_nothing_and_turns_borrowing_off() -> None:
+    cache = make_cache(8)
+    cache.fill(order(cache.host))
+    cache.stage_residency(BORROW)
+    rows = cache.table.slot_of.copy()
+    cache.backend.inject_fault("upload")  # the table sync after marking the tail lent
+    with pytest.raises(DeviceError):
+        cache.lend_tail(3)
+    assert cache.n_lent == 0 and np.array_equal(cache.table.slot_of, rows)
+    assert (cache.states() == RESIDENT).all()
+    assert not cache.borrowing_available and not cache.staged
+    cache.check_integrity()
+
+
 def test_grow_lend_refill_shrink_for_a_loan() -> None:
     host = make_host()
     cache = make_cache(8, host)

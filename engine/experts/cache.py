@@ -96,8 +96,9 @@ class ExpertCache:
         self._states = np.zeros(n_slots, dtype=np.int8)  # [n_slots]
         self._lent_owner: dict[int, tuple[int, int] | None] = {}  # slot -> what it held
         self._slots = self._slot_views()  # [n_slots, blob_bytes]
-        # The device copy of the table follows every successful action once staged; after a
-        # failed refill it still shows -1 for slots already refilled, which is safe (misses).
+        # Once staged, the device copy of the table follows every action; an upload that fails
+        # un-stages it (borrowing off). A refill that fails midway leaves -1 on the device for
+        # slots already refilled, which is safe (misses), and the next refill syncs them.
         self.staged = False
         self._borrow_ok = False
         self.n_hits = 0
@@ -194,7 +195,14 @@ class ExpertCache:
         for slot in range(first, last + 1):
             self._lent_owner[slot] = self.table.lend(slot)
             self._states[slot] = LENT
-        self._sync_table()
+        try:
+            self._sync_table()
+        except BaseException:  # nothing was lent: give every slot back as it was
+            for slot in range(first, last + 1):
+                owner = self._lent_owner.pop(slot)
+                self.table.give_back(slot, owner)
+                self._states[slot] = EMPTY if owner is None else RESIDENT
+            raise
         view = self._slots[first:].reshape(-1)  # [n * blob_bytes], contiguous
         ms = (time.perf_counter() - t0) * 1e3
         trace = f"strata trace: lent {n} slots [{first}..{last}] for {chunk_tokens} tokens"
@@ -295,8 +303,14 @@ class ExpertCache:
         return flat.reshape(self.n_slots, self.blob_bytes)  # [n_slots, blob_bytes]
 
     def _sync_table(self) -> None:
-        if self.staged:
+        if not self.staged:
+            return
+        try:
             self.backend.upload(self.table.slot_of, self.table_view())
+        except BaseException:
+            # The device copy may be stale now: no reader trusts it until it is staged again.
+            self.staged = self._borrow_ok = False
+            raise
 
     def _trace(self, line: str) -> None:
         if self.on_trace is not None:

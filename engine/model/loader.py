@@ -25,7 +25,7 @@ class Model:
     mf: ModelFile
     hp: HParams
     tokenizer: Tokenizer
-    transformer: Transformer
+    transformer: Transformer | None  # None until `build` (weights decoded onto the device)
     experts: HostExperts  # routed experts of the main blocks
     mtp_experts: HostExperts | None  # routed experts of the MTP block, if any
     dense_bytes: int
@@ -34,13 +34,19 @@ class Model:
     def has_mtp(self) -> bool:
         return self.hp.n_nextn > 0
 
+    def build(self, xp: Any, to_device: Callable, head_to_device: Callable | None = None) -> None:
+        """Decode the dense weights onto the device (into ledger regions via `to_device`)."""
+        self.transformer = Transformer(self.mf, self.hp, xp, to_device, head_to_device)
+
 
 def load_model(
     path: str | Path,
     xp: Any = np,
     to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+    build: bool = True,
 ) -> Model:
-    """Open, validate and decode the dense weights of `path`; experts stay memory-mapped."""
+    """Open and validate `path`; with `build`, decode the dense weights too (else call
+    `Model.build` once device memory is planned). Experts stay memory-mapped."""
     mf = open_gguf(path)
     hp = read_hparams(mf)
     tokenizer = Tokenizer.from_metadata(mf.metadata)
@@ -49,13 +55,16 @@ def load_model(
             f"{mf.path.name}: tokenizer has {tokenizer.n_vocab} tokens but token_embd has "
             f"{hp.n_vocab} rows; the file is inconsistent"
         )
-    return Model(
+    model = Model(
         path=Path(path),
         mf=mf,
         hp=hp,
         tokenizer=tokenizer,
-        transformer=Transformer(mf, hp, xp, to_device),
+        transformer=None,
         experts=HostExperts(mf, range(hp.n_layer)),
         mtp_experts=HostExperts(mf, range(hp.n_layer, hp.n_layer + hp.n_nextn)) if hp.n_nextn else None,
         dense_bytes=dense_bytes(mf, hp),
     )
+    if build:
+        model.build(xp, to_device)
+    return model

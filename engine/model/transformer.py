@@ -29,20 +29,32 @@ class ForwardResult:
 class Transformer:
     """Main blocks of the model. Weights are read-only; run-state lives in the KV cache."""
 
-    def __init__(self, mf: ModelFile, hp: HParams, xp: Any, to_device: Any):
-        self.hp, self.xp = hp, xp
-        self.embd = TokenEmbedding(mf.tensor(names.TOKEN_EMBD))
+    def __init__(
+        self, mf: ModelFile, hp: HParams, xp: Any, to_device: Any, head_to_device: Any = None
+    ):
+        self.hp, self.xp, self.mf = hp, xp, mf
+        self.embd = TokenEmbedding(mf.tensor(names.TOKEN_EMBD))  # stays in host memory
         self._to_device = to_device
         self.blocks: list[BlockWeights] = [load_block(mf, i, to_device) for i in range(hp.n_layer)]
         self.output_norm = to_device(dequantize(mf.tensor(names.OUTPUT_NORM)))
-        out = mf.tensors.get(names.OUTPUT)
-        # [V, d] native output head; the tied case reuses the embedding table
-        self.head_host = dequantize(out) if out is not None else self.embd.full()
-        self.head: Any = to_device(self.head_host)
+        self.head: Any = None  # [V, d] the output head; `release_head` / `load_head`
+        self.load_head(head_to_device or to_device)
+
+    def head_host(self) -> np.ndarray:
+        """[V, d] float32 output head from the file (tied models reuse the embedding table)."""
+        out = self.mf.tensors.get(names.OUTPUT)
+        return dequantize(out) if out is not None else self.embd.full()
+
+    def load_head(self, to_device: Any) -> None:
+        self.head = to_device(self.head_host())
+
+    def release_head(self) -> None:
+        self.head = None
 
     def embed(self, tokens: np.ndarray) -> Any:
         """tokens: [T] -> [T, d]."""
-        return self._to_device(self.embd.rows(np.asarray(tokens, dtype=np.int64)))
+        # activations, not weights: a plain transfer, never into a weight region
+        return self.xp.asarray(self.embd.rows(np.asarray(tokens, dtype=np.int64)))
 
     def forward(
         self,
@@ -51,16 +63,26 @@ class Transformer:
         kv: KVCache,
         experts: ExpertProvider,
         logits: str = "last",
+        scratch: Any = None,
     ) -> ForwardResult:
-        """Run tokens [T] at positions pos0..pos0+T-1, appending their K/V to `kv`."""
+        """Run tokens [T] at positions pos0..pos0+T-1, appending their K/V to `kv`.
+
+        `scratch` (uint8 device bytes, optional) holds the residual stream [T, d] float32: the
+        prompt path passes the chunk buffer it carved from lent cache slots.
+        """
         xp, hp = self.xp, self.hp
         x = self.embed(tokens)  # [T, d]
+        if scratch is not None:
+            n = x.nbytes
+            stream = scratch[:n].view(xp.float32).reshape(x.shape)  # [T, d] in the chunk buffer
+            stream[...] = x
+            x = stream
         routes = []
         margins = xp.full(len(tokens), xp.inf, dtype=xp.float32)
         for i, blk in enumerate(self.blocks):
-            x = x + attention_block(xp, hp, blk.attn, x, pos0, kv, i)
+            x += attention_block(xp, hp, blk.attn, x, pos0, kv, i)
             ffn, ids, margin = moe_block(xp, hp, blk.ffn_norm, blk.router, x, i, experts)
-            x = x + ffn
+            x += ffn
             routes.append(ids)
             margins = xp.minimum(margins, margin)
         kv.n_tokens = pos0 + len(tokens)
@@ -68,7 +90,8 @@ class Transformer:
             out = xp.zeros((0, hp.n_vocab), dtype=xp.float32)
         else:
             out = self.logits(x if logits == "all" else x[-1:])
-        return ForwardResult(logits=out, hidden=x, routes=routes, margins=margins)
+        hidden = x.copy() if scratch is not None else x  # the chunk buffer is lent memory
+        return ForwardResult(logits=out, hidden=hidden, routes=routes, margins=margins)
 
     def logits(self, hidden: Any) -> Any:
         """hidden: [T, d] pre-norm -> [T, V] with the native output head."""

@@ -1,0 +1,1 @@
+"""The strata-chat Textual app: chat on the engine in-process and draw its memory live."""

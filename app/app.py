@@ -1,0 +1,275 @@
+"""StrataApp: wires the chat, the composer, the dashboard and the engine link together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.widgets import Footer, Header
+
+from app.commands import FlagCommands
+from app.engine_link import EngineLink
+from app.screens import ConversationsScreen, HelpScreen, LoadingScreen
+from app.store import Store, export_markdown
+from app.widgets.base import EventView
+from app.widgets.chat_log import ChatLog
+from app.widgets.dashboard import Dashboard
+from app.widgets.event_log import EventLog
+from app.widgets.flags_panel import FlagsPanel
+from app.widgets.prompt_input import Composer
+from engine.cli.chat import ChatConfig
+from engine.config import EngineOptions, LoanFlags
+from engine.conversation import Conversation
+from engine.events import Event, Loading, Token
+
+NARROW_COLUMNS = 100  # below this the dashboard and the chat take turns
+
+
+class StrataApp(App[None]):
+    """The chat app. Engine work runs in thread workers behind `EngineLink`."""
+
+    TITLE = "strata chat"
+    COMMANDS = App.COMMANDS | {FlagCommands}
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Cancel"),
+        Binding("ctrl+n", "new_conversation", "New"),
+        Binding("ctrl+o", "open_conversation", "Open"),
+        Binding("ctrl+e", "export", "Export"),
+        Binding("f2", "toggle_dashboard", "Dashboard"),
+        Binding("f1", "help", "Help"),
+        Binding("ctrl+t", "change_theme", "Theme", show=False),
+    ]
+    CSS = """
+    #main { height: 1fr; }
+    #chat-pane { width: 3fr; min-width: 40; }
+    #main.-dashboard-hidden > Dashboard { display: none; }
+    #main.-narrow > Dashboard { width: 1fr; }
+    #main.-narrow.-dashboard-shown > #chat-pane { display: none; }
+    """
+
+    running: reactive[bool] = reactive(False)
+    show_dashboard: reactive[bool] = reactive(True)
+    narrow: reactive[bool] = reactive(False)
+
+    def __init__(
+        self, config: ChatConfig, store: Store | None = None, export_dir: Path | None = None
+    ):
+        super().__init__()
+        self.config = config
+        self.link = EngineLink(self, config.options, config.flags)
+        self.store = store
+        self.export_dir = export_dir
+        self.conv = Conversation()
+        self.error_line = ""
+
+    def compose(self) -> ComposeResult:
+        yield Header(icon="▦")
+        with Horizontal(id="main"):
+            with Vertical(id="chat-pane"):
+                yield ChatLog()
+                yield Composer(self.link.count_tokens)
+            yield Dashboard()
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self.store = self.store or Store.open()
+        self.conv = self.store.last() or Conversation()
+        await self.query_one(ChatLog).show(self.conv)
+        self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
+        self._set_repeat_threshold(self.config.flags)
+        self.push_screen(LoadingScreen(self.config.options.model))
+        self.link.start()
+        self.query_one(Composer).input.focus()
+
+    def on_unmount(self) -> None:
+        self.link.close()
+        if self.store is not None:
+            self.store.close()
+
+    # -- layout ------------------------------------------------------------------------------
+    def on_resize(self) -> None:
+        narrow = self.size.width < NARROW_COLUMNS
+        if narrow != self.narrow:
+            self.narrow = narrow
+            self.show_dashboard = not narrow
+
+    def watch_narrow(self) -> None:
+        self._layout()
+
+    def watch_show_dashboard(self) -> None:
+        self._layout()
+
+    def _layout(self) -> None:
+        main = self.query_one("#main")
+        main.set_class(self.narrow, "-narrow")
+        main.set_class(not self.show_dashboard, "-dashboard-hidden")
+        main.set_class(self.show_dashboard, "-dashboard-shown")
+
+    # -- engine ------------------------------------------------------------------------------
+    async def on_engine_link_events(self, message: EngineLink.Events) -> None:
+        await self._dispatch(message.events)
+
+    async def _dispatch(self, events: tuple[Event, ...]) -> None:
+        if not events:
+            return
+        chat = self.query_one(ChatLog)
+        for event in events:
+            if isinstance(event, Token):
+                await chat.append(event.text)
+            elif isinstance(event, Loading) and isinstance(self.screen, LoadingScreen):
+                self.screen.show(event)
+        for view in [*self.query(EventView), *self.query(EventLog)]:
+            view.post_message(EngineLink.Events(events))
+
+    def on_engine_link_loaded(self, message: EngineLink.Loaded) -> None:
+        loop = message.loop
+        hp = loop.rt.model.hp
+        self.sub_title = (
+            f"{Path(loop.options.model).name} · {hp.n_layer} layers · {hp.n_expert} experts "
+            f"({hp.n_expert_used} active) · vocab {hp.n_vocab:,}"
+        )
+        if isinstance(self.screen, LoadingScreen):
+            self.pop_screen()
+        violations = self._startup_violations()
+        if violations:
+            self._fail("; ".join(violations))
+            return
+        self.query_one(FlagsPanel).show(loop.flags, loop.options)
+        self._set_repeat_threshold(loop.flags)
+        self.query_one(Composer).recount()
+
+    def _startup_violations(self) -> list[str]:
+        cfg = self.config
+        if cfg.flags == LoanFlags() and not (cfg.options.mtp or cfg.options.spec):
+            return []
+        return self.link.set_flags(cfg.flags, cfg.options)
+
+    def on_engine_link_load_failed(self, message: EngineLink.LoadFailed) -> None:
+        self._fail(message.error)
+
+    def _fail(self, line: str) -> None:
+        self.error_line = line
+        self.exit(return_code=2)
+
+    # -- chat --------------------------------------------------------------------------------
+    async def on_composer_send(self, message: Composer.Send) -> None:
+        if self.link.loop is None:
+            self.notify("The engine is still loading.", severity="warning")
+            return
+        if self.running:
+            self.notify("A request is running; Esc cancels it.", severity="warning")
+            return
+        self.running = True
+        self.query_one(Composer).clear()
+        await self.query_one(ChatLog).begin_exchange(message.prompt)
+        cfg = self.config
+        self.link.send(self.conv, message.prompt, message.draft, cfg.params, cfg.max_new)
+
+    async def on_engine_link_reply_done(self, message: EngineLink.ReplyDone) -> None:
+        await self._dispatch(self.link.take())  # every token of this request, before closing it
+        self.running = False
+        chat = self.query_one(ChatLog)
+        if message.reply.cancelled:
+            await chat.withdraw()
+            self.query_one(Composer).restore(message.draft)
+            self.notify("Cancelled; your prompt is back in the input.")
+            return
+        await chat.finish(message.reply.text)
+        assert self.store is not None
+        self.store.save(message.conversation)
+
+    async def on_engine_link_reply_failed(self, message: EngineLink.ReplyFailed) -> None:
+        await self._dispatch(self.link.take())
+        self.running = False
+        await self.query_one(ChatLog).withdraw()
+        self.query_one(Composer).restore(message.draft)
+        self.notify(message.error, title="Request failed", severity="error", timeout=10)
+
+    def action_cancel(self) -> None:
+        if self.running:
+            self.link.cancel()
+            self.notify("Cancelling…", timeout=2)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "cancel":
+            return self.running or None  # None: shown greyed out in the footer
+        return True
+
+    def watch_running(self) -> None:
+        self.refresh_bindings()
+
+    # -- flags -------------------------------------------------------------------------------
+    def flags_in_force(self) -> tuple[LoanFlags, EngineOptions] | None:
+        loop = self.link.loop
+        return (loop.flags, loop.options) if loop is not None else None
+
+    def request_flags(self, flags: LoanFlags, options: EngineOptions) -> None:
+        """Ask the engine for new flags/options (the flags panel and the command palette)."""
+        panel = self.query_one(FlagsPanel)
+        if self.link.loop is None:
+            self.notify("The engine is still loading.", severity="warning")
+            panel.refused(["the engine is still loading"])
+            return
+        violations = self.link.set_flags(flags, options)
+        if violations:
+            panel.refused(violations)
+            self.notify("\n".join(violations), title="Flags refused", severity="error", timeout=8)
+            return
+        panel.accepted(flags, options)
+        self._set_repeat_threshold(flags)
+        self.notify("Applies from the next message.", title="Flags accepted")
+
+    def on_flags_panel_requested(self, message: FlagsPanel.Requested) -> None:
+        self.request_flags(message.flags, message.options)
+
+    def _set_repeat_threshold(self, flags: LoanFlags) -> None:
+        composer = self.query_one(Composer)
+        composer.repeat_threshold = flags.repeat_min_tokens if flags.repeat_loan else None
+
+    # -- conversations -----------------------------------------------------------------------
+    async def action_new_conversation(self) -> None:
+        if self._refuse_while_running():
+            return
+        self.conv = Conversation()
+        await self.query_one(ChatLog).show(self.conv)
+        self.notify("New conversation.", timeout=2)
+
+    def action_open_conversation(self) -> None:
+        if self._refuse_while_running():
+            return
+        assert self.store is not None
+        self.push_screen(ConversationsScreen(self.store.list(), self.conv.id), self._open)
+
+    async def _open(self, conv_id: str | None) -> None:
+        assert self.store is not None
+        conv = self.store.load(conv_id) if conv_id else None
+        if conv is not None:
+            self.conv = conv
+            await self.query_one(ChatLog).show(conv)
+
+    def action_export(self) -> None:
+        if not self.conv.messages:
+            self.notify("Nothing to export yet.", severity="warning")
+            return
+        path = export_markdown(self.conv, self.export_dir)
+        self.notify(f"Exported to {path}", title="Export", timeout=8)
+
+    def _refuse_while_running(self) -> bool:
+        if self.running:
+            self.notify("Finish or cancel (Esc) the running request first.", severity="warning")
+        return self.running
+
+    # -- view --------------------------------------------------------------------------------
+    def action_toggle_dashboard(self) -> None:
+        self.show_dashboard = not self.show_dashboard
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    async def action_quit(self) -> None:
+        self.link.cancel()  # a running request rolls back at its next chunk or token
+        self.exit()

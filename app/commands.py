@@ -1,0 +1,78 @@
+"""Command palette provider: the flags panel's actions, by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, cast
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+from app.widgets.flags_panel import PREFILL_CHOICES, SPEC_CHOICES, SWITCHES
+from engine.config import ENV_NAMES
+
+if TYPE_CHECKING:
+    from app.app import StrataApp
+
+REPEAT_THRESHOLDS = (256, 1024, 4096, 16384, 50000)
+
+
+class FlagCommands(Provider):
+    """Toggle a loan flag, set spec T, the prefill mode or the repeat threshold."""
+
+    def commands(self) -> list[tuple[str, Callable[[], None], str]]:
+        app = cast("StrataApp", self.app)
+        current = app.flags_in_force()
+        if current is None:
+            return []
+        flags, options = current
+        ask = app.request_flags
+        out: list[tuple[str, Callable[[], None], str]] = []
+        for name in SWITCHES:
+            on = getattr(flags, name)
+            out.append(
+                (
+                    f"Loan flag: turn {ENV_NAMES[name]} {'off' if on else 'on'}",
+                    partial(ask, flags.with_changes(**{name: not on}), options),
+                    f"now {'on' if on else 'off'}; applies from the next message",
+                )
+            )
+        for n in REPEAT_THRESHOLDS:
+            if n != flags.repeat_min_tokens:
+                out.append(
+                    (
+                        f"Loan flag: {ENV_NAMES['repeat_min_tokens']} = {n:,}",
+                        partial(ask, flags.with_changes(repeat_min_tokens=n), options),
+                        f"now {flags.repeat_min_tokens:,}",
+                    )
+                )
+        for t in SPEC_CHOICES:
+            if t != options.spec:
+                out.append(
+                    (
+                        f"Speculative decoding: spec T = {t}" + (" (off)" if not t else ""),
+                        partial(ask, flags, options.with_changes(spec=t)),
+                        f"now {options.spec}",
+                    )
+                )
+        for p in PREFILL_CHOICES:
+            if p != options.prefill:
+                out.append(
+                    (
+                        f"Prefill chunk: {p}",
+                        partial(ask, flags, options.with_changes(prefill=p)),
+                        f"now {options.prefill}",
+                    )
+                )
+        return out
+
+    async def discover(self) -> Hits:
+        for name, callback, help_text in self.commands():
+            yield DiscoveryHit(name, callback, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for name, callback, help_text in self.commands():
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), callback, help=help_text)

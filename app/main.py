@@ -1,0 +1,33 @@
+"""Entry points: `run_app(argv)` (bare `strata`, `python -m app`) and `launch(config)`."""
+
+from __future__ import annotations
+
+import sys
+
+from engine.cli import OneLineParser
+from engine.cli.chat import ChatConfig, add_chat_args, chat_config
+from engine.errors import StrataError
+
+
+def run_app(argv: list[str] | None = None) -> int:
+    """Parse `strata chat` options from argv (default: sys.argv[1:]) and run the app."""
+    parser = OneLineParser(prog="strata chat", description="the strata chat app")
+    add_chat_args(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = chat_config(args)
+    except StrataError as exc:
+        sys.stderr.write(f"strata: error: {exc}\n")
+        return 2
+    return launch(config)
+
+
+def launch(config: ChatConfig) -> int:
+    """Run the app until it quits; an engine that cannot start is one line and exit code 2."""
+    from app.app import StrataApp
+
+    app = StrataApp(config)
+    app.run()
+    if app.error_line:
+        sys.stderr.write(f"strata: error: {app.error_line}\n")
+    return app.return_code or 0

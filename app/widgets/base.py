@@ -1,0 +1,22 @@
+"""EventView: the mixin of every widget that draws engine events."""
+
+from __future__ import annotations
+
+from textual.widget import Widget
+
+from app.engine_link import EngineLink
+from engine.events import Event
+
+
+class EventView(Widget):
+    """Receives `EngineLink.Events` batches (posted by the app) and applies each event.
+
+    Subclasses implement `apply_event`, setting reactives; their `watch_`/`render` draw.
+    """
+
+    def on_engine_link_events(self, message: EngineLink.Events) -> None:
+        for event in message.events:
+            self.apply_event(event)
+
+    def apply_event(self, event: Event) -> None:
+        raise NotImplementedError

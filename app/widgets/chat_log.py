@@ -1,0 +1,130 @@
+"""ChatLog: the conversation — user messages as text, answers as streaming Markdown."""
+
+from __future__ import annotations
+
+import re
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Label, Markdown, Static
+from textual.widgets.markdown import MarkdownStream
+
+from engine.conversation import Conversation
+
+USER_PREVIEW_LINES = 12
+# C0/C1 control characters other than tab and newline: models can emit them; terminals must not
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    return _CONTROL.sub("\N{REPLACEMENT CHARACTER}", text)
+
+
+def user_preview(text: str) -> Text:
+    """The first lines of a user message; long pastes say how much is hidden."""
+    lines = text.splitlines() or [""]
+    shown = Text(printable("\n".join(lines[:USER_PREVIEW_LINES])))
+    if len(lines) > USER_PREVIEW_LINES:
+        shown.append(f"\n… {len(lines) - USER_PREVIEW_LINES:,} more lines", style="dim italic")
+    return shown
+
+
+class MessageView(Vertical):
+    """One message: a role label and its body."""
+
+    DEFAULT_CSS = """
+    MessageView {
+        height: auto;
+        margin: 0 0 1 0;
+        & > Label { color: $text-muted; text-style: bold; }
+        &.-user > Label { color: $text-accent; }
+        &.-assistant > Label { color: $text-success; }
+        & > Static { padding: 0 1; }
+        & > Markdown { padding: 0 1; margin: 0; }
+        &.-cancelled > Label { color: $text-warning; }
+    }
+    """
+
+    def __init__(self, role: str, content: str = "") -> None:
+        super().__init__(classes=f"-{role}")
+        self.role, self.content = role, content
+
+    def compose(self) -> ComposeResult:
+        yield Label("you" if self.role == "user" else self.role)
+        if self.role == "user":
+            yield Static(user_preview(self.content))
+        else:
+            yield Markdown(printable(self.content))
+
+
+class ChatLog(VerticalScroll):
+    """Message views; the answer being generated streams into the last Markdown."""
+
+    DEFAULT_CSS = """
+    ChatLog {
+        height: 1fr;
+        padding: 0 1;
+        scrollbar-size-vertical: 1;
+        & > #chat-empty { color: $text-muted; padding: 1 2; }
+    }
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._stream: MarkdownStream | None = None
+        self._pending: list[MessageView] = []
+
+    def compose(self) -> ComposeResult:
+        yield Static("Type a message and press Enter.  F1 shows every key.", id="chat-empty")
+
+    @property
+    def streaming(self) -> bool:
+        return self._stream is not None
+
+    async def show(self, conv: Conversation) -> None:
+        """Replace the log with the messages of `conv`."""
+        await self._stop_stream()
+        self._pending = []
+        await self.remove_children(MessageView)
+        await self.mount_all([MessageView(m.role, m.content) for m in conv.messages])
+        self.query_one("#chat-empty").display = not conv.messages
+        self.scroll_end(animate=False)
+
+    async def begin_exchange(self, prompt: str) -> None:
+        """Show the user's message and an empty answer that tokens will stream into."""
+        self.query_one("#chat-empty").display = False
+        user, answer = MessageView("user", prompt), MessageView("assistant")
+        await self.mount_all([user, answer])
+        self._pending = [user, answer]
+        self._stream = Markdown.get_stream(answer.query_one(Markdown))
+        self.scroll_end(animate=False)
+
+    async def append(self, text: str) -> None:
+        """Stream generated text into the answer; ignored when no answer is open."""
+        if self._stream is not None and text:
+            await self._stream.write(printable(text))
+            self.scroll_end(animate=False)
+
+    async def finish(self, reply: str) -> None:
+        """Close the answer with the engine's final text (authoritative over the stream)."""
+        await self._stop_stream()
+        if self._pending:
+            answer = self._pending[-1]
+            answer.content = reply
+            await answer.query_one(Markdown).update(printable(reply))
+        self._pending = []
+        self.scroll_end(animate=False)
+
+    async def withdraw(self) -> None:
+        """Remove the open exchange (cancelled or failed request)."""
+        await self._stop_stream()
+        for view in self._pending:
+            await view.remove()
+        self._pending = []
+        self.query_one("#chat-empty").display = not self.query(MessageView)
+
+    async def _stop_stream(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.stop()

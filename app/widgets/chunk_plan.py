@@ -1,0 +1,82 @@
+"""ChunkPlan: the prompt plan of the current request and its prefill progress."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.reactive import reactive
+from textual.widgets import ProgressBar, Static
+
+from app.widgets.base import EventView
+from app.widgets.fmt import fmt_ms
+from engine.events import Event, PlanChosen, PrefillProgress, RequestDone
+
+
+class ChunkPlan(EventView):
+    """`chunk tokens / ring slots`, loan on/off, chunks done/total, ms per chunk, a bar."""
+
+    DEFAULT_CSS = """
+    ChunkPlan {
+        height: auto;
+        border: round $primary 50%;
+        border-title-color: $text-primary;
+        padding: 0 1;
+        & > Static { height: auto; }
+        & > ProgressBar { width: 1fr; }
+        & Bar { width: 1fr; }
+    }
+    """
+
+    plan: reactive[PlanChosen | None] = reactive(None)
+    progress: reactive[PrefillProgress | None] = reactive(None)
+    mean_chunk_ms: reactive[float] = reactive(0.0)
+
+    def compose(self) -> ComposeResult:
+        yield Static(Text("no request yet", style="dim"), id="plan-text")
+        yield ProgressBar(total=None, show_eta=False, id="prefill-bar")
+
+    def on_mount(self) -> None:
+        self.border_title = "Prompt plan"
+
+    def apply_event(self, event: Event) -> None:
+        if isinstance(event, PlanChosen):
+            self.mean_chunk_ms = 0.0
+            self.progress = None
+            self.plan = event
+        elif isinstance(event, PrefillProgress):
+            self.progress = event
+        elif isinstance(event, RequestDone) and self.progress is not None:
+            # the queue keeps only the newest progress per tick, so average from the total
+            self.mean_chunk_ms = event.prefill_ms / max(1, self.progress.chunk)
+
+    def watch_plan(self) -> None:
+        self._redraw()
+
+    def watch_progress(self) -> None:
+        self._redraw()
+
+    def watch_mean_chunk_ms(self) -> None:
+        self._redraw()
+
+    def _redraw(self) -> None:
+        if not self.is_mounted:
+            return
+        plan, prog = self.plan, self.progress
+        bar = self.query_one("#prefill-bar", ProgressBar)
+        if plan is None:
+            return
+        text = Text()
+        text.append(f"{plan.chunk_tokens:,} / {plan.ring_slots}", style="bold")
+        text.append("  chunk tokens / ring slots   loan ")
+        text.append("on" if plan.loan else "off", style="bold green" if plan.loan else "dim")
+        done = prog.chunk if prog else 0
+        text.append(f"\nchunk {done} of {plan.n_chunks}")
+        text.append(f"   {prog.tokens_done if prog else 0:,} of {plan.fresh_tokens:,} tokens")
+        if prog is not None:
+            text.append(f"   last chunk {fmt_ms(prog.chunk_ms)}")
+        if self.mean_chunk_ms:
+            text.append(f"   mean {fmt_ms(self.mean_chunk_ms)}/chunk")
+        for reason in plan.reasons:
+            text.append(f"\n· {reason}", style="dim")
+        self.query_one("#plan-text", Static).update(text)
+        bar.update(total=plan.fresh_tokens, progress=prog.tokens_done if prog else 0)

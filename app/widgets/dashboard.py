@@ -1,0 +1,39 @@
+"""Dashboard: the column of engine pictures beside the chat."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+
+from app.widgets.chunk_plan import ChunkPlan
+from app.widgets.event_log import EventLog
+from app.widgets.flags_panel import FlagsPanel
+from app.widgets.loan_timeline import LoanTimeline
+from app.widgets.segment_map import SegmentMap
+from app.widgets.slot_map import SlotMap
+from app.widgets.timing_panel import TimingPanel
+from app.widgets.vram_bar import VramBar
+
+
+class Dashboard(VerticalScroll):
+    """VRAM bar, segment map, slot map, chunk plan, loan timeline, timing, flags, event log."""
+
+    DEFAULT_CSS = """
+    Dashboard {
+        width: 2fr;
+        min-width: 40;
+        height: 1fr;
+        scrollbar-size-vertical: 1;
+        & > EventLog { height: 12; }
+    }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield VramBar()
+        yield SegmentMap()
+        yield SlotMap()
+        yield ChunkPlan()
+        yield LoanTimeline()
+        yield TimingPanel()
+        yield FlagsPanel()
+        yield EventLog()

@@ -1,0 +1,179 @@
+"""FlagsPanel: the six loan flags, the repeat threshold, spec T and the prefill mode.
+
+Every change is posted as `FlagsPanel.Requested`; the app asks the engine and answers with
+`accepted` (the panel shows "applies from the next message") or `refused` (the panel shows
+the reasons and puts its controls back to the flags in force).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.message import Message
+from textual.reactive import reactive
+from textual.widget import Widget
+from textual.widgets import Input, Label, Select, Static, Switch
+
+from engine.config import ENV_NAMES, EngineOptions, LoanFlags
+
+SWITCHES = ("elastic_loan", "mtp_loan", "head_loan", "retain_startup_chunk", "repeat_loan")
+SPEC_CHOICES = (0, 2, 3, 4, 5, 6, 7, 8)
+PREFILL_CHOICES: tuple[int | str, ...] = ("auto", 256, 512, 1024, 2048)
+
+
+def short_name(flag: str) -> str:
+    return ENV_NAMES[flag].removeprefix("STRATA_PREFILL_")
+
+
+class FlagsPanel(Widget):
+    """Controls for LoanFlags and the two runtime options (spec T, prefill)."""
+
+    DEFAULT_CSS = """
+    FlagsPanel {
+        height: auto;
+        border: round $primary 50%;
+        border-title-color: $text-primary;
+        padding: 0 1;
+        & Horizontal { height: 1; }
+        & Switch { border: none; padding: 0; height: 1; margin-right: 1; }
+        & Label { height: 1; }
+        & Input { width: 12; height: 1; border: none; padding: 0 1; }
+        & Select { width: 14; }
+        & #flags-status { height: auto; margin-top: 1; }
+        & .-refused { color: $error; }
+        & .-accepted { color: $success; }
+    }
+    """
+
+    @dataclass
+    class Requested(Message):
+        """The user asked for these flags and options."""
+
+        flags: LoanFlags
+        options: EngineOptions
+
+    flags: reactive[LoanFlags] = reactive(LoanFlags, init=False)
+    options: reactive[EngineOptions] = reactive(EngineOptions, init=False)
+    status: reactive[Text] = reactive(Text(""), init=False)
+
+    def compose(self) -> ComposeResult:
+        for name in SWITCHES:
+            with Horizontal():
+                yield Switch(value=getattr(self.flags, name), id=name, animate=False)
+                yield Label(short_name(name))
+        with Horizontal():
+            yield Input(
+                str(self.flags.repeat_min_tokens),
+                type="integer",
+                id="repeat_min_tokens",
+                compact=True,
+            )
+            yield Label(short_name("repeat_min_tokens"))
+        with Horizontal():
+            yield Label("spec T ")
+            yield Select(
+                [(str(t) if t else "0 (off)", t) for t in SPEC_CHOICES],
+                value=self.options.spec,
+                allow_blank=False,
+                compact=True,
+                id="spec",
+            )
+            yield Label(" prefill ")
+            yield Select(
+                [(str(p), p) for p in PREFILL_CHOICES],
+                value=self.options.prefill if self.options.prefill in PREFILL_CHOICES else "auto",
+                allow_blank=False,
+                compact=True,
+                id="prefill",
+            )
+        yield Static(id="options-line")
+        yield Static(id="flags-status")
+
+    def on_mount(self) -> None:
+        self.border_title = "Loan flags"
+        self._sync()
+
+    # -- the app's answers -------------------------------------------------------------------
+    def show(self, flags: LoanFlags, options: EngineOptions) -> None:
+        """Set the flags and options in force (at start, or after an accepted change)."""
+        self.options = options
+        self.flags = flags
+
+    def accepted(self, flags: LoanFlags, options: EngineOptions) -> None:
+        self.show(flags, options)
+        message = Text("accepted: applies from the next message", style="green")
+        for warning in flags.warnings:
+            message.append(f"\n{warning}", style="yellow")
+        self.status = message
+
+    def refused(self, violations: list[str]) -> None:
+        self.status = Text("refused:\n" + "\n".join(f"· {v}" for v in violations), style="red")
+        self._sync()  # put every control back to the flags in force
+
+    # -- watchers ----------------------------------------------------------------------------
+    def watch_flags(self) -> None:
+        self._sync()
+
+    def watch_options(self) -> None:
+        self._sync()
+
+    def watch_status(self, status: Text) -> None:
+        if self.is_mounted:
+            self.query_one("#flags-status", Static).update(status)
+
+    def _sync(self) -> None:
+        if not self.is_mounted:
+            return
+        with self.prevent(Switch.Changed, Select.Changed, Input.Changed):
+            for name in SWITCHES:
+                self.query_one(f"#{name}", Switch).value = getattr(self.flags, name)
+            self.query_one("#repeat_min_tokens", Input).value = str(self.flags.repeat_min_tokens)
+            self.query_one("#spec", Select).value = self.options.spec
+            prefill = self.options.prefill
+            self.query_one("#prefill", Select).value = (
+                prefill if prefill in PREFILL_CHOICES else "auto"
+            )
+        o = self.options
+        self.query_one("#options-line", Static).update(
+            Text(
+                f"--serve {'on' if o.serve else 'off'}  --vram-elastic "
+                f"{'on' if o.vram_elastic else 'off'}  --mtp {'on' if o.mtp else 'off'}",
+                style="dim",
+            )
+        )
+
+    # -- user changes ------------------------------------------------------------------------
+    def on_switch_changed(self, event: Switch.Changed) -> None:
+        event.stop()
+        name = event.switch.id or ""
+        if name in SWITCHES and event.value != getattr(self.flags, name):
+            self.post_message(
+                self.Requested(self.flags.with_changes(**{name: event.value}), self.options)
+            )
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        try:
+            n = int(event.value)
+        except ValueError:
+            self.refused([f"{ENV_NAMES['repeat_min_tokens']}={event.value!r} is not an integer"])
+            return
+        if n != self.flags.repeat_min_tokens:
+            self.post_message(
+                self.Requested(self.flags.with_changes(repeat_min_tokens=n), self.options)
+            )
+
+    def on_select_changed(self, event: Select.Changed) -> None:
+        event.stop()
+        key = event.select.id
+        if key == "spec" and event.value != self.options.spec:
+            self.post_message(
+                self.Requested(self.flags, self.options.with_changes(spec=event.value))
+            )
+        elif key == "prefill" and event.value != self.options.prefill:
+            self.post_message(
+                self.Requested(self.flags, self.options.with_changes(prefill=event.value))
+            )

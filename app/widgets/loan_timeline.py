@@ -1,0 +1,110 @@
+"""LoanTimeline: the phases of the current request's loan transaction with their durations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rich.text import Text
+from textual.reactive import reactive
+
+from app.widgets.base import EventView
+from app.widgets.fmt import fmt_bytes, fmt_ms
+from engine.events import Event, LoanStep, PlanChosen, PrefillProgress, RequestDone
+
+STEP_STYLES = {
+    "release": "#d7875f",
+    "plan": "#87afd7",
+    "lend": "#ff8700",
+    "prefill": "#00afaf",
+    "refill": "#ffd75f",
+    "restore": "#5faf5f",
+    "failed": "bold red",
+    "cancelled": "bold yellow",
+}
+LABEL_WIDTH = 10
+MS_WIDTH = 10
+
+
+@dataclass(frozen=True)
+class Phase:
+    step: str
+    ms: float
+    detail: str = ""
+    running: bool = False
+
+
+class LoanTimeline(EventView):
+    """One row per phase (release, plan, lend, prefill, refill, restore), bars to scale."""
+
+    DEFAULT_CSS = """
+    LoanTimeline {
+        height: auto;
+        min-height: 3;
+        border: round $primary 50%;
+        border-title-color: $text-primary;
+        padding: 0 1;
+    }
+    """
+
+    phases: reactive[tuple[Phase, ...]] = reactive((), layout=True)
+    loan: reactive[bool | None] = reactive(None)
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._open = False
+        self._prefill_t0 = 0.0
+
+    def on_mount(self) -> None:
+        self.border_title = "Loan timeline"
+
+    def _begin(self) -> None:
+        if not self._open:
+            self._open, self.phases, self.loan = True, (), None
+
+    def apply_event(self, event: Event) -> None:
+        if isinstance(event, LoanStep):
+            self._begin()
+            detail = event.detail
+            if event.n_bytes:
+                detail = (
+                    f"{detail} ({fmt_bytes(event.n_bytes)})" if detail else fmt_bytes(event.n_bytes)
+                )
+            self.phases = (*self.phases, Phase(event.step, event.ms, detail))
+        elif isinstance(event, PlanChosen):
+            self._begin()
+            self.loan = event.loan
+            self._prefill_t0 = event.t
+            detail = f"{event.n_chunks} chunks of {event.chunk_tokens:,}"
+            self.phases = (*self.phases, Phase("prefill", 0.0, detail, running=True))
+        elif isinstance(event, PrefillProgress):
+            self._set_prefill(ms=(event.t - self._prefill_t0) * 1e3, running=True)
+        elif isinstance(event, RequestDone):
+            self._set_prefill(ms=event.prefill_ms, running=False)
+            self._open = False
+
+    def _set_prefill(self, ms: float, running: bool) -> None:
+        self.phases = tuple(
+            replace(p, ms=ms, running=running) if p.step == "prefill" else p for p in self.phases
+        )
+
+    def watch_loan(self, loan: bool | None) -> None:
+        self.border_subtitle = "" if loan is None else f"loan {'on' if loan else 'off'}"
+
+    def render(self) -> Text:
+        if not self.phases:
+            return Text("no request yet", style="dim")
+        width = max(1, (self.content_region.width or self.size.width) - LABEL_WIDTH - MS_WIDTH - 2)
+        bar_width = max(4, width // 2)
+        longest = max(p.ms for p in self.phases) or 1.0
+        text = Text()
+        for i, p in enumerate(self.phases):
+            style = STEP_STYLES.get(p.step, "white")
+            n = max(1, round(bar_width * p.ms / longest)) if p.ms > 0 else 1
+            if i:
+                text.append("\n")
+            text.append(f"{p.step:<{LABEL_WIDTH}}", style=style)
+            text.append(("█" * n).ljust(bar_width), style=style)
+            ms = fmt_ms(p.ms) + ("…" if p.running else " ")
+            text.append(f"{ms:>{MS_WIDTH}} ")
+            text.append(p.detail, style="dim")
+        return text

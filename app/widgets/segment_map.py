@@ -1,0 +1,65 @@
+"""SegmentMap: one cell per device-memory segment, coloured by the region that owns it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.text import Text
+from textual.reactive import reactive
+
+from app.widgets.base import EventView
+from app.widgets.fmt import fmt_bytes, region_color
+from engine.events import Event, LedgerChanged
+
+FREE_NAMES = ("", "free")
+
+
+class SegmentMap(EventView):
+    """Draws `LedgerChanged.segment_map` row by row; free segments are dim dots."""
+
+    DEFAULT_CSS = """
+    SegmentMap {
+        height: auto;
+        min-height: 3;
+        border: round $primary 50%;
+        border-title-color: $text-primary;
+        padding: 0 1;
+    }
+    """
+
+    segments: reactive[tuple[str, ...]] = reactive((), layout=True)
+    segment_bytes: reactive[int] = reactive(0)
+
+    def on_mount(self) -> None:
+        self.border_title = "Segments"
+
+    def apply_event(self, event: Event) -> None:
+        if isinstance(event, LedgerChanged):
+            self.segment_bytes = event.segment_bytes
+            self.segments = event.segment_map
+
+    def watch_segments(self, segments: tuple[str, ...]) -> None:
+        n_free = sum(1 for s in segments if s in FREE_NAMES)
+        if segments:
+            self.border_subtitle = (
+                f"{len(segments)} × {fmt_bytes(self.segment_bytes)}, {n_free} free"
+            )
+
+    def render(self) -> Text:
+        if not self.segments:
+            return Text("no segment map yet", style="dim")
+        text = Text()
+        for owner in self.segments:
+            if owner in FREE_NAMES:
+                text.append("·", style="dim")
+            else:
+                text.append("■", style=region_color(owner))
+        counts = Counter(s for s in self.segments if s not in FREE_NAMES)
+        text.append("\n")
+        text.append(
+            Text("  ").join(
+                Text.assemble(("■ ", region_color(name)), f"{name} {n}")
+                for name, n in sorted(counts.items(), key=lambda kv: -kv[1])
+            )
+        )
+        return text

@@ -1,0 +1,65 @@
+"""TimingPanel: the last request's figures (the timing line, as numbers)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.reactive import reactive
+
+from app.widgets.base import EventView
+from app.widgets.fmt import fmt_bytes, fmt_ms, rate
+from engine.events import Event, RequestDone
+
+
+class TimingPanel(EventView):
+    """PP, TG, TTFT, drafts accepted and bytes streamed of the last finished request."""
+
+    DEFAULT_CSS = """
+    TimingPanel {
+        height: auto;
+        min-height: 3;
+        border: round $primary 50%;
+        border-title-color: $text-primary;
+        padding: 0 1;
+    }
+    """
+
+    done: reactive[RequestDone | None] = reactive(None, layout=True)
+
+    def on_mount(self) -> None:
+        self.border_title = "Timing"
+
+    def apply_event(self, event: Event) -> None:
+        if isinstance(event, RequestDone):
+            self.done = event
+
+    def watch_done(self, done: RequestDone | None) -> None:
+        self.border_subtitle = "cancelled" if done is not None and done.cancelled else ""
+
+    def render(self) -> Table | Text:
+        d = self.done
+        if d is None:
+            return Text("no request yet", style="dim")
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold")
+        table.add_column()
+        table.add_column(style="bold")
+        table.add_column()
+        drafts = (
+            f"{d.drafts_accepted} of {d.drafts_offered} "
+            f"({100 * d.drafts_accepted / d.drafts_offered:.0f}%)"
+            if d.drafts_offered
+            else "–"
+        )
+        table.add_row(
+            "PP", rate(d.fresh_tokens, d.prefill_ms), "TG", rate(d.generated, d.decode_ms)
+        )
+        table.add_row("TTFT", fmt_ms(d.ttft_ms) if d.ttft_ms else "–", "drafts", drafts)
+        table.add_row(
+            "prompt",
+            f"{d.prompt_tokens:,} = {d.reused_tokens:,} reused + {d.fresh_tokens:,}",
+            "generated",
+            f"{d.generated:,} in {fmt_ms(d.decode_ms)}",
+        )
+        table.add_row("streamed", fmt_bytes(d.bytes_streamed), "prefill", fmt_ms(d.prefill_ms))
+        return table

@@ -1,0 +1,94 @@
+"""Device bytes of every item the planner places, computed from the model's shapes.
+
+Dense weights, heads and buffers are float32 on the device (what the kernels read); experts
+are their quantized GGUF blobs. Each carved array is padded to the arena's alignment.
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineOptions
+from engine.kv import kv_bytes_per_cell
+from engine.memory.arena import padded
+from engine.memory.planner import ModelCosts
+from engine.model.loader import Model
+
+F32 = 4
+
+
+def block_dense_bytes(d: int, q: int, kv: int, head_dim: int, n_expert: int) -> int:
+    """One block's attention + norms + router, float32, padded per array."""
+    arrays = [d, q * d, kv * d, kv * d, d * q, head_dim, head_dim, d, n_expert * d]
+    return sum(padded(F32 * n) for n in arrays)
+
+
+def dense_bytes(model: Model) -> int:
+    """Main blocks, the final norm and (with MTP) the nextn block's dense weights."""
+    hp = model.hp
+    one = block_dense_bytes(hp.n_embd, hp.q_dim, hp.kv_dim, hp.head_dim, hp.n_expert)
+    total = hp.n_layer * one + padded(F32 * hp.n_embd)
+    if hp.n_nextn:
+        d = hp.n_embd
+        total += one + padded(F32 * d * 2 * d) + 3 * padded(F32 * d)  # eh_proj, 3 norms
+    return total
+
+
+def head_bytes(model: Model) -> int:
+    return padded(F32 * model.hp.n_vocab * model.hp.n_embd)
+
+
+def draft_head_bytes(model: Model, draft_vocab: int) -> int:
+    n = draft_vocab or model.hp.n_vocab
+    return padded(F32 * min(n, model.hp.n_vocab) * model.hp.n_embd)
+
+
+def mtp_expert_bytes(model: Model) -> int:
+    host = model.mtp_experts
+    return padded(host.n_expert * host.blob_bytes) if host is not None else 0
+
+
+def verifier_bytes(model: Model, spec: int) -> int:
+    """Window buffers: logits [T, V] and hidden [T, d], float32."""
+    if spec < 2:
+        return 0
+    return padded(F32 * spec * model.hp.n_vocab) + padded(F32 * spec * model.hp.n_embd)
+
+
+def kv_bytes(model: Model, n_ctx: int, kind: str) -> int:
+    hp = model.hp
+    return kv_bytes_per_cell(kind, hp.n_layer, hp.kv_dim) * n_ctx + 4 * padded(1)
+
+
+def mtp_kv_bytes(model: Model, n_ctx: int, kind: str) -> int:
+    hp = model.hp
+    return kv_bytes_per_cell(kind, 1, hp.kv_dim) * n_ctx + 4 * padded(1) if hp.n_nextn else 0
+
+
+def act_bytes_per_token(model: Model) -> int:
+    """Peak activations one prompt token needs in a layer, float32: residual and normed
+    stream, q/k/v and attention output, router probabilities, and its k experts' gate, up and
+    down outputs, plus the MoE accumulator. Attention scores are computed in query blocks of
+    bounded size (flash-style on the GPU), so they do not grow with the chunk."""
+    hp = model.hp
+    d, k, f = hp.n_embd, hp.n_expert_used, hp.n_ff_exp
+    per_token = 3 * d + 2 * hp.q_dim + 2 * hp.kv_dim + hp.n_expert + k * (2 * f + d)
+    return F32 * per_token
+
+
+def model_costs(model: Model, options: EngineOptions) -> ModelCosts:
+    """What each planner item costs for `model` under `options`."""
+    use_mtp = options.mtp and model.has_mtp
+    return ModelCosts(
+        dense_bytes=dense_bytes(model),
+        kv_bytes=kv_bytes(model, options.ctx, options.kv)
+        + (mtp_kv_bytes(model, options.ctx, options.kv) if use_mtp else 0),
+        expert_blob_bytes=model.experts.blob_bytes,
+        n_layer=model.hp.n_layer,
+        n_expert=model.hp.n_expert,
+        n_expert_used=model.hp.n_expert_used,
+        act_bytes_per_token=act_bytes_per_token(model),
+        act_bytes_fixed=2 * padded(1),
+        verifier_bytes=verifier_bytes(model, options.spec) if use_mtp else 0,
+        head_bytes=head_bytes(model),
+        mtp_expert_bytes=mtp_expert_bytes(model) if use_mtp else 0,
+        draft_head_bytes=draft_head_bytes(model, options.draft_vocab) if use_mtp else 0,
+    )

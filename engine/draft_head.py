@@ -1,0 +1,162 @@
+"""The draft head: output-head rows of a draft vocabulary, held as a releasable array.
+
+The MTP block drafts through its own copy of head rows (region `mtp.draft_head`), so the
+VRAM loan can release it before prefill and restore it, byte for byte, before the first token.
+
+Draft vocabulary (`--draft-vocab N`, 0 = every row). With token frequencies (`counts`, for
+instance from a profile of generated text), the N most frequent ids are kept. Without them we
+keep the first ids of the regular vocabulary (normal, byte and user-defined tokens; control,
+unknown and unused tokens are skipped): in a byte-level BPE vocabulary ids follow merge order,
+so low ids are the short, frequent pieces. End-of-generation ids are always kept, so a draft
+can propose the end of a turn; they count towards N. Draft rows map back to full-vocabulary
+ids through `ids`; the verifier always scores the full vocabulary.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engine.errors import FlagError
+from engine.gguf import names
+from engine.gguf.reader import TensorView
+from engine.gguf.tokenizer import Tokenizer, TokenType
+from engine.model.loader import Model
+from engine.quant import dequantize_bytes
+
+REGULAR_TYPES = (TokenType.NORMAL, TokenType.BYTE, TokenType.USER_DEFINED)
+
+
+def select_draft_ids(tokenizer: Tokenizer, n: int, counts: np.ndarray | None = None) -> np.ndarray:
+    """Sorted full-vocabulary ids [N] int64 of the draft vocabulary (N = n, or V when n is 0)."""
+    v = tokenizer.n_vocab
+    if n < 0:
+        raise FlagError(f"--draft-vocab {n} must be >= 0 (0 keeps every row)")
+    if n == 0 or n >= v:
+        return np.arange(v, dtype=np.int64)
+    eog = sorted(tokenizer.eog_ids)
+    if n <= len(eog):
+        raise FlagError(
+            f"--draft-vocab {n} must be larger than the {len(eog)} end-of-generation tokens "
+            "it always keeps"
+        )
+    if counts is not None:
+        if counts.shape != (v,):
+            raise FlagError(f"draft-vocab counts have shape {list(counts.shape)}, expected [{v}]")
+        order = np.argsort(-counts, kind="stable")  # most frequent first, ties by lower id
+    else:
+        types = np.asarray(tokenizer.token_types)
+        order = np.nonzero(np.isin(types, [int(t) for t in REGULAR_TYPES]))[0]
+    rest = [int(i) for i in order if int(i) not in tokenizer.eog_ids][: n - len(eog)]
+    return np.asarray(sorted(rest + eog), dtype=np.int64)
+
+
+def head_tensor(model: Model) -> TensorView:
+    """The rows the MTP block predicts with: its own shared head, else the main output head
+    (else the tied token embedding)."""
+    own = names.nextn("shared_head_head", model.hp.n_layer)
+    for name in (own, names.OUTPUT, names.TOKEN_EMBD):
+        if name in model.mf.tensors:
+            return model.mf.tensors[name]
+    raise AssertionError("token_embd is always present")  # read_hparams checked it
+
+
+class DraftHead:
+    """Rows `ids` of an output head as float32 [N, d] on the device; releasable."""
+
+    name = "mtp.draft_head"
+
+    def __init__(
+        self,
+        source: TensorView,
+        ids: np.ndarray,
+        xp: Any = np,
+        to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+    ):
+        self.source, self.xp, self._to_device = source, xp, to_device
+        self.ids = np.asarray(ids, dtype=np.int64)  # [N] full-vocabulary id of each row
+        self.n_vocab, self.n_embd = source.shape
+        assert self.ids.ndim == 1 and 0 < self.ids.size <= self.n_vocab, self.ids.shape
+        assert np.all(np.diff(self.ids) > 0) and 0 <= self.ids[0] and self.ids[-1] < self.n_vocab
+        self.nbytes = int(self.ids.size * self.n_embd * 4)
+        host = self._read()
+        self._crc = zlib.crc32(host.tobytes())
+        self.rows: Any = to_device(host)  # [N, d]
+
+    @classmethod
+    def from_model(
+        cls,
+        model: Model,
+        draft_vocab: int = 0,
+        counts: np.ndarray | None = None,
+        xp: Any = np,
+        to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+    ) -> DraftHead:
+        ids = select_draft_ids(model.tokenizer, draft_vocab, counts)
+        return cls(head_tensor(model), ids, xp, to_device)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.ids.size)
+
+    @property
+    def full(self) -> bool:
+        """True when the draft vocabulary is the whole vocabulary."""
+        return self.n_rows == self.n_vocab
+
+    @property
+    def resident(self) -> bool:
+        return self.rows is not None
+
+    def logits(self, normed: Any) -> Any:
+        """normed: [T, d] (after shared_head_norm) -> draft logits [T, N]."""
+        assert self.rows is not None, "draft head is released (on loan); restore it first"
+        return normed @ self.rows.T
+
+    def full_logits(self, draft_logits: np.ndarray) -> np.ndarray:
+        """Host draft logits [N] -> [V] with -inf outside the draft vocabulary."""
+        if self.full:
+            return draft_logits
+        out = np.full(self.n_vocab, -np.inf, dtype=draft_logits.dtype)
+        out[self.ids] = draft_logits
+        return out
+
+    def release(self) -> int:
+        """Drop the device rows; returns the bytes freed (0 if already released)."""
+        if self.rows is None:
+            return 0
+        self.rows = None
+        return self.nbytes
+
+    def restore(self) -> int:
+        """Re-read the rows from the GGUF file; returns the bytes now resident."""
+        if self.rows is None:
+            self.rows = self._to_device(self._read())
+        return self.nbytes
+
+    def check_integrity(self, deep: bool = False) -> None:
+        """Shape and size always; with `deep`, the rows' checksum against the file's."""
+        if self.rows is None:
+            return
+        shape = tuple(self.rows.shape)
+        if shape != (self.n_rows, self.n_embd) or int(self.rows.nbytes) != self.nbytes:
+            raise AssertionError(
+                f"draft head rows {shape} ({int(self.rows.nbytes)} bytes), expected "
+                f"{(self.n_rows, self.n_embd)} ({self.nbytes} bytes)"
+            )
+        if deep:
+            crc = zlib.crc32(_host(self.xp)(self.rows).tobytes())
+            if crc != self._crc:
+                raise AssertionError(f"draft head checksum {crc:08x} != file rows {self._crc:08x}")
+
+    def _read(self) -> np.ndarray:
+        t = self.source
+        raw = t.raw.reshape(self.n_vocab, -1).view(np.uint8)  # [V, row_bytes]
+        return dequantize_bytes(raw[self.ids], t.qtype, (self.n_rows, self.n_embd))
+
+
+def _host(xp: Any) -> Callable[[Any], np.ndarray]:
+    return getattr(xp, "asnumpy", np.asarray)

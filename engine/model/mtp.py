@@ -1,0 +1,187 @@
+"""The MTP (nextn) block: one extra transformer block that drafts the token after next.
+
+GLM-4.5 / DeepSeek-V3 convention, as llama.cpp and vLLM compute it (embedding first, then
+hidden: `cat([inputs_embeds, previous_hidden_states])`):
+
+    u = concat(enorm(embed(t[p+1])), hnorm(h[p]))        # [T, 2d]
+    x = u @ eh_proj.T                                    # [T, d]
+    x = x + attention(x);  x = x + moe(x)                # the block's own attention and experts
+    draft logits = head(shared_head_norm(x))             # draft-vocabulary rows
+
+`h[p]` is the main model's pre-norm hidden at position p. Cell p of the block's own KV cache
+(n_layer = 1) holds (h[p], t[p+1]) at RoPE position p, so its output there predicts t[p+2].
+The output `x` is the `h_prev` of the next chained draft step (recursive MTP). Position 0 is
+not masked (vLLM zeroes its embedding; llama.cpp does not).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.draft_head import DraftHead
+from engine.errors import ModelError
+from engine.gguf import names
+from engine.kv import KVCache
+from engine.model.attention import attention_block
+from engine.model.loader import Model
+from engine.model.moe import ExpertProvider, moe_block
+from engine.model.ops import rms_norm
+from engine.model.weights import BlockWeights, HostExperts, TokenEmbedding, load_block
+from engine.quant import dequantize
+
+NO_MTP = "model has no MTP (nextn) layer; drop --mtp"
+
+
+def require_mtp(model: Model) -> None:
+    """Raise the one-line `ModelError` for a model without a nextn block."""
+    if not model.has_mtp or model.mtp_experts is None:
+        raise ModelError(f"{model.path.name}: {NO_MTP}")
+
+
+@dataclass
+class MTPOutput:
+    logits: Any  # [T_out, N] draft-vocabulary logits (T_out = 1 'last', T 'all', 0 'none')
+    hidden: Any  # [T, d] block output before shared_head_norm: h_prev of the next chained step
+
+
+class MTPExperts:
+    """The MTP block's routed experts as one resident quantized array [E, blob_bytes]
+    (region `mtp.experts`); an `ExpertProvider` for local layer 0, releasable."""
+
+    name = "mtp.experts"
+
+    def __init__(
+        self,
+        host: HostExperts,
+        xp: Any = np,
+        to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+    ):
+        assert host.n_layer == 1, f"one MTP block supported, got {host.n_layer}"
+        self.host, self.xp, self._to_device = host, xp, to_device
+        self.nbytes = host.n_expert * host.blob_bytes
+        blobs = self._read()
+        self._crc = zlib.crc32(blobs.tobytes())
+        self.blobs: Any = to_device(blobs)  # uint8 [E, blob_bytes]
+        self._memo: dict[int, tuple[Any, Any, Any]] = {}
+
+    @property
+    def resident(self) -> bool:
+        return self.blobs is not None
+
+    def prepare(self, layer: int, experts: list[int]) -> None:
+        assert layer == 0, f"MTP experts have one local layer, got {layer}"
+        self._memo = {}
+
+    def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
+        assert self.blobs is not None, "MTP experts are released (on loan); restore them first"
+        if expert not in self._memo:
+            blob = _host(self.xp)(self.blobs[expert])  # [blob_bytes]
+            parts = self.host.layout.decode(blob)  # gate [f, d], up [f, d], down [d, f]
+            self._memo[expert] = tuple(self._to_device(w) for w in parts)  # type: ignore[assignment]
+        return self._memo[expert]
+
+    def release(self) -> int:
+        """Drop the resident blobs; returns the bytes freed (0 if already released)."""
+        if self.blobs is None:
+            return 0
+        self.blobs, self._memo = None, {}
+        return self.nbytes
+
+    def restore(self) -> int:
+        """Re-read every blob from the host copy (the GGUF map); returns the bytes resident."""
+        if self.blobs is None:
+            self.blobs = self._to_device(self._read())
+        return self.nbytes
+
+    def check_integrity(self, deep: bool = False) -> None:
+        """Shape and size always; with `deep`, the blobs' checksum against the file's."""
+        if self.blobs is None:
+            return
+        want = (self.host.n_expert, self.host.blob_bytes)
+        if tuple(self.blobs.shape) != want or int(self.blobs.nbytes) != self.nbytes:
+            raise AssertionError(
+                f"MTP experts {tuple(self.blobs.shape)} ({int(self.blobs.nbytes)} bytes), "
+                f"expected {want} ({self.nbytes} bytes)"
+            )
+        if deep:
+            crc = zlib.crc32(_host(self.xp)(self.blobs).tobytes())
+            if crc != self._crc:
+                raise AssertionError(f"MTP experts checksum {crc:08x} != file {self._crc:08x}")
+
+    def _read(self) -> np.ndarray:
+        return np.stack([self.host.blob(0, e) for e in range(self.host.n_expert)])
+
+
+class MTPBlock:
+    """Weights of the nextn block and its forward pass. Run-state (its KV) lives outside."""
+
+    def __init__(
+        self,
+        model: Model,
+        head: DraftHead | None = None,
+        experts: ExpertProvider | None = None,
+        xp: Any = np,
+        to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+    ):
+        require_mtp(model)
+        assert model.mtp_experts is not None
+        mf, hp = model.mf, model.hp
+        self.model, self.hp, self.xp, self._to_device = model, hp, xp, to_device
+        i = hp.n_layer  # the nextn block follows the main blocks
+        get = lambda kind: to_device(dequantize(mf.tensor(names.nextn(kind, i))))  # noqa: E731
+        self.eh_proj = get("eh_proj")  # [d, 2d]
+        self.enorm = get("enorm")  # [d]
+        self.hnorm = get("hnorm")  # [d]
+        self.shared_head_norm = get("shared_head_norm")  # [d]
+        self.block: BlockWeights = load_block(mf, i, to_device)
+        own_embd = mf.tensors.get(names.nextn("embed_tokens", i))
+        self.embd = TokenEmbedding(own_embd) if own_embd is not None else model.transformer.embd
+        self.head = head if head is not None else DraftHead.from_model(model, 0, None, xp, to_device)
+        # default: a resident, releasable copy of the quantized experts (not the host map)
+        self.experts: ExpertProvider = experts or MTPExperts(model.mtp_experts, xp, to_device)
+
+    @property
+    def dense_nbytes(self) -> int:
+        """float32 bytes of the block's dense weights (counted with the dense weights)."""
+        a = self.block.attn
+        arrays = [self.eh_proj, self.enorm, self.hnorm, self.shared_head_norm, self.block.ffn_norm,
+                  self.block.router, a.norm, a.wq, a.wk, a.wv, a.wo, a.q_norm, a.k_norm]
+        return int(sum(x.nbytes for x in arrays))
+
+    def new_kv(self, n_ctx: int, kind: str = "f16", alloc: Callable | None = None) -> KVCache:
+        """An empty KV cache for the block (one layer, `n_ctx` cells)."""
+        hp = self.hp
+        return KVCache(self.xp, 1, n_ctx, hp.n_head_kv, hp.head_dim, kind, alloc)
+
+    def forward(
+        self, h_prev: Any, tokens: np.ndarray, pos0: int, kv: KVCache, logits: str = "last"
+    ) -> MTPOutput:
+        """Cells pos0..pos0+T-1 from h_prev [T, d] and the tokens after them [T]; writes K/V."""
+        xp, hp = self.xp, self.hp
+        ids = np.asarray(tokens, dtype=np.int64)
+        assert h_prev.shape == (len(ids), hp.n_embd), (h_prev.shape, len(ids))
+        e = self._to_device(self.embd.rows(ids))  # [T, d]
+        u = xp.concatenate(
+            [rms_norm(xp, e, self.enorm, hp.rms_eps), rms_norm(xp, h_prev, self.hnorm, hp.rms_eps)],
+            axis=-1,
+        )  # [T, 2d]: embedding first, then hidden
+        x = u @ self.eh_proj.T  # [T, d]
+        x = x + attention_block(xp, hp, self.block.attn, x, pos0, kv, 0)
+        ffn, _, _ = moe_block(xp, hp, self.block.ffn_norm, self.block.router, x, 0, self.experts)
+        x = x + ffn  # [T, d]
+        kv.n_tokens = pos0 + len(ids)
+        if logits == "none":
+            out = xp.zeros((0, self.head.n_rows), dtype=xp.float32)
+        else:
+            sel = x if logits == "all" else x[-1:]
+            out = self.head.logits(rms_norm(xp, sel, self.shared_head_norm, hp.rms_eps))
+        return MTPOutput(logits=out, hidden=x)
+
+
+def _host(xp: Any) -> Callable[[Any], np.ndarray]:
+    return getattr(xp, "asnumpy", np.asarray)

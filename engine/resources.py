@@ -1,0 +1,115 @@
+"""Decode-only resources: verifier, native output head, MTP experts, draft head.
+
+Each pairs the object that computes with it and the arena (ledger region) it lives in; the
+loan releases them in that order and restores them in reverse. Release frees the region's
+segments; restore reserves them again and re-creates the contents from the model file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.memory.arena import Arena
+
+# Release order (DESIGN §5); restore runs it backwards.
+RELEASE_ORDER = ("verifier", "head.native", "mtp.experts", "mtp.draft_head")
+LABELS = {
+    "verifier": "verifier",
+    "head.native": "head",
+    "mtp.experts": "mtp experts",
+    "mtp.draft_head": "draft head",
+}
+
+
+class Releasable(Protocol):
+    def release(self) -> int: ...
+
+    def restore(self) -> int: ...
+
+
+class NativeHead:
+    """The transformer's output head as a releasable object."""
+
+    def __init__(self, transformer: Any, arena: Arena):
+        self.transformer, self.arena = transformer, arena
+
+    @property
+    def resident(self) -> bool:
+        return self.transformer.head is not None
+
+    def release(self) -> int:
+        self.transformer.release_head()
+        return self.arena.n_bytes
+
+    def restore(self) -> int:
+        if self.transformer.head is None:
+            self.transformer.load_head(self.arena.to_device)
+        return self.arena.n_bytes
+
+
+@dataclass
+class DecodeResource:
+    """One decode-only region and the object using it."""
+
+    region: str
+    arena: Arena
+    obj: Releasable
+
+    @property
+    def label(self) -> str:
+        return LABELS[self.region]
+
+    @property
+    def n_bytes(self) -> int:
+        return self.arena.n_bytes
+
+    @property
+    def resident(self) -> bool:
+        return self.arena.resident
+
+    def release(self) -> int:
+        """Drop the object's arrays, then give the segments back. Returns bytes freed."""
+        if not self.arena.resident:
+            return 0
+        self.obj.release()
+        return self.arena.release()
+
+    def restore(self) -> int:
+        """Reserve the segments, then re-create the contents. Returns bytes restored."""
+        if self.arena.resident:
+            return 0
+        self.arena.restore()
+        try:
+            self.obj.restore()
+        except BaseException:
+            self.arena.release()
+            raise
+        return self.arena.n_bytes
+
+
+class ResourceSet:
+    """The decode-only resources present in this engine, in release order."""
+
+    def __init__(self, items: list[DecodeResource]):
+        order = {name: i for i, name in enumerate(RELEASE_ORDER)}
+        self.items = sorted(items, key=lambda r: order[r.region])
+
+    def get(self, region: str) -> DecodeResource | None:
+        return next((r for r in self.items if r.region == region), None)
+
+    def select(self, regions: frozenset[str]) -> list[DecodeResource]:
+        return [r for r in self.items if r.region in regions]
+
+    def all_resident(self) -> bool:
+        return all(r.resident for r in self.items)
+
+    def check_integrity(self) -> None:
+        for r in self.items:
+            resident_obj = getattr(r.obj, "resident", r.arena.resident)
+            assert resident_obj == r.arena.resident, (
+                f"{r.region}: object resident={resident_obj} but region resident={r.arena.resident}"
+            )
+            check = getattr(r.obj, "check_integrity", None)
+            if check is not None and r.arena.resident:
+                check()

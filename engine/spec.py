@@ -1,0 +1,394 @@
+"""Speculative decoding: draft T-1 tokens, verify them in one batched window, keep the longest
+agreeing prefix plus one token from the target.
+
+One step, with `x` the last emitted token (not yet in the KV) at position n:
+
+    drafts  = source.propose(x, T-1)                 # MTP block, or a test source
+    logits  = verifier.verify([x, d1..d_{T-1}])      # [T, V], main KV grows to n+T
+    k, bonus = accept(drafts, logits)                # greedy: longest prefix with d == argmax
+    main KV  -> n+1+k;  source.observe(hidden[:k+1], [d1..dk, bonus])
+
+Greedy output is token-identical to plain decoding. With temperature, each draft is accepted
+with probability min(1, p(d)/q(d)); on rejection the token is drawn from normalize(max(0, p-q)),
+and when every draft is accepted the bonus is drawn from p: the output distribution is p's.
+
+The MTP block needs the main model's hidden h[p] for every position p it has a cell for. After
+prefill it runs over every prompt position (cells built in one batched pass once the first
+token is known); after each verify it runs over the accepted positions, whose hidden the
+verifier already holds, and that same pass yields the next step's first draft. Cells written
+by chained drafts (fed the block's own output) are dropped at the next `observe`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from engine.draft_head import DraftHead
+from engine.errors import FlagError
+from engine.kv import KVCache
+from engine.model.loader import Model
+from engine.model.mtp import MTPBlock
+from engine.sampler import Sampler, SamplingParams, distribution
+from engine.session import Session, Timing
+from engine.verifier import Verifier
+
+MIN_WINDOW, MAX_WINDOW = 2, 8
+MTP_CHUNK = 512  # cells per MTP pass when catching up over a prompt
+
+
+def check_spec(n_window: int) -> None:
+    if not MIN_WINDOW <= n_window <= MAX_WINDOW:
+        raise FlagError(
+            f"--spec {n_window} must be 0 (off) or {MIN_WINDOW}..{MAX_WINDOW} (window tokens)"
+        )
+
+
+@runtime_checkable
+class DecodeResource(Protocol):
+    """A decode-only device region the VRAM loan can release and restore."""
+
+    name: str
+    nbytes: int
+
+    @property
+    def resident(self) -> bool: ...
+
+    def release(self) -> int:
+        """Free the device copy; returns the bytes freed."""
+        ...
+
+    def restore(self) -> int:
+        """Re-create byte-identical contents (scratch buffers: zeroed); returns the bytes."""
+        ...
+
+    def check_integrity(self) -> None: ...
+
+
+@dataclass
+class Draft:
+    tokens: list[int]  # proposed tokens, in order
+    q: list[np.ndarray] | None  # sampled mode: the [V] distribution each token was drawn from
+
+
+class DraftSource(Protocol):
+    """Where drafts come from. Positions are the main session's."""
+
+    def resources(self) -> list[DecodeResource]: ...
+
+    def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
+        """How many of the session's `reuse` matching tokens the source can continue from."""
+        ...
+
+    def truncate(self, n: int) -> None:
+        """Forget state for positions n.. ."""
+        ...
+
+    def observe(self, session: Session, pos0: int, hidden: Any, next_ids: list[int]) -> None:
+        """The main model computed positions pos0.. (hidden [T, d] pre-norm); next_ids[i] is
+        the token at pos0+i+1 (the last one is the pending token). Replaces state >= pos0."""
+        ...
+
+    def propose(self, session: Session, pending: int, n_draft: int, sampler: Sampler) -> Draft:
+        """n_draft tokens to follow `pending`; the session is left as it was."""
+        ...
+
+
+def _host(xp: Any) -> Callable[[Any], np.ndarray]:
+    return getattr(xp, "asnumpy", np.asarray)
+
+
+def _pick(logits: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
+    """Greedy argmax, or a draw from the sampling distribution (returned as q)."""
+    if sampler.params.greedy:
+        return int(np.argmax(logits)), None
+    q = distribution(logits, sampler.params)
+    return sampler.draw(q), q
+
+
+class MTPDraft:
+    """Drafts with the MTP block, whose KV cache follows the main session (run-state here)."""
+
+    def __init__(self, block: MTPBlock, kv_alloc: Callable | None = None):
+        self.block, self._kv_alloc = block, kv_alloc
+        self.kv: KVCache | None = None
+        self.n_cells = 0  # committed cells 0..n_cells-1, built from the main model's hidden
+        self.seq: list[int] = []  # t[0..n_cells]: main tokens and the pending one
+        self._logits: np.ndarray | None = None  # [N] draft logits of the last committed cell
+        self._hidden: Any = None  # [1, d] block output there (h_prev of the first chained step)
+
+    def resources(self) -> list[DecodeResource]:
+        found = [self.block.experts, self.block.head]
+        return [r for r in found if isinstance(r, DecodeResource)]
+
+    def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
+        kv = session.kv
+        if self.kv is None or (self.kv.n_ctx, self.kv.kind) != (kv.n_ctx, kv.kind):
+            self.kv = self.block.new_kv(kv.n_ctx, kv.kind, self._kv_alloc)
+            self.n_cells, self.seq, self._logits, self._hidden = 0, [], None, None
+        # cell p is valid while t[0..p+1] match
+        n_match = 0
+        for a, b in zip(self.seq, prompt_ids):
+            if a != b:
+                break
+            n_match += 1
+        return max(0, min(reuse, self.n_cells, n_match - 1))
+
+    def truncate(self, n: int) -> None:
+        if n < self.n_cells:
+            self.n_cells = n
+            del self.seq[n + 1 :]
+            self._logits = self._hidden = None
+        if self.kv is not None:
+            self.kv.truncate(min(self.kv.n_tokens, self.n_cells))
+
+    def observe(self, session: Session, pos0: int, hidden: Any, next_ids: list[int]) -> None:
+        assert self.kv is not None, "reusable() binds the MTP KV to the session first"
+        n = len(next_ids)
+        assert 0 < n == hidden.shape[0], (n, hidden.shape)
+        assert pos0 <= self.n_cells, f"MTP has cells 0..{self.n_cells - 1}, asked to go on at {pos0}"
+        assert session.tokens[pos0 + 1 : pos0 + n] == list(next_ids[:-1])
+        self.kv.truncate(pos0)
+        for a in range(0, n, MTP_CHUNK):
+            b = min(n, a + MTP_CHUNK)
+            out = self.block.forward(
+                hidden[a:b], np.asarray(next_ids[a:b]), pos0 + a, self.kv,
+                "last" if b == n else "none",
+            )
+        self.n_cells = pos0 + n
+        self.seq = [*session.tokens[: pos0 + 1], *next_ids]
+        self._logits = _host(self.block.xp)(out.logits[-1])
+        self._hidden = out.hidden[-1:]
+
+    def propose(self, session: Session, pending: int, n_draft: int, sampler: Sampler) -> Draft:
+        assert self.kv is not None and self._logits is not None, "observe() comes first"
+        assert self.n_cells == len(session.tokens) and self.seq[-1] == pending
+        tokens: list[int] = []
+        qs: list[np.ndarray] = []
+        logits, h = self._logits, self._hidden
+        head: DraftHead = self.block.head
+        for j in range(n_draft):
+            if j:  # chained step: the block's own output stands in for the main hidden
+                out = self.block.forward(h, np.asarray(tokens[-1:]), self.n_cells + j - 1, self.kv)
+                logits, h = _host(self.block.xp)(out.logits[-1]), out.hidden
+            tok, q = _pick(head.full_logits(logits), sampler)
+            tokens.append(tok)
+            if q is not None:
+                qs.append(q)
+        return Draft(tokens, qs if not sampler.params.greedy else None)
+
+    def check_integrity(self) -> None:
+        if self.kv is None:
+            return
+        self.kv.check_integrity()
+        if self.n_cells > self.kv.n_tokens or (self.n_cells and len(self.seq) != self.n_cells + 1):
+            raise AssertionError(
+                f"MTP state: {self.n_cells} cells, KV {self.kv.n_tokens}, {len(self.seq)} tokens"
+            )
+
+
+class TargetDraft:
+    """Drafts by decoding ahead with the main model itself, then truncating: every draft is
+    the target's own choice (accept-all reference path)."""
+
+    def resources(self) -> list[DecodeResource]:
+        return []
+
+    def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
+        return reuse
+
+    def truncate(self, n: int) -> None:
+        pass
+
+    def observe(self, session: Session, pos0: int, hidden: Any, next_ids: list[int]) -> None:
+        pass
+
+    def propose(self, session: Session, pending: int, n_draft: int, sampler: Sampler) -> Draft:
+        n0, tok = len(session.tokens), pending
+        tokens: list[int] = []
+        qs: list[np.ndarray] = []
+        try:
+            for _ in range(n_draft):
+                row = _host(session.xp)(session.forward([tok]).logits[-1])  # [V]
+                tok, q = self._choose(row, sampler)
+                tokens.append(tok)
+                qs.append(q)  # type: ignore[arg-type]
+        finally:
+            session.truncate(n0)
+        return Draft(tokens, None if sampler.params.greedy else qs)
+
+    def _choose(self, row: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
+        return _pick(row, sampler)
+
+
+class AdversarialDraft(TargetDraft):
+    """Proposes the target's least likely token (one-hot q): greedy accepts none, and with
+    top-k or top-p filtering neither does sampling (p(d) = 0)."""
+
+    def _choose(self, row: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
+        tok = int(np.argmin(row))
+        if sampler.params.greedy:
+            return tok, None
+        q = np.zeros(row.size, dtype=np.float64)
+        q[tok] = 1.0
+        return tok, q
+
+
+def greedy_accept(drafts: list[int], targets: np.ndarray) -> tuple[int, int]:
+    """targets [T] = argmax per window row -> (drafts accepted k, bonus token targets[k])."""
+    k = 0
+    while k < len(drafts) and drafts[k] == int(targets[k]):
+        k += 1
+    return k, int(targets[k])
+
+
+def rejection_step(p: np.ndarray, q: np.ndarray, d: int, sampler: Sampler) -> int | None:
+    """One position of speculative sampling: None if draft d (drawn from q) is accepted,
+    else the replacement token drawn from normalize(max(0, p - q))."""
+    if sampler.uniform() * q[d] < p[d]:  # u < p(d)/q(d), without dividing
+        return None
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if total <= 0:  # p == q: acceptance was certain, unreachable but kept exact
+        return sampler.draw(p)
+    return sampler.draw(residual / total)
+
+
+def speculative_accept(
+    drafts: list[int], qs: list[np.ndarray], logits: np.ndarray, sampler: Sampler
+) -> tuple[int, int]:
+    """logits [T, V] on the host -> (drafts accepted k, the token after them)."""
+    params: SamplingParams = sampler.params
+    for j, d in enumerate(drafts):
+        out = rejection_step(distribution(logits[j], params), qs[j], d, sampler)
+        if out is not None:
+            return j, out
+    return len(drafts), sampler.draw(distribution(logits[len(drafts)], params))
+
+
+class SpecDecoder:
+    """`--spec T`: the decode loop with drafts; same contract as `Session.generate`."""
+
+    def __init__(self, n_window: int, draft: DraftSource, verifier: Verifier):
+        check_spec(n_window)
+        assert verifier.n_window >= n_window, (verifier.n_window, n_window)
+        self.n_window, self.draft, self.verifier = n_window, draft, verifier
+
+    @classmethod
+    def with_mtp(
+        cls,
+        model: Model,
+        n_window: int,
+        draft_vocab: int = 0,
+        xp: Any = np,
+        to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+    ) -> SpecDecoder:
+        """MTP drafts through a `draft_vocab`-row head; `ModelError` without a nextn block."""
+        check_spec(n_window)
+        head = DraftHead.from_model(model, draft_vocab, None, xp, to_device)
+        block = MTPBlock(model, head=head, xp=xp, to_device=to_device)
+        return cls(n_window, MTPDraft(block), Verifier.for_model(model, n_window, xp))
+
+    def resources(self) -> list[DecodeResource]:
+        """Decode-only regions in the loan's release order (restore runs it backwards)."""
+        return [self.verifier, *self.draft.resources()]
+
+    def check_integrity(self) -> None:
+        for r in self.resources():
+            r.check_integrity()
+        check = getattr(self.draft, "check_integrity", None)
+        if check is not None:
+            check()
+
+    def generate(
+        self,
+        session: Session,
+        prompt_ids: list[int],
+        max_new: int,
+        params: SamplingParams,
+        chunk_tokens: int = 512,
+        stop_ids: frozenset[int] = frozenset(),
+        timing: Timing | None = None,
+    ) -> Iterator[int]:
+        """Prefill the fresh part of `prompt_ids`, then decode with drafts. Whenever it stops,
+        the KV holds the prompt and every generated token but the last, as plain decoding."""
+        timing = timing if timing is not None else Timing()
+        reuse = session.common_prefix(prompt_ids)
+        if reuse == len(prompt_ids):  # always recompute at least the last token
+            reuse -= 1
+        keep = self.draft.reusable(session, prompt_ids, reuse)
+        session.truncate(keep)
+        self.draft.truncate(keep)
+        fresh = prompt_ids[keep:]
+        timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = (
+            len(prompt_ids), keep, len(fresh),
+        )
+        t0 = time.perf_counter()
+        logits, hidden = self._prefill(session, fresh, chunk_tokens)
+        timing.prefill_s = time.perf_counter() - t0
+        sampler = Sampler(params)
+        emitted: list[int] = []
+        t1 = time.perf_counter()
+        try:
+            out = [sampler.sample(_host(session.xp)(logits[-1]))]
+            while True:
+                for tok in out:
+                    if not emitted:
+                        timing.ttft_s = time.perf_counter() - t0
+                    emitted.append(tok)
+                    timing.generated += 1
+                    yield tok
+                    n_kv = len(prompt_ids) + len(emitted) - 1  # what plain decoding holds now
+                    if tok in stop_ids or len(emitted) >= max_new or n_kv >= session.n_ctx:
+                        return
+                if hidden is not None:  # first token known: the draft catches up on the prompt
+                    self.draft.observe(session, keep, hidden, [*fresh[1:], out[0]])
+                    hidden = None
+                n_draft = min(
+                    self.n_window - 1,
+                    max_new - len(emitted) - 1,
+                    session.n_ctx - len(session.tokens) - 1,
+                )
+                out = self._step(session, out[-1], n_draft, sampler, timing)
+        finally:
+            timing.decode_s = time.perf_counter() - t1
+            n_keep = len(prompt_ids) + max(len(emitted) - 1, 0)
+            if len(session.tokens) > n_keep:
+                session.truncate(n_keep)
+                self.draft.truncate(n_keep)
+
+    def _prefill(self, session: Session, ids: list[int], chunk_tokens: int) -> tuple[Any, Any]:
+        """`Session.prefill`'s chunk loop, keeping every chunk's hidden [T, d] for the draft."""
+        assert ids, "prefill needs at least one token"
+        hidden, res = [], None
+        for a in range(0, len(ids), chunk_tokens):
+            last = a + chunk_tokens >= len(ids)
+            res = session.forward(ids[a : a + chunk_tokens], "last" if last else "none")
+            hidden.append(res.hidden)
+        assert res is not None
+        return res.logits, session.xp.concatenate(hidden)  # [1, V], [F, d]
+
+    def _step(
+        self, session: Session, x: int, n_draft: int, sampler: Sampler, timing: Timing
+    ) -> list[int]:
+        """One window [x, d1..d_n]: returns the accepted drafts plus the bonus token."""
+        n0 = len(session.tokens)
+        draft = self.draft.propose(session, x, n_draft, sampler) if n_draft else Draft([], [])
+        assert len(session.tokens) == n0 and len(draft.tokens) == n_draft
+        logits = self.verifier.verify(session, [x, *draft.tokens])  # [w, V]
+        xp = session.xp
+        if sampler.params.greedy:
+            k, bonus = greedy_accept(draft.tokens, _host(xp)(xp.argmax(logits, axis=-1)))
+        else:
+            k, bonus = speculative_accept(draft.tokens, draft.q or [], _host(xp)(logits), sampler)
+        session.truncate(n0 + 1 + k)
+        self.draft.observe(session, n0, self.verifier.hidden[: k + 1], [*draft.tokens[:k], bonus])
+        if n_draft:
+            timing.drafts_offered += n_draft
+            timing.drafts_accepted += k
+            timing.accepted_hist[k] = timing.accepted_hist.get(k, 0) + 1
+        return [*draft.tokens[:k], bonus]

@@ -1,0 +1,1 @@
+"""Wiring of MTP speculative decoding into a runtime (filled in when MTP lands)."""
