@@ -6,13 +6,34 @@ are their quantized GGUF blobs. Each carved array is padded to the arena's align
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.config import EngineOptions
+from engine.gguf.hparams import HParams
 from engine.kv import kv_bytes_per_cell
 from engine.memory.arena import padded
 from engine.memory.planner import ModelCosts
-from engine.model.loader import Model
 
 F32 = 4
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What sizing needs from a model: its hyper-parameters and expert blob sizes. Built from
+    a loaded `Model` or from a synthetic preset's spec (so `strata plan` needs no file)."""
+
+    hp: HParams
+    blob_bytes: int
+    mtp_blob_bytes: int
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.hp.n_nextn > 0
+
+    @classmethod
+    def of(cls, model) -> Shapes:  # type: ignore[no-untyped-def]
+        mtp = model.mtp_experts
+        return cls(model.hp, model.experts.blob_bytes, mtp.blob_bytes if mtp is not None else 0)
 
 
 def block_dense_bytes(d: int, q: int, kv: int, head_dim: int, n_expert: int) -> int:
@@ -21,49 +42,48 @@ def block_dense_bytes(d: int, q: int, kv: int, head_dim: int, n_expert: int) -> 
     return sum(padded(F32 * n) for n in arrays)
 
 
-def dense_bytes(model: Model) -> int:
+def dense_bytes(model: Shapes, with_mtp: bool) -> int:
     """Main blocks, the final norm and (with MTP) the nextn block's dense weights."""
     hp = model.hp
     one = block_dense_bytes(hp.n_embd, hp.q_dim, hp.kv_dim, hp.head_dim, hp.n_expert)
     total = hp.n_layer * one + padded(F32 * hp.n_embd)
-    if hp.n_nextn:
+    if with_mtp:
         d = hp.n_embd
         total += one + padded(F32 * d * 2 * d) + 3 * padded(F32 * d)  # eh_proj, 3 norms
     return total
 
 
-def head_bytes(model: Model) -> int:
+def head_bytes(model: Shapes) -> int:
     return padded(F32 * model.hp.n_vocab * model.hp.n_embd)
 
 
-def draft_head_bytes(model: Model, draft_vocab: int) -> int:
+def draft_head_bytes(model: Shapes, draft_vocab: int) -> int:
     n = draft_vocab or model.hp.n_vocab
     return padded(F32 * min(n, model.hp.n_vocab) * model.hp.n_embd)
 
 
-def mtp_expert_bytes(model: Model) -> int:
-    host = model.mtp_experts
-    return padded(host.n_expert * host.blob_bytes) if host is not None else 0
+def mtp_expert_bytes(model: Shapes) -> int:
+    return padded(model.hp.n_expert * model.mtp_blob_bytes) if model.has_mtp else 0
 
 
-def verifier_bytes(model: Model, spec: int) -> int:
+def verifier_bytes(model: Shapes, spec: int) -> int:
     """Window buffers: logits [T, V] and hidden [T, d], float32."""
     if spec < 2:
         return 0
     return padded(F32 * spec * model.hp.n_vocab) + padded(F32 * spec * model.hp.n_embd)
 
 
-def kv_bytes(model: Model, n_ctx: int, kind: str) -> int:
+def kv_bytes(model: Shapes, n_ctx: int, kind: str) -> int:
     hp = model.hp
     return kv_bytes_per_cell(kind, hp.n_layer, hp.kv_dim) * n_ctx + 4 * padded(1)
 
 
-def mtp_kv_bytes(model: Model, n_ctx: int, kind: str) -> int:
+def mtp_kv_bytes(model: Shapes, n_ctx: int, kind: str) -> int:
     hp = model.hp
     return kv_bytes_per_cell(kind, 1, hp.kv_dim) * n_ctx + 4 * padded(1) if hp.n_nextn else 0
 
 
-def act_bytes_per_token(model: Model) -> int:
+def act_bytes_per_token(model: Shapes) -> int:
     """Peak activations one prompt token needs in a layer, float32: residual and normed
     stream, q/k/v and attention output, router probabilities, and its k experts' gate, up and
     down outputs, plus the MoE accumulator. Attention scores are computed in query blocks of
@@ -74,14 +94,16 @@ def act_bytes_per_token(model: Model) -> int:
     return F32 * per_token
 
 
-def model_costs(model: Model, options: EngineOptions) -> ModelCosts:
-    """What each planner item costs for `model` under `options`."""
+def model_costs(model: Shapes, options: EngineOptions) -> ModelCosts:
+    """What each planner item costs for `model` (a Shapes or a loaded Model) under `options`."""
+    if not isinstance(model, Shapes):
+        model = Shapes.of(model)
     use_mtp = options.mtp and model.has_mtp
     return ModelCosts(
-        dense_bytes=dense_bytes(model),
+        dense_bytes=dense_bytes(model, use_mtp),
         kv_bytes=kv_bytes(model, options.ctx, options.kv)
         + (mtp_kv_bytes(model, options.ctx, options.kv) if use_mtp else 0),
-        expert_blob_bytes=model.experts.blob_bytes,
+        expert_blob_bytes=model.blob_bytes,
         n_layer=model.hp.n_layer,
         n_expert=model.hp.n_expert,
         n_expert_used=model.hp.n_expert_used,

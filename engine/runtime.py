@@ -132,17 +132,22 @@ class Runtime:
         rt.backend = make_backend(device)
         capacity = rt.backend.capacity_bytes
         seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
-        rt.plan_options = PlanOptions(
-            expert_cache=options.expert_cache, prefill=options.prefill,
-            deferred=deferred_regions(flags, options), borrow=not options.no_borrow,
-            reserve_bytes=reserve, segment_bytes=seg,
-        )
+        rt.plan_options = cls.plan_options_for(options, flags, reserve, seg)
         rt.plan = plan_startup(capacity, rt.costs, rt.plan_options)
         rt.ledger = Ledger(rt.backend, capacity, segment_bytes=seg,
                            on_change=lambda s: publish(LedgerChanged.of(s)))
         rt._build(on_trace)
         publish(Ready(summary=rt.summary(), device=rt.backend.name))
         return rt
+
+    @staticmethod
+    def plan_options_for(options: EngineOptions, flags: LoanFlags, reserve_bytes: int,
+                         segment_bytes: int) -> PlanOptions:
+        return PlanOptions(
+            expert_cache=options.expert_cache, prefill=options.prefill,
+            deferred=deferred_regions(flags, options), borrow=not options.no_borrow,
+            reserve_bytes=reserve_bytes, segment_bytes=segment_bytes,
+        )
 
     def _build(self, on_trace: Callable[[str], None] | None) -> None:
         o, m, publish = self.options, self.model, self.bus.publish
@@ -254,9 +259,10 @@ class Runtime:
         self.bus.publish(TraceLine(line))
         self.emit_trace(line)
 
-    def emit_trace(self, line: str) -> None:
-        """Print a trace line through the CLI's writer when STRATA_TRACE=1."""
-        if self._trace_fn is not None and self.trace:
+    def emit_trace(self, line: str, always: bool = False) -> None:
+        """Print a line through the CLI's writer: serve lines always, trace and loan lines
+        when STRATA_TRACE=1."""
+        if self._trace_fn is not None and (always or self.trace):
             self._trace_fn(line)
 
     # -- the prompt path ---------------------------------------------------------------------

@@ -28,7 +28,7 @@ from engine.events import (
     TraceLine,
 )
 from engine.memory.planner import PromptGeometry
-from engine.runtime import Runtime
+from engine.runtime import Checkpoint, Runtime
 from engine.sampler import Sampler, SamplingParams
 from engine.session import Timing
 
@@ -63,10 +63,15 @@ class ServeLoop:
         options: EngineOptions,
         flags: LoanFlags | None = None,
         bus: EventBus | None = None,
+        on_trace: Callable[[str], None] | None = None,
     ) -> ServeLoop:
-        """Load the model and plan memory; publishes Loading, LedgerChanged and Ready."""
+        """Load the model and plan memory; publishes Loading, LedgerChanged and Ready.
+
+        `on_trace` receives the text lines (plan, trace, loan) the CLI prints; trace and loan
+        lines only when STRATA_TRACE=1.
+        """
         bus = bus or EventBus()
-        return cls(Runtime.create(options, flags or LoanFlags(), bus), bus)
+        return cls(Runtime.create(options, flags or LoanFlags(), bus, on_trace), bus)
 
     # -- questions -------------------------------------------------------------------------
     @property
@@ -135,6 +140,23 @@ class ServeLoop:
             self.rt.apply(self._pending_options or self.rt.options, self._pending_flags or self.rt.flags)
             self._pending_flags = self._pending_options = None
 
+    def complete(
+        self,
+        ids: list[int],
+        params: SamplingParams | None = None,
+        max_new: int = 256,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Reply:
+        """Generate after raw prompt ids (no chat template): `strata run --tokens-file`, bench."""
+        if not self._busy.acquire(blocking=False):
+            raise StrataError("a request is already running; wait for it or cancel it")
+        try:
+            self._apply_pending()
+            self._cancel.clear()
+            return self._generate(ids, params or SamplingParams(), max_new, on_text)
+        finally:
+            self._busy.release()
+
     def _chat(
         self,
         conv: Conversation,
@@ -143,12 +165,34 @@ class ServeLoop:
         max_new: int,
         on_text: Callable[[str], None] | None,
     ) -> Reply:
-        rt, tok = self.rt, self.rt.model.tokenizer
         conv.add("user", user_text)
-        ids = self.prompt_ids(conv)
-        checkpoint = rt.checkpoint()
+        try:
+            reply = self._generate(self.prompt_ids(conv), params, max_new, on_text)
+        except BaseException:
+            conv.pop()
+            raise
+        if reply.cancelled:
+            conv.pop()
+        else:
+            conv.add("assistant", reply.text)
+        return reply
+
+    def _generate(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        max_new: int,
+        on_text: Callable[[str], None] | None,
+    ) -> Reply:
+        """Prefill and decode; on cancel or failure roll back and publish the outcome.
+
+        The KV keeps the prefix shared with the previous request; rollback truncates to it
+        (the cells after it were overwritten by this request's prompt).
+        """
+        rt, tok = self.rt, self.rt.model.tokenizer
         timing = Timing()
         pieces: list[str] = []
+        reuse = rt.session.common_prefix(ids)
         try:
             logits = self._prefill(ids, timing)
             stream = tok.stream()
@@ -157,31 +201,26 @@ class ServeLoop:
             for token in rt.decode(logits, sampler, max_new, tok.eog_ids, timing, self._cancel):
                 if token in tok.eog_ids:
                     break
-                text = stream.push(token)
-                if text:
-                    pieces.append(text)
-                    self.bus.publish(Token(text))
-                    if on_text:
-                        on_text(text)
-            tail = stream.flush()
-            if tail:
-                pieces.append(tail)
-                self.bus.publish(Token(tail))
+                self._emit(stream.push(token), pieces, on_text)
+            self._emit(stream.flush(), pieces, on_text)
             timing.decode_s = time.perf_counter() - t1
             if self._cancel.is_set():
                 raise Cancelled("cancelled")
         except BaseException as exc:
-            rt.rollback(checkpoint)
-            conv.pop()
-            cancelled = isinstance(exc, Cancelled)
+            rt.rollback(Checkpoint(min(reuse, len(ids) - 1)))
             self._done(timing, cancelled=True)
-            if cancelled:
+            if isinstance(exc, Cancelled):
                 return Reply("".join(pieces), timing, cancelled=True)
             raise
-        reply = "".join(pieces)
-        conv.add("assistant", reply)
         self._done(timing)
-        return Reply(reply, timing)
+        return Reply("".join(pieces), timing)
+
+    def _emit(self, text: str, pieces: list[str], on_text: Callable[[str], None] | None) -> None:
+        if text:
+            pieces.append(text)
+            self.bus.publish(Token(text))
+            if on_text:
+                on_text(text)
 
     def _prefill(self, ids: list[int], timing: Timing) -> np.ndarray:
         rt = self.rt
@@ -201,7 +240,7 @@ class ServeLoop:
             line = (f"strata serve: prompt plan {g.label} (chunk tokens / ring slots), "
                     f"loan {'on' if loan else 'off'}")
             self.bus.publish(TraceLine(line))
-            rt.emit_trace(line)
+            rt.emit_trace(line, always=True)
 
         def on_chunk(c: int, n: int, seconds: float) -> None:
             done = min(len(fresh), (c + 1) * plan[-1].chunk_tokens)

@@ -7,7 +7,7 @@ import sys
 
 from engine.errors import StrataError
 
-COMMANDS = ("run", "logits", "info", "make_model")
+COMMANDS = ("run", "logits", "info", "make_model", "plan", "profile")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -1,9 +1,10 @@
-"""Argument groups shared by several sub-commands."""
+"""Argument groups shared by several sub-commands, and their conversion to EngineOptions."""
 
 from __future__ import annotations
 
 import argparse
 
+from engine.config import EngineOptions, LoanFlags, parse_auto_int
 from engine.kv import KV_KINDS
 from engine.sampler import SamplingParams
 
@@ -12,6 +13,53 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="a .gguf path, or a preset name such as 'demo'")
     p.add_argument("--ctx", type=int, default=8192, help="KV cache cells (default 8192)")
     p.add_argument("--kv", choices=KV_KINDS, default="f16", help="KV cache storage type")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Model, device, memory plan, prompt geometry, MTP and serve options."""
+    add_model_args(p)
+    g = p.add_argument_group("device and memory")
+    g.add_argument("--device", default="auto",
+                   help="auto, sim, sim:SIZE (e.g. sim:8GiB), cuda or cuda:N (default auto)")
+    g.add_argument("--expert-cache", default="auto", help="expert-cache slots: auto or N")
+    g.add_argument("--expert-profile", help="expert profile JSON (see `strata profile`)")
+    g.add_argument("--vram-segment-mib", type=int, help="ledger segment size in MiB")
+    g.add_argument("--vram-reserve-mib", type=int, default=0, help="MiB kept free")
+    g.add_argument("--vram-elastic", action="store_true",
+                   help="back the expert cache and decode-only regions with elastic segments")
+    g.add_argument("--vram-limit", help="plan as if the device had only SIZE (CUDA)")
+    g.add_argument("--prefill", default="auto", help="prompt chunk: auto or N tokens")
+    g.add_argument("--no-borrow", action="store_true",
+                   help="never borrow cache slots for the prompt path (own its buffers)")
+    g.add_argument("--no-token-graph", action="store_true", help="run decode steps eagerly")
+    s = p.add_argument_group("speculative decoding and serving")
+    s.add_argument("--mtp", action="store_true", help="use the model's MTP (nextn) layer")
+    s.add_argument("--spec", type=int, default=0, help="speculative window T (2..8; 0 off)")
+    s.add_argument("--draft-vocab", type=int, default=0, help="draft head rows (0: all)")
+    s.add_argument("--serve", action="store_true", help="the serialized serve loop (loans)")
+    s.add_argument("--batch-slots", type=int, default=1, help="concurrent requests (1)")
+    s.add_argument("--prefill-head-alias", action="store_true",
+                   help="alias the prompt path onto the output head (refused with loans)")
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """EngineOptions from parsed arguments (raises FlagError on bad values)."""
+    return EngineOptions(
+        model=args.model, device=args.device, ctx=args.ctx, kv=args.kv,
+        prefill=parse_auto_int(str(args.prefill), "--prefill"),
+        expert_cache=parse_auto_int(str(args.expert_cache), "--expert-cache"),
+        expert_profile=args.expert_profile, vram_segment_mib=args.vram_segment_mib,
+        vram_reserve_mib=args.vram_reserve_mib, vram_elastic=args.vram_elastic,
+        vram_limit=args.vram_limit, serve=args.serve, mtp=args.mtp, spec=args.spec,
+        draft_vocab=args.draft_vocab, no_token_graph=args.no_token_graph,
+        no_borrow=args.no_borrow, batch_slots=args.batch_slots,
+        prefill_head_alias=args.prefill_head_alias,
+    )
+
+
+def loan_flags() -> LoanFlags:
+    """The STRATA_PREFILL_* flags from the environment (raises FlagError on bad values)."""
+    return LoanFlags.from_env()
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

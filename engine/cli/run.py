@@ -1,4 +1,4 @@
-"""`strata run`: one prompt, streamed to stdout, timing line on stderr."""
+"""`strata run`: one prompt, streamed to stdout, plan/trace/loan lines and timing on stderr."""
 
 from __future__ import annotations
 
@@ -6,22 +6,25 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.cli.options import add_model_args, add_sampling_args, sampling_params
+from engine.cli.options import (
+    add_engine_args,
+    add_sampling_args,
+    engine_options,
+    loan_flags,
+    sampling_params,
+)
+from engine.conversation import Conversation
 from engine.errors import StrataError
-from engine.model.loader import load_model
-from engine.session import Session, Timing
-from engine.synth.demo import resolve_model
+from engine.serve import ServeLoop
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate from one prompt, headless")
-    add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (rendered with the chat template)")
     src.add_argument("--tokens-file", help="file of whitespace-separated token ids (raw prompt)")
-    p.add_argument("--raw", action="store_true", help="send --prompt without the chat template")
     p.add_argument("--max-new", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens (default 512)")
+    add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -31,43 +34,45 @@ def read_tokens_file(path: str, n_vocab: int) -> list[int]:
         text = Path(path).read_text()
     except OSError as exc:
         raise StrataError(f"--tokens-file {path}: {exc.strerror}") from None
-    try:
-        ids = [int(t) for t in text.split()]
-    except ValueError:
-        bad = next(t for t in text.split() if not t.lstrip("-").isdigit())
-        raise StrataError(f"--tokens-file {path}: '{bad[:20]}' is not a token id") from None
+    words = text.split()
+    bad = next((t for t in words if not t.isdigit()), None)
+    if bad is not None:
+        raise StrataError(f"--tokens-file {path}: '{bad[:20]}' is not a token id")
+    ids = [int(t) for t in words]
     if not ids:
         raise StrataError(f"--tokens-file {path}: no token ids in the file")
-    out_of_range = [t for t in ids if not 0 <= t < n_vocab]
+    out_of_range = [t for t in ids if t >= n_vocab]
     if out_of_range:
-        raise StrataError(
-            f"--tokens-file {path}: token id {out_of_range[0]} is outside 0..{n_vocab - 1}"
-        )
+        raise StrataError(f"--tokens-file {path}: token id {out_of_range[0]} is outside 0..{n_vocab - 1}")
     return ids
+
+
+def stderr_line(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def run(args: argparse.Namespace) -> int:
     if args.max_new < 1:
         raise StrataError(f"--max-new {args.max_new} must be at least 1")
-    if args.chunk < 1:
-        raise StrataError(f"--chunk {args.chunk} must be at least 1")
     params = sampling_params(args)
-    model = load_model(resolve_model(args.model))
-    tok = model.tokenizer
+    options = engine_options(args)
+    flags = loan_flags()
+    for w in flags.warnings:
+        stderr_line(f"strata: warning: {w}")
+    loop = ServeLoop.create(options, flags, on_trace=stderr_line)
+    n_vocab = loop.rt.model.hp.n_vocab
+    write = lambda text: (sys.stdout.write(text), sys.stdout.flush())  # noqa: E731
     if args.tokens_file:
-        ids = read_tokens_file(args.tokens_file, model.hp.n_vocab)
-    elif args.raw:
-        ids = tok.encode(args.prompt)
+        ids = read_tokens_file(args.tokens_file, n_vocab)
+        if len(ids) + args.max_new > options.ctx:
+            raise StrataError(
+                f"--tokens-file holds {len(ids)} tokens; with --max-new {args.max_new} that "
+                f"exceeds --ctx {options.ctx}; raise --ctx"
+            )
+        reply = loop.complete(ids, params, args.max_new, on_text=write)
     else:
-        ids = tok.encode(tok.render_chat([{"role": "user", "content": args.prompt}]))
-    session = Session(model, n_ctx=max(args.ctx, len(ids) + args.max_new), kv_kind=args.kv)
-    timing = Timing()
-    stream = tok.stream()
-    for t in session.generate(ids, args.max_new, params, args.chunk, tok.eog_ids, timing):
-        if t in tok.eog_ids:
-            break
-        sys.stdout.write(stream.push(t))
-        sys.stdout.flush()
-    sys.stdout.write(stream.flush() + "\n")
-    sys.stderr.write(timing.line() + "\n")
+        reply = loop.chat(Conversation(), args.prompt, params, args.max_new, on_text=write)
+    sys.stdout.write("\n")
+    stderr_line(reply.timing.line())
     return 0

@@ -78,6 +78,11 @@ class SynthSpec:
             return replace(self, qtypes={g: qtype for g in GROUPS})
         return replace(self, qtypes={**self.qtypes, group: qtype})
 
+    def expert_blob_bytes(self) -> int:
+        """Bytes of one (layer, expert) gate+up+down blob as this spec quantizes experts."""
+        block, type_bytes = GGML_QUANT_SIZES[Q[self.qtypes["experts"]]]
+        return 3 * self.n_ff_exp * self.n_embd // block * type_bytes
+
     def digest(self) -> str:
         return f"{zlib.crc32(repr(sorted(asdict(self).items())).encode()):08x}"
 
