@@ -134,6 +134,7 @@ class StrataApp(App[None]):
         )
         if isinstance(self.screen, LoadingScreen):
             self.pop_screen()
+        self.query_one(Composer).input.focus()
         violations = self._startup_violations()
         if violations:
             self._fail("; ".join(violations))

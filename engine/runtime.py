@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,9 +27,9 @@ from engine.experts.cache import LENT, ExpertCache
 from engine.experts.profile import ExpertProfile
 from engine.experts.residency import residency_readers
 from engine.guards import validate
+from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
 from engine.memory.arena import Arena
 from engine.memory.ledger import Ledger
-from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
 from engine.memory.planner import (
     ModelCosts,
     PlanOptions,
@@ -49,9 +49,9 @@ from engine.synth.demo import resolve_model
 
 
 def default_segment_bytes(capacity_bytes: int) -> int:
-    """Sim segments: a power of two near 1/64 of the device, between 1 MiB and 512 MiB, so
+    """Sim segments: a power of two near 1/64 of the device, between 64 KiB and 512 MiB, so
     the segment map has a readable number of cells whatever the simulated size."""
-    seg = MiB
+    seg = 64 << 10
     while seg * 64 < capacity_bytes and seg < 512 * MiB:
         seg *= 2
     return seg
@@ -59,13 +59,20 @@ def default_segment_bytes(capacity_bytes: int) -> int:
 
 def default_sim_bytes(costs: ModelCosts, reserve_bytes: int) -> int:
     """The simulated device size when none is given: every mandatory and decode-only item
-    plus room for HALF the experts. Half, so that the expert cache cannot hold every expert
-    (prefill must stream the rest, as on a consumer card) and the memory a loan frees
-    visibly changes the prompt geometry."""
+    plus room for THREE QUARTERS of the experts, rounded up to a MiB. The expert cache then
+    cannot hold every expert (prefill streams the rest, as on a consumer card), the prompt
+    path borrows its tail, and the memory a loan frees visibly changes the prompt geometry.
+    (With half, a small model's borrowable tail is too short for one 256-token chunk.) A model
+    whose experts are small next to a chunk's activations also gets room for an owned
+    256-token prompt path."""
     fixed = costs.dense_bytes + costs.kv_bytes + reserve_bytes
     fixed += sum(costs.decode_only_bytes().values())
-    total = fixed + costs.cache_bytes(costs.n_blobs // 2)
-    return -(-total // MiB) * MiB + 4 * MiB
+    n_cache = costs.n_blobs * 3 // 4
+    total = fixed + costs.cache_bytes(n_cache)
+    min_prompt = costs.chunk_bytes(256) + 2 * costs.n_expert_used * costs.expert_blob_bytes
+    if 0.9 * n_cache * costs.expert_blob_bytes < min_prompt:
+        total += 2 * min_prompt  # twice: segment rounding of the two prompt regions
+    return -(-total // MiB) * MiB
 
 
 def deferred_regions(flags: LoanFlags, options: EngineOptions) -> frozenset[str]:
@@ -114,8 +121,11 @@ class Runtime:
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def create(cls, options: EngineOptions, flags: LoanFlags, bus: EventBus | None = None,
-               on_trace: Callable[[str], None] | None = None) -> Runtime:
+               on_trace: Callable[[str], None] | None = None,
+               faults: Faults | None = None) -> Runtime:
+        """Load, plan and allocate. `faults` arms named failure points (tests)."""
         rt = cls()
+        rt.faults = faults or Faults()
         rt.options, rt.flags, rt.bus = options, flags, bus or EventBus()
         publish = rt.bus.publish
         path = resolve_model(options.model, progress=lambda d, t: publish(Loading("building model", d, t)))
@@ -175,21 +185,44 @@ class Runtime:
         self.publish_cache()
 
     def _make_cache(self) -> ExpertCache | None:
+        """Fill the cache in profile order and stage the residency table for its readers.
+
+        Seed 003: the table is staged whenever borrowing is possible, token graph or not. If
+        staging fails and only borrowing needed it, warn, re-plan with owned prompt buffers
+        and continue; if the token graph needs it, the error stands.
+        """
         n = self.plan.n_cache_slots
         if n == 0:
             return None
         cache = ExpertCache(self.ledger, self.model.experts, n, on_trace=self._trace)
-        profile = self._profile()
-        cache.fill(profile.order())
+        cache.fill(self._profile().order())
         readers = residency_readers(
             profile_present=True, borrow=self.plan.prompt.borrowed,
-            chunk_tokens=self.plan.prompt.chunk_tokens, token_graph=False,
+            chunk_tokens=self.plan.prompt.chunk_tokens,
+            token_graph=self._token_graph(),
         )
+        if "stage" in self.faults.armed:  # test hook: a real device fault on the table upload
+            self.faults.armed.discard("stage")
+            self.backend.inject_fault("upload")
         warning = cache.stage_residency(readers)
-        if warning:
-            self.warnings.append(warning)
-            self._trace(warning)
+        if warning is None:
+            return cache
+        self.warnings.append(warning)
+        self._trace(warning)
+        self.emit_trace(warning, always=True)
+        cache.release()
+        self.plan_options = replace(self.plan_options, borrow=False)
+        self.plan = plan_startup(self.ledger.capacity_bytes, self.costs, self.plan_options)
+        if self.plan.n_cache_slots == 0:
+            return None
+        cache = ExpertCache(self.ledger, self.model.experts, self.plan.n_cache_slots,
+                            on_trace=self._trace)
+        cache.fill(self._profile().order())
         return cache
+
+    def _token_graph(self) -> bool:
+        """Decode steps are captured as a CUDA graph unless --no-token-graph (CUDA only)."""
+        return self.backend.name.startswith("cuda") and not self.options.no_token_graph
 
     def _profile(self) -> ExpertProfile:
         if self.options.expert_profile:

@@ -27,6 +27,7 @@ from engine.events import (
     Token,
     TraceLine,
 )
+from engine.loan import Faults
 from engine.memory.planner import PromptGeometry
 from engine.runtime import Checkpoint, Runtime
 from engine.sampler import Sampler, SamplingParams
@@ -56,6 +57,7 @@ class ServeLoop:
         self._busy = threading.Lock()
         self._pending_flags: LoanFlags | None = None
         self._pending_options: EngineOptions | None = None
+        self._conv_id: str | None = None  # the conversation whose tokens the KV holds
 
     @classmethod
     def create(
@@ -64,6 +66,7 @@ class ServeLoop:
         flags: LoanFlags | None = None,
         bus: EventBus | None = None,
         on_trace: Callable[[str], None] | None = None,
+        faults: Faults | None = None,
     ) -> ServeLoop:
         """Load the model and plan memory; publishes Loading, LedgerChanged and Ready.
 
@@ -71,7 +74,7 @@ class ServeLoop:
         lines only when STRATA_TRACE=1.
         """
         bus = bus or EventBus()
-        return cls(Runtime.create(options, flags or LoanFlags(), bus, on_trace), bus)
+        return cls(Runtime.create(options, flags or LoanFlags(), bus, on_trace, faults), bus)
 
     # -- questions -------------------------------------------------------------------------
     @property
@@ -153,6 +156,7 @@ class ServeLoop:
         try:
             self._apply_pending()
             self._cancel.clear()
+            self._conv_id = None
             return self._generate(ids, params or SamplingParams(), max_new, on_text)
         finally:
             self._busy.release()
@@ -165,6 +169,9 @@ class ServeLoop:
         max_new: int,
         on_text: Callable[[str], None] | None,
     ) -> Reply:
+        if conv.id != self._conv_id:  # another conversation: its KV starts empty
+            self.rt.rollback(Checkpoint(0))
+            self._conv_id = conv.id
         conv.add("user", user_text)
         try:
             reply = self._generate(self.prompt_ids(conv), params, max_new, on_text)
@@ -193,12 +200,15 @@ class ServeLoop:
         timing = Timing()
         pieces: list[str] = []
         reuse = rt.session.common_prefix(ids)
+        t0 = time.perf_counter()
         try:
             logits = self._prefill(ids, timing)
             stream = tok.stream()
             sampler = Sampler(params)
             t1 = time.perf_counter()
             for token in rt.decode(logits, sampler, max_new, tok.eog_ids, timing, self._cancel):
+                if timing.generated == 1:
+                    timing.ttft_s = time.perf_counter() - t0
                 if token in tok.eog_ids:
                     break
                 self._emit(stream.push(token), pieces, on_text)

@@ -31,3 +31,19 @@ def tiny_path(models_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_nomtp_path(models_dir: Path) -> Path:
     return build(models_dir, "tiny-nomtp", replace(PRESETS["tiny"], n_nextn=0))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Presets and profiles are built into a per-session cache, never the user's."""
+    import os
+
+    os.environ["STRATA_CACHE_DIR"] = str(tmp_path_factory.mktemp("strata-cache"))
+
+
+@pytest.fixture(scope="session")
+def demo_path(_cache_dir: None) -> Path:
+    """The embedded demo preset (4 blocks + MTP, 32 experts, vocab 8192), built once."""
+    from engine.synth.demo import ensure_preset
+
+    return ensure_preset("demo")

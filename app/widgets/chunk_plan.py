@@ -33,7 +33,7 @@ class ChunkPlan(EventView):
 
     def compose(self) -> ComposeResult:
         yield Static(Text("no request yet", style="dim"), id="plan-text")
-        yield ProgressBar(total=None, show_eta=False, id="prefill-bar")
+        yield ProgressBar(total=1, show_eta=False, id="prefill-bar")
 
     def on_mount(self) -> None:
         self.border_title = "Prompt plan"

@@ -115,7 +115,7 @@ class Composer(Vertical):
         height: auto;
         max-height: 50%;
         & > #chips { height: auto; padding: 0 1; color: $text-accent; }
-        & > PromptInput { height: auto; min-height: 3; max-height: 12; border: round $accent 60%; }
+        & > PromptInput { height: auto; min-height: 3; max-height: 12; border: round $accent 50%; padding: 0 1; }
         & > PromptInput:focus { border: round $accent; }
     }
     """
@@ -137,7 +137,7 @@ class Composer(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(id="chips")
-        yield PromptInput(id="prompt", soft_wrap=True, show_line_numbers=False, compact=True)
+        yield PromptInput(id="prompt", soft_wrap=True, show_line_numbers=False)
 
     @property
     def input(self) -> PromptInput:

@@ -21,7 +21,7 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_QTYPES = frozenset(
     GGMLQuantizationType[name]
     for name in (
-        "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K IQ3_XXS IQ4_XS".split()
+        ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ3_XXS", "IQ4_XS"]
     )
 )
 

@@ -444,6 +444,6 @@ def _raise_no_prompt(budget_bytes: int, costs: ModelCosts, opts: PlanOptions) ->
     raise PlanError(
         f"the prompt path needs {format_mib(costs.chunk_bytes(tokens) + ring_bytes)} MiB for a "
         f"{tokens:,}-token chunk and a {ring}-slot ring, {format_mib(budget_bytes)} MiB are "
-        f"available; lower --prefill or --max-context",
+        f"available; lower --prefill or --ctx, or give the device more memory",
         format_table(["item", "MiB"], rows, right=[0, 1]),
     )

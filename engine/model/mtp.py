@@ -133,7 +133,7 @@ class MTPBlock:
         mf, hp = model.mf, model.hp
         self.model, self.hp, self.xp, self._to_device = model, hp, xp, to_device
         i = hp.n_layer  # the nextn block follows the main blocks
-        get = lambda kind: to_device(dequantize(mf.tensor(names.nextn(kind, i))))  # noqa: E731
+        get = lambda kind: to_device(dequantize(mf.tensor(names.nextn(kind, i))))
         self.eh_proj = get("eh_proj")  # [d, 2d]
         self.enorm = get("enorm")  # [d]
         self.hnorm = get("hnorm")  # [d]

@@ -137,7 +137,7 @@ class DirectExperts:
 
 
 def load_attention(mf: ModelFile, i: int, dev: Any) -> AttentionWeights:
-    get = lambda kind: dev(dequantize(mf.tensor(names.block(kind, i))))  # noqa: E731
+    get = lambda kind: dev(dequantize(mf.tensor(names.block(kind, i))))
     return AttentionWeights(
         norm=get("attn_norm"),
         wq=get("attn_q"),

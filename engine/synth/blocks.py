@@ -11,7 +11,8 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
 # f16 fields of one block as (byte offset, multiple of the base scale d). Fields that act as

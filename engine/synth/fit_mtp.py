@@ -1,19 +1,23 @@
-"""Make a synthetic model's MTP block predictive: fit `eh_proj` to the main model by least squares.
+"""Make a synthetic model's MTP block predictive: fit it to the main model by least squares.
 
 A random nextn block drafts at chance. What a draft must match is the main model's own greedy
 choice, and that choice is a function of the main model's next hidden state h[p+1]. So we
-collect the main model's greedy continuations of random prompts, teacher-force them once to get
-h[p] at every position, and fit the block to map (t[p+1], h[p]) to h[p+1]:
+collect the main model's greedy continuations of random prompts (with h[p] at every position)
+and fit the block to map (t[p+1], h[p]) to h[p+1]:
 
 1. `shared_head_norm` := `output_norm`, so a block output proportional to h[p+1] gives the
    main head's logits (RMSNorm ignores the scale).
-2. `eh_proj` := ridge least squares from u = [enorm(embed(t[p+1])), hnorm(h[p])] to the
-   target x* = h[p+1] - f(x), where f is what the block's (unchanged, random) attention and
-   experts add on top of x; f depends on x, so we alternate: fit, run the block, refit.
+2. `eh_proj` := ridge least squares from u = [enorm(embed(t[p+1])), hnorm(h[p])] to
+   x* = h[p+1] - f(x), where f is what the block's attention and experts add to x. f depends
+   on x, so we alternate: fit, run the block, refit.
+3. `ffn_down_exps` := ridge least squares of the routed experts' output onto what is still
+   missing (h[p+1] - x - attention). With gate, up and the router fixed, the MoE output is
+   linear in the down projections: the experts act as random features. Solved expert by expert
+   (block Gauss-Seidel sweeps, which converge to the joint solution).
 
-Everything else in the file is copied unchanged; the two tensors are re-quantized to their own
-types and written in place, so the file layout is identical. It is honest as a draft model: it
-only ever sees the main model's outputs, and every draft is still checked by the verifier.
+Everything else in the file is copied unchanged; the fitted tensors are re-encoded to their
+own quant types and written in place, so the layout is identical. It is honest as a draft
+model: it only ever sees the main model's outputs, and every draft is still verified.
 """
 
 from __future__ import annotations
@@ -29,20 +33,22 @@ from gguf import GGUFReader
 from gguf import quants as gq
 
 from engine.gguf import names
+from engine.gguf.tokenizer import TokenType
+from engine.model.attention import attention_block
 from engine.model.loader import Model, load_model
+from engine.model.moe import route
 from engine.model.mtp import MTPBlock, require_mtp
-from engine.model.ops import rms_norm
+from engine.model.ops import rms_norm, silu
 from engine.quant import dequantize
-from engine.sampler import SamplingParams
 from engine.session import Session
 
 
 @dataclass
 class Trace:
-    """One teacher-forced sequence: prompt + greedy continuation, with the main hidden."""
+    """One greedy sequence (prompt + continuation) with the main hidden of every position."""
 
     tokens: list[int]
-    hidden: np.ndarray  # [n, d] pre-norm hidden of every position
+    hidden: np.ndarray  # [n, d] pre-norm
     n_prompt: int
 
 
@@ -50,24 +56,40 @@ class Trace:
 class FitReport:
     path: Path
     n_samples: int
-    accuracy_before: float  # held-out top-1 agreement of the first draft with the greedy token
-    accuracy_after: float
+    accuracy_before: float  # held-out share of first drafts equal to the greedy token
+    accuracy_linear: float  # after fitting eh_proj only (float32, before writing)
+    accuracy_after: float  # the written file, as quantized
+
+
+class ArrayExperts:
+    """ExpertProvider over float32 (gate, up, down) arrays of one layer, held in memory."""
+
+    def __init__(self, weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]):
+        self.w = weights
+
+    def prepare(self, layer: int, experts: list[int]) -> None:
+        pass
+
+    def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
+        return self.w[expert]
 
 
 def collect(model: Model, n_seq: int, n_prompt: int, n_gen: int, seed: int) -> list[Trace]:
-    """Greedy continuations of random regular-token prompts, teacher-forced for the hidden."""
+    """Greedy continuations of random regular-token prompts, keeping every position's hidden."""
     rng = np.random.default_rng(seed)
-    types = np.asarray(model.tokenizer.token_types)
-    regular = np.nonzero(types == 1)[0]  # TokenType.NORMAL
+    regular = np.nonzero(np.asarray(model.tokenizer.token_types) == TokenType.NORMAL)[0]
     traces = []
     for _ in range(n_seq):
-        prompt = [int(t) for t in rng.choice(regular, n_prompt)]
-        s = Session(model, n_ctx=n_prompt + n_gen + 1)
-        out = list(s.generate(prompt, n_gen, SamplingParams()))
-        tokens = prompt + out
-        s.reset()
-        hidden = np.asarray(s.forward(tokens, logits="none").hidden)  # [n, d]
-        traces.append(Trace(tokens, hidden, n_prompt))
+        tokens = [int(t) for t in rng.choice(regular, n_prompt)]
+        s = Session(model, n_ctx=n_prompt + n_gen)
+        res = s.forward(tokens)
+        hidden = [np.asarray(res.hidden)]
+        for _ in range(n_gen - 1):
+            tokens.append(int(np.argmax(np.asarray(res.logits[-1]))))
+            res = s.forward(tokens[-1:])
+            hidden.append(np.asarray(res.hidden))
+        tokens.append(int(np.argmax(np.asarray(res.logits[-1]))))
+        traces.append(Trace(tokens[:-1], np.concatenate(hidden), n_prompt))
     return traces
 
 
@@ -76,16 +98,12 @@ def _inputs(block: MTPBlock, tr: Trace) -> np.ndarray:
     hp, xp = block.hp, block.xp
     e = block.embd.rows(np.asarray(tr.tokens[1:], dtype=np.int64))  # [n-1, d]
     return np.concatenate(
-        [rms_norm(xp, e, block.enorm, hp.rms_eps), rms_norm(xp, tr.hidden[:-1], block.hnorm, hp.rms_eps)],
+        [
+            rms_norm(xp, e, block.enorm, hp.rms_eps),
+            rms_norm(xp, tr.hidden[:-1], block.hnorm, hp.rms_eps),
+        ],
         axis=-1,
     )
-
-
-def _run_block(block: MTPBlock, tr: Trace) -> tuple[np.ndarray, np.ndarray]:
-    """(x after eh_proj [n-1, d], block output [n-1, d]) over every cell of the trace."""
-    kv = block.new_kv(len(tr.tokens))
-    out = block.forward(tr.hidden[:-1], np.asarray(tr.tokens[1:]), 0, kv, logits="none")
-    return _inputs(block, tr) @ block.eh_proj.T, np.asarray(out.hidden)
 
 
 def draft_accuracy(block: MTPBlock, traces: list[Trace]) -> float:
@@ -94,7 +112,7 @@ def draft_accuracy(block: MTPBlock, traces: list[Trace]) -> float:
     for tr in traces:
         kv = block.new_kv(len(tr.tokens))
         out = block.forward(tr.hidden[:-1], np.asarray(tr.tokens[1:]), 0, kv, logits="all")
-        pred = block.head.ids[np.argmax(np.asarray(out.logits), axis=-1)]  # cell p predicts t[p+2]
+        pred = block.head.ids[np.argmax(np.asarray(out.logits), axis=-1)]  # cell p -> t[p+2]
         cells = range(tr.n_prompt - 1, len(tr.tokens) - 2)  # t[p+2] is a generated token
         hits += sum(int(pred[p] == tr.tokens[p + 2]) for p in cells)
         total += len(cells)
@@ -102,28 +120,70 @@ def draft_accuracy(block: MTPBlock, traces: list[Trace]) -> float:
 
 
 def fit_eh_proj(block: MTPBlock, traces: list[Trace], n_iter: int = 3, ridge: float = 1e-2) -> int:
-    """Fit `block.eh_proj` in place; returns the number of samples used."""
-    n_cells = [len(tr.tokens) - 1 for tr in traces]
+    """Fit `block.eh_proj` in place; returns the number of samples (cells) used."""
     u = np.concatenate([_inputs(block, tr) for tr in traces]).astype(np.float64)  # [S, 2d]
     target = np.concatenate([tr.hidden[1:] for tr in traces]).astype(np.float64)  # [S, d]
-    gram = u.T @ u + ridge * len(u) * np.eye(u.shape[1], dtype=np.float64)  # [2d, 2d]
+    gram = u.T @ u + ridge * len(u) * np.eye(u.shape[1])  # [2d, 2d]
     residual = np.zeros_like(target)  # f(x): what attention + experts add to x
     for _ in range(n_iter):
         w = np.linalg.solve(gram, u.T @ (target - residual))  # [2d, d]
-        block.eh_proj = block._to_device(np.ascontiguousarray(w.T, dtype=np.float32))
-        runs = [_run_block(block, tr) for tr in traces]
-        residual = np.concatenate([out - x for x, out in runs])
-    assert sum(n_cells) == len(u)
+        block.eh_proj = np.ascontiguousarray(w.T, dtype=np.float32)  # [d, 2d]
+        outs = []
+        for tr in traces:
+            kv = block.new_kv(len(tr.tokens))
+            out = block.forward(tr.hidden[:-1], np.asarray(tr.tokens[1:]), 0, kv, logits="none")
+            outs.append(np.asarray(out.hidden) - _inputs(block, tr) @ block.eh_proj.T)
+        residual = np.concatenate(outs)
     return len(u)
+
+
+def fit_expert_down(
+    block: MTPBlock, traces: list[Trace], ridge: float = 1e-2, n_sweep: int = 3
+) -> dict[int, np.ndarray]:
+    """Fit every expert's down projection [d, f]; installs them in `block.experts`."""
+    hp = block.hp
+    n_exp = hp.n_expert
+    block.experts.prepare(0, list(range(n_exp)))
+    w0 = {e: tuple(np.asarray(a) for a in block.experts.weights(0, e)) for e in range(n_exp)}
+    acts: dict[int, list[np.ndarray]] = {e: [] for e in range(n_exp)}  # weighted [n_e, f]
+    rows: dict[int, list[np.ndarray]] = {e: [] for e in range(n_exp)}  # sample index [n_e]
+    targets, base = [], 0
+    for tr in traces:
+        kv = block.new_kv(len(tr.tokens))
+        x = _inputs(block, tr) @ block.eh_proj.T  # [n-1, d]
+        a = x + attention_block(np, hp, block.block.attn, x, 0, kv, 0)
+        h = rms_norm(np, a, block.block.ffn_norm, hp.rms_eps)
+        ids, w, _ = route(np, hp, block.block.router, h)  # [n-1, k]
+        for e in np.unique(ids).tolist():
+            tok, slot = np.nonzero(ids == e)
+            gate, up, _ = w0[e]
+            act = silu(np, h[tok] @ gate.T) * (h[tok] @ up.T)  # [n_e, f]
+            acts[e].append(act * w[tok, slot][:, None])
+            rows[e].append(tok + base)
+        targets.append(tr.hidden[1:] - a)  # what the MoE should add
+        base += len(x)
+    target = np.concatenate(targets).astype(np.float64)  # [S, d]
+    phi = {e: np.concatenate(acts[e]).astype(np.float64) for e in acts if acts[e]}
+    idx = {e: np.concatenate(rows[e]) for e in phi}
+    down = {e: np.zeros((hp.n_embd, hp.n_ff_exp)) for e in range(n_exp)}  # unrouted: zero
+    pred = np.zeros_like(target)  # current MoE output per sample
+    for _ in range(n_sweep):
+        for e, f in phi.items():
+            pred[idx[e]] -= f @ down[e].T  # leave expert e out
+            gram = f.T @ f + ridge * np.trace(f.T @ f) / f.shape[1] * np.eye(f.shape[1])
+            down[e] = np.linalg.solve(gram, f.T @ (target[idx[e]] - pred[idx[e]])).T
+            pred[idx[e]] += f @ down[e].T
+    fitted = {e: np.ascontiguousarray(down[e], dtype=np.float32) for e in range(n_exp)}
+    block.experts = ArrayExperts({e: (w0[e][0], w0[e][1], fitted[e]) for e in range(n_exp)})
+    return fitted
 
 
 def fit_mtp(
     src: str | Path,
     dst: str | Path | None = None,
-    n_seq: int = 48,
+    n_seq: int = 64,
     n_prompt: int = 16,
-    n_gen: int = 96,
-    n_iter: int = 3,
+    n_gen: int = 112,
     seed: int = 1234,
 ) -> FitReport:
     """Copy `src` to `dst` (default `<stem>-mtpfit.gguf`) with a fitted nextn block."""
@@ -133,20 +193,23 @@ def fit_mtp(
     require_mtp(model)
     block = MTPBlock(model)
     train = collect(model, n_seq, n_prompt, n_gen, seed)
-    held_out = collect(model, max(4, n_seq // 6), n_prompt, n_gen, seed + 1)
+    held_out = collect(model, max(4, n_seq // 8), n_prompt, n_gen, seed + 1)
     before = draft_accuracy(block, held_out)
-    block.shared_head_norm = block._to_device(model.transformer.output_norm.copy())
-    n_samples = fit_eh_proj(block, train, n_iter)
+    block.shared_head_norm = np.array(model.transformer.output_norm)
+    n_samples = fit_eh_proj(block, train)
+    linear = draft_accuracy(block, held_out)
+    down = fit_expert_down(block, train)
+    i = model.hp.n_layer
     tmp = dst.with_suffix(dst.suffix + ".part")
     shutil.copyfile(src, tmp)
-    i = model.hp.n_layer
     _write(tmp, {
         names.nextn("eh_proj", i): np.asarray(block.eh_proj),
         names.nextn("shared_head_norm", i): dequantize(model.mf.tensor(names.OUTPUT_NORM)),
+        names.block("ffn_down_exps", i): np.stack([down[e] for e in sorted(down)]),
     })
     tmp.replace(dst)
     after = draft_accuracy(MTPBlock(load_model(dst)), held_out)  # as quantized in the file
-    return FitReport(dst, n_samples, before, after)
+    return FitReport(dst, n_samples, before, linear, after)
 
 
 def _write(path: Path, tensors: dict[str, np.ndarray]) -> None:
@@ -157,10 +220,9 @@ def _write(path: Path, tensors: dict[str, np.ndarray]) -> None:
         t = by_name[name]
         qtype = Q(int(t.tensor_type))
         data: Any = t.data
-        if qtype == Q.F32:
-            data[...] = value.astype(np.float32).reshape(data.shape)
-        elif qtype == Q.F16:
-            data[...] = value.astype(np.float16).reshape(data.shape)
+        if qtype in (Q.F32, Q.F16):
+            data[...] = value.astype(data.dtype).reshape(data.shape)
         else:
-            data[...] = gq.quantize(value.astype(np.float32), qtype).reshape(data.shape)
+            flat = value.reshape(-1, value.shape[-1]).astype(np.float32)
+            data[...] = gq.quantize(flat, qtype).reshape(data.shape)
     reader.data.flush()

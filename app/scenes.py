@@ -1,0 +1,196 @@
+"""Scenes for screenshots and snapshot tests: the app driven by a pilot to a known state.
+
+`capture(name, out_dir)` runs a scene headless and writes `<name>.svg` (and `<name>.png` when
+cairosvg is installed). Scenes use a throw-away conversation store, so no user data shows.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from textual.pilot import Pilot
+
+from app.app import StrataApp
+from app.store import Store
+from app.widgets.prompt_input import Composer
+from engine.cli.chat import ChatConfig
+from engine.config import EngineOptions, LoanFlags
+from engine.events import PrefillProgress
+
+SIZE = (120, 40)
+WORDS = [
+    "the",
+    "expert",
+    "cache",
+    "lends",
+    "its",
+    "tail",
+    "to",
+    "the",
+    "prompt",
+    "path",
+    "while",
+    "the",
+    "verifier",
+    "and",
+    "the",
+    "native",
+    "head",
+    "step",
+    "aside;",
+    "every",
+    "lent",
+    "slot",
+    "is",
+    "refilled",
+    "into",
+    "the",
+    "same",
+    "slot",
+    "before",
+    "the",
+    "first",
+    "token",
+]
+
+
+def sample_paste(n_lines: int, width: int = 12) -> str:
+    """A deterministic multi-line text (a stand-in for a pasted log or document)."""
+    lines = []
+    for i in range(n_lines):
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(width)]
+        lines.append(f"{i + 1:04d} " + " ".join(words))
+    return "\n".join(lines)
+
+
+async def wait_until(pilot: Pilot, predicate: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Pause the pilot until `predicate()` holds; raises TimeoutError after `timeout_s`."""
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await pilot.pause(0.05)
+    raise TimeoutError(f"scene condition not reached in {timeout_s:.0f} s")
+
+
+async def wait_ready(pilot: Pilot) -> None:
+    app = pilot.app
+    assert isinstance(app, StrataApp)
+    await wait_until(pilot, lambda: app.link.loop is not None and app.screen is app.default_screen)
+    await pilot.pause(0.2)
+
+
+@dataclass(frozen=True)
+class Scene:
+    """A named app state: how to configure the app and how to drive it there."""
+
+    name: str
+    run: Callable[[Pilot], Awaitable[None]]
+    options: Callable[[str], EngineOptions]
+    flags: LoanFlags = field(default_factory=LoanFlags)
+
+    def app(self, model: str = "demo", store: Store | None = None) -> StrataApp:
+        config = ChatConfig(self.options(model), self.flags, max_new=64)
+        if store is None:
+            store = Store.open(Path(tempfile.mkdtemp(prefix="strata-scene-")) / "scene.sqlite3")
+        return StrataApp(config, store=store)
+
+
+async def idle(pilot: Pilot) -> None:
+    await wait_ready(pilot)
+
+
+async def refused_flag(pilot: Pilot) -> None:
+    """Turn the master loan switch on without --serve/--vram-elastic: the engine refuses."""
+    await wait_ready(pilot)
+    await pilot.click("#elastic_loan")
+    app = pilot.app
+    await wait_until(pilot, lambda: "refused" in str(app.query_one("#flags-status").render()))
+    await pilot.pause(0.3)
+
+
+async def paste_loan(pilot: Pilot) -> None:
+    """Send a long paste with the loan flags on; stop while the prefill runs."""
+    await wait_ready(pilot)
+    app = pilot.app
+    assert isinstance(app, StrataApp)
+    composer = app.query_one(Composer)
+    composer.input.post_message(_paste(sample_paste(400)))
+    await wait_until(pilot, lambda: bool(composer.pastes))
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: _prefill_chunk(app) >= 3)
+    composer.input.post_message(_paste(sample_paste(120)))
+    await wait_until(pilot, lambda: bool(composer.pastes))
+    await pilot.pause(0.2)
+
+
+def _paste(text: str):
+    from textual.events import Paste
+
+    return Paste(text)
+
+
+def _prefill_chunk(app: StrataApp) -> int:
+    from app.widgets.chunk_plan import ChunkPlan
+
+    progress: PrefillProgress | None = app.query_one(ChunkPlan).progress
+    return progress.chunk if progress is not None else 0
+
+
+LOAN_FLAGS = LoanFlags(elastic_loan=True, retain_startup_chunk=True, repeat_loan=True)
+
+SCENES = {
+    "idle": Scene("idle", idle, lambda model: EngineOptions(model=model)),
+    "paste-loan": Scene(
+        "paste-loan",
+        paste_loan,
+        lambda model: EngineOptions(model=model, serve=True, vram_elastic=True, prefill=256),
+        LOAN_FLAGS,
+    ),
+    "refused-flag": Scene("refused-flag", refused_flag, lambda model: EngineOptions(model=model)),
+}
+
+
+def screenshot(scene: Scene, model: str = "demo", size: tuple[int, int] = SIZE) -> str:
+    """Run `scene` headless and return the SVG of the screen it ends on."""
+    app = scene.app(model)
+
+    async def pilot_run(pilot: Pilot) -> None:
+        await scene.run(pilot)
+        await pilot.wait_for_scheduled_animations()
+        await pilot.pause()
+        svg = app.export_screenshot(title=f"strata chat — {scene.name}")
+        app.link.cancel()
+        app.exit(svg)
+
+    svg = app.run(headless=True, size=size, auto_pilot=pilot_run)
+    if app.error_line:
+        raise RuntimeError(f"scene {scene.name}: the engine did not start: {app.error_line}")
+    assert isinstance(svg, str), f"scene {scene.name} ended without a screenshot"
+    return svg
+
+
+def capture(name: str, out_dir: Path, model: str = "demo") -> list[Path]:
+    """Write `<name>.svg` and, when cairosvg is importable, `<name>.png`; returns the paths."""
+    svg = screenshot(SCENES[name], model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    svg_path = out_dir / f"{name}.svg"
+    svg_path.write_text(svg, encoding="utf-8")
+    written = [svg_path]
+    png = svg_to_png(svg)
+    if png is not None:
+        png_path = out_dir / f"{name}.png"
+        png_path.write_bytes(png)
+        written.append(png_path)
+    return written
+
+
+def svg_to_png(svg: str) -> bytes | None:
+    """PNG bytes via cairosvg (needs the system cairo library); None when unavailable."""
+    try:
+        import cairosvg
+    except (ImportError, OSError):
+        return None
+    return cairosvg.svg2png(bytestring=svg.encode("utf-8"), scale=1.5)

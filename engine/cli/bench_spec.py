@@ -1,0 +1,151 @@
+"""`strata bench-spec`: decode speed and MTP draft acceptance per `--spec` window (a benchmark).
+
+Runs are interleaved (every window size once per run, same prompt), each on a fresh session;
+the table gives the median decode tok/s with its range, the acceptance rate, the mean number
+of drafts accepted per verify step and its histogram, and whether greedy output equalled
+`--spec 0` (it must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine.cli.options import add_sampling_args, sampling_params
+from engine.errors import FlagError, StrataError
+from engine.gguf.tokenizer import TokenType
+from engine.model.loader import load_model
+from engine.sampler import SamplingParams
+from engine.session import Session, Timing
+from engine.spec import SpecDecoder, check_spec
+from engine.synth.demo import resolve_model
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench-spec", help="benchmark MTP speculative decoding (--spec windows)")
+    p.add_argument("--model", default="demo", help="a .gguf path, or a preset name such as 'demo'")
+    p.add_argument("--spec", default="0,2,4", help="comma-separated windows; 0 is plain decoding")
+    p.add_argument("--runs", type=int, default=3, help="runs per window (default 3)")
+    p.add_argument("--max-new", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="random prompt length (default 32)")
+    p.add_argument("--draft-vocab", type=int, default=0, help="draft head rows (0: all)")
+    p.add_argument("--kv", choices=("f16", "int8", "q4_0"), default="f16")
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+@dataclass
+class BenchRow:
+    """Figures of one window size over all runs."""
+
+    spec: int
+    tok_s: list[float] = field(default_factory=list)
+    offered: int = 0
+    accepted: int = 0
+    hist: dict[int, int] = field(default_factory=dict)
+    same_as_plain: bool | None = None  # greedy only: every run's tokens equal --spec 0's
+
+    @property
+    def n_steps(self) -> int:
+        return sum(self.hist.values())
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.offered if self.offered else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted / self.n_steps if self.n_steps else 0.0
+
+
+def parse_specs(text: str) -> list[int]:
+    try:
+        specs = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise FlagError(f"--spec '{text}' must be comma-separated integers, e.g. 0,2,4") from None
+    for s in specs:
+        if s:
+            check_spec(s)
+    if not specs:
+        raise FlagError("--spec is empty; give at least one window, e.g. 0,2,4")
+    return specs
+
+
+def bench(
+    model_path: str | Path,
+    specs: list[int],
+    runs: int,
+    max_new: int,
+    prompt_tokens: int,
+    params: SamplingParams,
+    draft_vocab: int = 0,
+    kv: str = "f16",
+    seed: int = 0,
+) -> list[BenchRow]:
+    """Run every window `runs` times, interleaved; returns one row per window, in order."""
+    if runs < 1 or max_new < 1 or prompt_tokens < 1:
+        raise StrataError("--runs, --max-new and --prompt-tokens must be at least 1")
+    model = load_model(model_path)
+    decoders = {t: SpecDecoder.with_mtp(model, t, draft_vocab) for t in specs if t}
+    regular = np.nonzero(np.asarray(model.tokenizer.token_types) == TokenType.NORMAL)[0]
+    rows = {t: BenchRow(t) for t in specs}
+    for r in range(runs):
+        rng = np.random.default_rng([seed, r])
+        prompt = [int(t) for t in rng.choice(regular, prompt_tokens)]
+        outputs = {}
+        for t in specs:
+            session = Session(model, n_ctx=prompt_tokens + max_new + 8, kv_kind=kv)
+            timing = Timing()
+            if t == 0:
+                gen = session.generate(prompt, max_new, params, timing=timing)
+            else:
+                gen = decoders[t].generate(session, prompt, max_new, params, timing=timing)
+            outputs[t] = list(gen)
+            row = rows[t]
+            row.tok_s.append(timing.tg_tok_s)
+            row.offered += timing.drafts_offered
+            row.accepted += timing.drafts_accepted
+            for k, n in timing.accepted_hist.items():
+                row.hist[k] = row.hist.get(k, 0) + n
+        if params.greedy and 0 in outputs:
+            for t in specs:
+                same = outputs[t] == outputs[0]
+                rows[t].same_as_plain = same if rows[t].same_as_plain is None else (
+                    rows[t].same_as_plain and same
+                )
+    return [rows[t] for t in specs]
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    """A Markdown table of the rows."""
+    lines = [
+        "| spec T | decode tok/s (median) | range | acceptance | mean accepted / step "
+        "| accepted-length histogram | same tokens as spec 0 |",
+        "|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in rows:
+        med = statistics.median(row.tok_s)
+        rng = f"{min(row.tok_s):.1f}-{max(row.tok_s):.1f}"
+        if row.spec:
+            acc = f"{100 * row.acceptance:.1f}% ({row.accepted}/{row.offered})"
+            mean = f"{row.mean_accepted:.2f}"
+            hist = " ".join(f"{k}:{n}" for k, n in sorted(row.hist.items()))
+        else:
+            acc = mean = hist = "-"
+        same = {None: "-", True: "yes", False: "NO"}[row.same_as_plain]
+        lines.append(f"| {row.spec} | {med:.1f} | {rng} | {acc} | {mean} | {hist} | {same} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = parse_specs(args.spec)
+    rows = bench(
+        resolve_model(args.model), specs, args.runs, args.max_new, args.prompt_tokens,
+        sampling_params(args), args.draft_vocab, args.kv, args.seed,
+    )
+    print(format_table(rows))
+    return 0

@@ -1,0 +1,242 @@
+"""Speculative decoding: greedy identity with plain decoding, accept-all / accept-none draft
+sources, KV state after rejections, the rejection-sampling rule, and the benchmark command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.cli.bench_spec import bench, format_table, parse_specs
+from engine.errors import FlagError
+from engine.model.loader import Model, load_model
+from engine.sampler import Sampler, SamplingParams
+from engine.session import Session, Timing
+from engine.spec import (
+    AdversarialDraft,
+    SpecDecoder,
+    TargetDraft,
+    rejection_step,
+    speculative_accept,
+)
+from engine.verifier import Verifier
+
+GREEDY = SamplingParams()
+# prompt lengths: a single token, shorter than a chunk, several chunks, and a longer one
+PROMPT_LENGTHS = (1, 5, 23, 70)
+# chi-square 0.999 quantile for 5 degrees of freedom (6 outcomes)
+CHI2_5DOF_P999 = 20.515
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path: Path) -> Model:
+    return load_model(tiny_path)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 1000, n).tolist()
+
+
+def plain(model: Model, ids: list[int], max_new: int, chunk: int, **kw) -> tuple[list[int], Session]:  # type: ignore[no-untyped-def]
+    s = Session(model, n_ctx=kw.pop("n_ctx", 512))
+    return list(s.generate(ids, max_new, kw.pop("params", GREEDY), chunk, **kw)), s
+
+
+def spec_run(dec: SpecDecoder, model: Model, ids: list[int], max_new: int, chunk: int, **kw):  # type: ignore[no-untyped-def]
+    s = Session(model, n_ctx=kw.pop("n_ctx", 512))
+    timing = Timing()
+    out = list(dec.generate(s, ids, max_new, kw.pop("params", GREEDY), chunk, timing=timing, **kw))
+    return out, s, timing
+
+
+@pytest.mark.parametrize("n_window", range(2, 9))
+def test_greedy_mtp_spec_equals_plain_decoding(model: Model, n_window: int) -> None:
+    dec = SpecDecoder.with_mtp(model, n_window)
+    for i, n in enumerate(PROMPT_LENGTHS):
+        ids = prompt(n, seed=n_window * 10 + i)
+        chunk = 7 if i % 2 else 512  # chunked prefill on every other prompt
+        want, ref = plain(model, ids, 40, chunk)
+        got, s, timing = spec_run(dec, model, ids, 40, chunk)
+        assert got == want, (n_window, n)
+        assert s.tokens == ref.tokens and s.kv.n_tokens == len(ids) + len(got) - 1
+        assert timing.generated == len(got) and timing.drafts_offered > 0
+        assert sum(timing.accepted_hist.values()) > 0
+        dec.check_integrity()
+
+
+@pytest.mark.parametrize("source", [TargetDraft, AdversarialDraft])
+def test_greedy_test_sources_equal_plain_decoding(model: Model, source: type) -> None:
+    for n_window in (2, 5, 8):
+        dec = SpecDecoder(n_window, source(), Verifier.for_model(model, n_window))
+        ids = prompt(17, seed=n_window)
+        want, _ = plain(model, ids, 30, 6)
+        got, _, timing = spec_run(dec, model, ids, 30, 6)
+        assert got == want
+        assert timing.drafts_offered > 0
+        if source is TargetDraft:
+            assert timing.drafts_accepted == timing.drafts_offered
+            assert set(timing.accepted_hist) <= {n_window - 1, *range(n_window - 1)}
+            assert timing.accepted_hist.get(n_window - 1, 0) >= 1
+        else:
+            assert timing.drafts_accepted == 0 and set(timing.accepted_hist) == {0}
+
+
+def test_stops_match_plain_decoding(model: Model) -> None:
+    """Stop tokens, max_new and a full context end generation where plain decoding does."""
+    dec = SpecDecoder(6, TargetDraft(), Verifier.for_model(model, 6))
+    ids = prompt(12, seed=3)
+    free, _ = plain(model, ids, 40, 512)
+    stop = frozenset({free[9]})  # a token drafts will accept in the middle of a window
+    cases = [dict(stop_ids=stop), dict(n_ctx=len(ids) + 13), dict(n_ctx=len(ids) + 1)]
+    for max_new in (1, 2, 3, 40):
+        for kw in cases:
+            want, ref = plain(model, ids, max_new, 512, **dict(kw))
+            got, s, _ = spec_run(dec, model, ids, max_new, 512, **dict(kw))
+            assert got == want, (max_new, kw)
+            assert s.tokens == ref.tokens, (max_new, kw)
+
+
+def test_after_rejections_kv_matches_a_clean_run(model: Model) -> None:
+    """After drafts are rejected, the main KV holds exactly the accepted tokens: the logits of
+    the next token equal those of a session that never speculated."""
+    ids = prompt(29, seed=4)
+    for source in (AdversarialDraft(), None):
+        dec = (
+            SpecDecoder(5, source, Verifier.for_model(model, 5)) if source
+            else SpecDecoder.with_mtp(model, 5)
+        )
+        got, s, timing = spec_run(dec, model, ids, 25, 8)
+        assert timing.drafts_offered > timing.drafts_accepted  # there were rejections
+        want, ref = plain(model, ids, 25, 8)
+        assert got == want
+        assert s.kv.n_tokens == len(s.tokens) == len(ids) + len(got) - 1
+        a = np.asarray(s.forward([got[-1]]).logits)
+        b = np.asarray(ref.forward([got[-1]]).logits)
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_multi_turn_reuses_the_prefix_like_plain_decoding(model: Model) -> None:
+    dec = SpecDecoder.with_mtp(model, 4)
+    s_spec, s_plain = Session(model, 512), Session(model, 512)
+    ids = prompt(20, seed=5)
+    for turn in range(3):
+        t_spec, t_plain = Timing(), Timing()
+        a = list(dec.generate(s_spec, ids, 15, GREEDY, 8, timing=t_spec))
+        b = list(s_plain.generate(ids, 15, GREEDY, 8, timing=t_plain))
+        assert a == b and s_spec.tokens == s_plain.tokens
+        if turn:  # at most one token less reused: the MTP cell of the last KV token
+            assert t_plain.reused_tokens - 1 <= t_spec.reused_tokens <= t_plain.reused_tokens
+            assert t_spec.reused_tokens > len(ids) // 2
+        dec.check_integrity()
+        ids = ids + a + prompt(6, seed=50 + turn)
+
+
+def test_release_restore_between_requests_keeps_output(model: Model) -> None:
+    """The loan's order: release every decode resource, prefill-free gap, restore, decode."""
+    dec = SpecDecoder.with_mtp(model, 4, draft_vocab=300)
+    ids = prompt(18, seed=6)
+    want, _, _ = spec_run(dec, model, ids, 20, 512)
+    freed = [r.release() for r in dec.resources()]
+    assert freed == [r.nbytes for r in dec.resources()] and all(freed)
+    assert not any(r.resident for r in dec.resources())
+    with pytest.raises(AssertionError, match="released"):
+        spec_run(dec, model, ids, 20, 512)
+    restored = [r.restore() for r in reversed(dec.resources())]
+    assert restored == [r.nbytes for r in reversed(dec.resources())]
+    dec.check_integrity()
+    got, _, _ = spec_run(dec, model, ids, 20, 512)
+    assert got == want
+
+
+def test_spec_window_must_be_2_to_8(model: Model) -> None:
+    for bad in (1, 9, -2):
+        with pytest.raises(FlagError, match=f"--spec {bad} must be 0"):
+            SpecDecoder.with_mtp(model, bad)
+
+
+# -- sampled decoding ------------------------------------------------------------------
+
+
+def chi_square(counts: np.ndarray, p: np.ndarray) -> float:
+    expected = counts.sum() * p
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_rejection_step_preserves_the_target_distribution() -> None:
+    p = np.array([0.30, 0.05, 0.25, 0.10, 0.20, 0.10])
+    q = np.array([0.05, 0.40, 0.05, 0.30, 0.10, 0.10])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
+    n = 40_000
+    out = np.zeros(p.size)
+    naive = np.zeros(p.size)  # accepting every draft: the output follows q, not p
+    for _ in range(n):
+        d = sampler.draw(q)
+        r = rejection_step(p, q, d, sampler)
+        out[d if r is None else r] += 1
+        naive[d] += 1
+    assert chi_square(out, p) < CHI2_5DOF_P999
+    assert chi_square(naive, p) > 100 * CHI2_5DOF_P999  # the bound does discriminate
+
+
+def test_speculative_accept_two_positions_keeps_the_first_marginal() -> None:
+    """With two drafts, the first output token still follows p0 (joint rule, one window)."""
+    v = 6
+    logits = np.log(np.array([
+        [0.30, 0.05, 0.25, 0.10, 0.20, 0.10],
+        [0.10, 0.10, 0.10, 0.40, 0.20, 0.10],
+        [1 / 6] * 6,
+    ]))
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=3)
+    q0 = np.array([0.05, 0.40, 0.05, 0.30, 0.10, 0.10])
+    q1 = np.full(v, 1 / v)
+    sampler = Sampler(params)
+    first = np.zeros(v)
+    for _ in range(30_000):
+        d = [sampler.draw(q0), sampler.draw(q1)]
+        k, bonus = speculative_accept(d, [q0, q1], logits, sampler)
+        first[d[0] if k >= 1 else bonus] += 1
+    assert chi_square(first, np.exp(logits[0])) < CHI2_5DOF_P999
+
+
+def test_sampled_sources_accept_all_or_none(model: Model) -> None:
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=11)
+    ids = prompt(15, seed=8)
+    for source, want_all in ((TargetDraft(), True), (AdversarialDraft(), False)):
+        dec = SpecDecoder(4, source, Verifier.for_model(model, 4))
+        got, s, timing = spec_run(dec, model, ids, 30, 512, params=params)
+        assert len(got) == 30 and timing.drafts_offered > 0
+        if want_all:  # p and q differ only by batched-vs-single rounding
+            assert timing.drafts_accepted >= timing.drafts_offered - 1
+        else:
+            assert timing.drafts_accepted == 0
+        assert s.tokens == ids + got[:-1]
+        again, _, _ = spec_run(dec, model, ids, 30, 512, params=params)
+        assert again == got  # seeded: repeatable
+
+
+def test_sampled_mtp_decoding_runs_and_keeps_state(model: Model) -> None:
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=2)
+    dec = SpecDecoder.with_mtp(model, 3, draft_vocab=200)
+    ids = prompt(9, seed=9)
+    got, s, timing = spec_run(dec, model, ids, 25, 4, params=params)
+    assert len(got) == 25 and all(0 <= t < model.hp.n_vocab for t in got)
+    assert s.tokens == ids + got[:-1] and timing.drafts_offered > 0
+    dec.check_integrity()
+
+
+# -- benchmark command -----------------------------------------------------------------
+
+
+def test_bench_spec_table(tiny_path: Path) -> None:
+    rows = bench(tiny_path, parse_specs("0,2,3"), runs=2, max_new=12, prompt_tokens=6,
+                 params=GREEDY)
+    assert [r.spec for r in rows] == [0, 2, 3]
+    assert all(len(r.tok_s) == 2 and min(r.tok_s) > 0 for r in rows)
+    assert all(r.same_as_plain for r in rows)
+    assert rows[0].offered == 0 and rows[1].offered > 0 and rows[2].offered > rows[1].offered
+    table = format_table(rows).splitlines()
+    assert len(table) == 5 and table[0].startswith("| spec T | decode tok/s")
+    assert table[2].startswith("| 0 |") and table[3].endswith("| yes |")
+    with pytest.raises(FlagError):
+        parse_specs("0,1")
