@@ -81,8 +81,10 @@ class LoanFlags:
         return cls(**values, warnings=tuple(warnings))  # type: ignore[arg-type]
 
     def with_changes(self, **changes: object) -> LoanFlags:
-        current = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "warnings"}
-        return LoanFlags.make(**{**current, **changes})
+        return LoanFlags.make(**{**self.as_kwargs(), **changes})
+
+    def as_kwargs(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "warnings"}
 
     def as_env(self) -> dict[str, str]:
         return {

@@ -7,7 +7,7 @@ import sys
 
 from engine.errors import StrataError
 
-COMMANDS = ("run", "logits", "info", "make_model", "plan", "profile")
+COMMANDS = ("run", "logits", "info", "make_model", "plan", "profile", "bench")
 
 
 class OneLineParser(argparse.ArgumentParser):

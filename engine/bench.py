@@ -1,0 +1,215 @@
+"""Benchmarks that print tables (never timed unit tests): `strata bench`.
+
+Every run starts a fresh engine; configurations are interleaved (off, on, off, on, ...) and
+serialized; each cell is the median of the runs with the range beside it. Scenarios follow
+seed 000's tables: the fixed-planner A/B (same plan, loan off and on), the automatic planner,
+and a repeat prefill (a short first message, then a long one with the repeat loan); plus a
+sweep of chunk sizes (prefill tok/s and bytes streamed against the chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+from engine.config import EngineOptions, LoanFlags
+from engine.events import EventBus, PlanChosen
+from engine.profile_record import calibration_text
+from engine.serve import ServeLoop
+
+LOAN_ON = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
+                         retain_startup_chunk=True, repeat_loan=True)
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str
+    options: EngineOptions
+    flags: LoanFlags = LoanFlags()
+    warmup_tokens: int = 0  # repeat scenario: a short first message before the measured one
+
+
+@dataclass
+class Sample:
+    plan: str
+    pp: float
+    tg: float
+    prefill_s: float
+    mib_streamed: float
+    loan: bool
+
+
+@dataclass
+class Row:
+    label: str
+    samples: list[Sample] = field(default_factory=list)
+
+    def cell(self, key: str, fmt: str = "{:.1f}") -> str:
+        values = [getattr(s, key) for s in self.samples]
+        med = statistics.median(values)
+        if len(values) == 1:
+            return fmt.format(med)
+        return f"{fmt.format(med)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+    def plans(self) -> str:
+        return " / ".join(sorted({s.plan for s in self.samples}, key=self._order)) if self.samples else ""
+
+    @staticmethod
+    def _order(label: str) -> int:
+        return int(label.split("/")[0].replace(",", "").strip())
+
+
+def prompt_tokens(loop: ServeLoop, n: int, salt: int = 0) -> list[int]:
+    """n token ids of English-looking text (the calibration generator, grown to length)."""
+    tok = loop.rt.model.tokenizer
+    ids: list[int] = []
+    seed = salt
+    while len(ids) < n:
+        ids += tok.encode(calibration_text(2000, seed=seed))
+        seed += 1
+    return ids[:n]
+
+
+def run_once(cfg: Config, n_tokens: int, max_new: int) -> Sample:
+    """A fresh engine, one measured request (after the warmup message, if any)."""
+    bus = EventBus()
+    plans: list[PlanChosen] = []
+    bus.subscribe(lambda e: plans.append(e) if isinstance(e, PlanChosen) else None)
+    loop = ServeLoop.create(cfg.options, cfg.flags, bus)
+    if cfg.warmup_tokens:
+        loop.complete(prompt_tokens(loop, cfg.warmup_tokens, salt=99), max_new=2)
+    ids = prompt_tokens(loop, n_tokens)
+    if cfg.warmup_tokens:  # continue the same sequence so only the new part is fresh
+        ids = list(loop.rt.session.tokens) + ids
+    reply = loop.complete(ids, max_new=max_new)
+    t = reply.timing
+    loop.rt.check_integrity()
+    p = plans[-1]
+    return Sample(f"{p.chunk_tokens:,} / {p.ring_slots}", t.pp_tok_s, t.tg_tok_s, t.prefill_s,
+                  t.bytes_streamed / (1 << 20), p.loan)
+
+
+def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
+              progress: Callable[[str], None] | None = None) -> list[Row]:
+    """Interleave configs run by run; returns one row per config."""
+    rows = [Row(c.label) for c in configs]
+    for r in range(runs):
+        for cfg, row in zip(configs, rows):
+            t0 = time.perf_counter()
+            row.samples.append(run_once(cfg, n_tokens, max_new))
+            if progress:
+                progress(f"run {r + 1}/{runs} {cfg.label}: {time.perf_counter() - t0:.1f} s")
+    return rows
+
+
+def markdown(rows: list[Row], title: str) -> str:
+    lines = [
+        f"### {title}", "",
+        "| Configuration | Prompt plan | PP (tok/s) | TG (tok/s) | Prefill (s) | Streamed (MiB) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.label} | {row.plans()} | {row.cell('pp')} | {row.cell('tg')} | "
+            f"{row.cell('prefill_s', '{:.2f}')} | {row.cell('mib_streamed', '{:.0f}')} |"
+        )
+    return "\n".join(lines)
+
+
+def as_json(rows: list[Row]) -> str:
+    return json.dumps([{"label": r.label, "samples": [asdict(s) for s in r.samples]} for r in rows],
+                      indent=1)
+
+
+def scenario(name: str, base: EngineOptions, n_tokens: int) -> tuple[str, list[Config]]:
+    """The configurations of one named scenario."""
+    loan_base = replace(base, serve=True, vram_elastic=True, mtp=True, spec=base.spec or 4)
+    if name == "ab":
+        fixed = base.prefill if isinstance(base.prefill, int) else 256
+        off = replace(loan_base, prefill=fixed)
+        return "Fixed-planner A/B (same plan)", [
+            Config("Loan flags off", off), Config("Loan flags on, same plan", off, LOAN_ON)]
+    if name == "auto":
+        auto = replace(loan_base, prefill="auto")
+        return "Automatic planner", [
+            Config("Loan flags off, automatic planner", auto),
+            Config("Loan flags on, automatic planner", auto, LOAN_ON)]
+    if name == "repeat":
+        auto = replace(loan_base, prefill="auto")
+        repeat = LoanFlags.make(**{**LOAN_ON.as_kwargs(), "repeat_min_tokens": 256})
+        return "Repeat prefill (second message)", [
+            Config("Loan flags off", auto, LoanFlags(), warmup_tokens=64),
+            Config("Repeat loan on", auto, repeat, warmup_tokens=64)]
+    if name == "chunks":
+        return "Chunk size sweep", [
+            Config(f"--prefill {p}", replace(base, prefill=p))
+            for p in (256, 512, 1024, 2048, "auto")]
+    raise ValueError(name)
+
+
+SCENARIOS = ("ab", "auto", "repeat", "chunks")
+
+
+@dataclass
+class SoakResult:
+    requests: int
+    loans: int
+    max_lent_after: int
+    ledger_drift_bytes: int
+    rss_start_mib: float
+    rss_end_mib: float
+    rss_max_mib: float
+    seconds: float
+
+    def markdown(self) -> str:
+        return "\n".join([
+            "| Requests | Repeat loans | Max slots lent after a request | Ledger drift (bytes) "
+            "| RSS start / end / max (MiB) | Time (s) |",
+            "|---:|---:|---:|---:|---|---:|",
+            f"| {self.requests} | {self.loans} | {self.max_lent_after} | {self.ledger_drift_bytes} "
+            f"| {self.rss_start_mib:.0f} / {self.rss_end_mib:.0f} / {self.rss_max_mib:.0f} "
+            f"| {self.seconds:.0f} |",
+        ])
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def soak(options: EngineOptions, requests: int, long_tokens: int, short_tokens: int,
+         progress: Callable[[str], None] | None = None) -> SoakResult:
+    """Alternate long (repeat loan) and short messages in one conversation-less engine;
+    after every request the ledger's region bytes and the lent slots are back to baseline."""
+    from engine.events import LoanStep
+
+    flags = LoanFlags.make(**{**LOAN_ON.as_kwargs(), "repeat_min_tokens": min(long_tokens, 1024)})
+    bus = EventBus()
+    loans = [0]
+    bus.subscribe(lambda e: loans.__setitem__(0, loans[0] + 1)
+                  if isinstance(e, LoanStep) and e.step == "restore" else None)
+    loop = ServeLoop.create(replace(options, serve=True, vram_elastic=True, mtp=True,
+                                    spec=options.spec or 4), flags, bus)
+    loop.complete(prompt_tokens(loop, 32, salt=7), max_new=1)  # the startup loan
+    base = loop.rt.ledger.snapshot().regions
+    rss0 = rss_max = _rss_mib()
+    drift = max_lent = 0
+    t0 = time.perf_counter()
+    for i in range(requests):
+        n = long_tokens if i % 2 == 0 else short_tokens
+        loop.complete(prompt_tokens(loop, n, salt=i), max_new=2)  # new ids: all fresh
+        loop.rt.check_integrity()
+        regions = loop.rt.ledger.snapshot().regions
+        drift = max(drift, abs(sum(r.used_bytes for r in regions) - sum(r.used_bytes for r in base)))
+        max_lent = max(max_lent, loop.rt.cache.n_lent if loop.rt.cache else 0)
+        rss_max = max(rss_max, _rss_mib())
+        if progress and (i + 1) % 20 == 0:
+            progress(f"soak {i + 1}/{requests}: rss {_rss_mib():.0f} MiB, {loans[0]} loans")
+    return SoakResult(requests, loans[0] - 1, max_lent, drift, rss0, _rss_mib(), rss_max,
+                      time.perf_counter() - t0)

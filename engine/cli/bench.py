@@ -1,0 +1,54 @@
+"""`strata bench`: seed 000's tables on any model and device (see engine.bench)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.bench import SCENARIOS, as_json, markdown, run_bench, scenario, soak
+from engine.cli.options import add_engine_args, engine_options
+from engine.errors import StrataError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="loan off/on tables: fixed A/B, automatic, repeat, chunks")
+    add_engine_args(p)
+    p.add_argument("--scenario", action="append", choices=SCENARIOS,
+                   help="which tables (repeatable; default ab, auto, repeat)")
+    p.add_argument("--prompt-tokens", type=int, default=4096, help="fresh prompt tokens")
+    p.add_argument("--max-new", type=int, default=32, help="completion cap")
+    p.add_argument("--runs", type=int, default=3, help="runs per configuration (median, range)")
+    p.add_argument("--json", help="also write the samples as JSON to this path")
+    p.add_argument("--soak", type=int, metavar="N",
+                   help="instead: N requests alternating long and short messages (repeat loan)")
+    p.add_argument("--short-tokens", type=int, default=64, help="soak: short message tokens")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.runs < 1 or args.prompt_tokens < 1 or args.max_new < 1:
+        raise StrataError("--runs, --prompt-tokens and --max-new must be at least 1")
+    base = engine_options(args)
+    if args.soak:
+        result = soak(base.with_changes(ctx=max(args.ctx, 2 * args.prompt_tokens + 256)),
+                      args.soak, args.prompt_tokens, args.short_tokens,
+                      progress=lambda s: print(f"  {s}", file=sys.stderr))
+        print(f"### Soak: {args.soak} requests, {args.prompt_tokens:,} / {args.short_tokens} "
+              "tokens alternating, repeat loan on\n")
+        print(result.markdown())
+        return 0
+    if args.ctx < args.prompt_tokens + args.max_new + 128:
+        base = base.with_changes(ctx=args.prompt_tokens + args.max_new + 128)
+    out, data = [], {}
+    for name in args.scenario or ["ab", "auto", "repeat"]:
+        title, configs = scenario(name, base, args.prompt_tokens)
+        rows = run_bench(configs, args.prompt_tokens, args.max_new, args.runs,
+                         progress=lambda s: print(f"  {s}", file=sys.stderr))
+        out.append(markdown(rows, f"{title}: {args.prompt_tokens:,} fresh tokens, "
+                                  f"{args.max_new}-token cap, {args.runs} runs"))
+        data[name] = as_json(rows)
+        print(out[-1] + "\n", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write("{" + ",".join(f'"{k}": {v}' for k, v in data.items()) + "}\n")
+    return 0
