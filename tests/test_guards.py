@@ -1,0 +1,114 @@
+"""Seed 000's guards: every refused combination is named, all at once, before anything is
+deferred; the six STRATA_PREFILL_* variables parse with the seed's defaults and clamps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+from engine.config import EngineOptions, LoanFlags
+from engine.errors import FlagError
+from engine.guards import validate
+
+GOOD = EngineOptions(serve=True, vram_elastic=True, mtp=True, spec=4)
+ALL = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
+                     retain_startup_chunk=True, repeat_loan=True)
+
+
+def check(options: EngineOptions, flags: LoanFlags, device: str = "sim", has_mtp: bool = True,
+          head: bool = True) -> list[str]:
+    return validate(options, flags, device, has_mtp, head)
+
+
+def test_valid_combination_passes() -> None:
+    assert check(GOOD, ALL) == []
+    assert check(EngineOptions(), LoanFlags()) == []  # flags absent: default path unchanged
+
+
+@pytest.mark.parametrize(
+    ("options", "flags", "device", "has_mtp", "head", "needle"),
+    [
+        (GOOD.with_changes(serve=False), ALL, "sim", True, True, "needs --serve"),
+        (GOOD.with_changes(vram_elastic=False), ALL, "sim", True, True, "needs --vram-elastic"),
+        (GOOD.with_changes(vram_segment_mib=32), ALL, "cuda:0", True, True, "--vram-segment-mib >= 64"),
+        (GOOD.with_changes(batch_slots=2), ALL, "sim", True, True, "refuses --batch-slots 2"),
+        (GOOD.with_changes(prefill_head_alias=True), ALL, "sim", True, True, "--prefill-head-alias"),
+        (GOOD, ALL, "hip:0", True, True, "not supported on HIP"),
+        (GOOD.with_changes(mtp=False, spec=0), ALL, "sim", True, True,
+         "STRATA_PREFILL_MTP_LOAN=1 needs --mtp with --spec >= 2"),
+        (GOOD.with_changes(spec=0), ALL, "sim", True, True, "STRATA_PREFILL_HEAD_LOAN=1 needs --mtp"),
+        (GOOD, ALL, "sim", True, False, "needs a native output head"),
+        (GOOD, ALL, "sim", False, True, "no MTP (nextn) layer"),
+        (GOOD, LoanFlags.make(mtp_loan=True), "sim", True, True,
+         "STRATA_PREFILL_MTP_LOAN=1 needs the master switch"),
+        (GOOD, LoanFlags.make(repeat_loan=True, retain_startup_chunk=True), "sim", True, True,
+         "STRATA_PREFILL_REPEAT_LOAN=1 needs the master switch"),
+        (EngineOptions(spec=4), LoanFlags(), "sim", True, True, "--spec 4 needs --mtp"),
+    ],
+)
+def test_each_refusal_is_named(options, flags, device, has_mtp, head, needle) -> None:  # type: ignore[no-untyped-def]
+    violations = check(options, flags, device, has_mtp, head)
+    assert any(needle in v for v in violations), violations
+
+
+def test_every_violation_at_once() -> None:
+    bad = EngineOptions(batch_slots=3, prefill_head_alias=True, mtp=False, spec=0)
+    v = check(bad, ALL, device="hip:0", has_mtp=True, head=False)
+    for needle in ("--serve", "--vram-elastic", "--batch-slots 3", "--prefill-head-alias", "HIP",
+                   "MTP_LOAN=1 needs --mtp", "HEAD_LOAN=1 needs --mtp", "native output head"):
+        assert any(needle in x for x in v), (needle, v)
+
+
+def test_env_flags_parse_and_clamp() -> None:
+    f = LoanFlags.from_env({
+        "STRATA_PREFILL_ELASTIC_LOAN": "1", "STRATA_PREFILL_MTP_LOAN": "1",
+        "STRATA_PREFILL_HEAD_LOAN": "0", "STRATA_PREFILL_RETAIN_STARTUP_CHUNK": "1",
+        "STRATA_PREFILL_REPEAT_LOAN": "1", "STRATA_PREFILL_REPEAT_MIN_TOKENS": "50000",
+    })
+    assert (f.elastic_loan, f.mtp_loan, f.head_loan, f.retain_startup_chunk, f.repeat_loan) == (
+        True, True, False, True, True)
+    assert f.repeat_min_tokens == 50000 and not f.warnings
+    assert LoanFlags.from_env({}).repeat_min_tokens == 1024  # the default
+    low = LoanFlags.from_env({"STRATA_PREFILL_REPEAT_MIN_TOKENS": "100"})
+    assert low.repeat_min_tokens == 256 and "clamped to 256" in low.warnings[0]
+
+
+def test_env_errors_all_reported() -> None:
+    with pytest.raises(FlagError) as e:
+        LoanFlags.from_env({"STRATA_PREFILL_REPEAT_MIN_TOKENS": "lots",
+                            "STRATA_PREFILL_ELASTIC_LOAN": "maybe"})
+    assert len(e.value.violations) == 2
+    assert "not an integer" in str(e.value) and "not a boolean" in str(e.value)
+
+
+def test_cli_refuses_before_deferring(tmp_path: Path, tiny_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI exits with 2, lists every violation on one line, and builds no engine."""
+    import engine.runtime as runtime
+
+    monkeypatch.setenv("STRATA_PREFILL_ELASTIC_LOAN", "1")
+    monkeypatch.setenv("STRATA_PREFILL_HEAD_LOAN", "1")
+    built = []
+    real_build = runtime.Runtime._build
+
+    def spy(self, on_trace):  # type: ignore[no-untyped-def]
+        built.append(1)
+        return real_build(self, on_trace)
+
+    monkeypatch.setattr(runtime.Runtime, "_build", spy)
+    rc = main(["run", "--model", str(tiny_path), "--prompt", "hi", "--batch-slots", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not built
+    assert err.count("\n") == 1 and "Traceback" not in err
+    for needle in ("--serve", "--vram-elastic", "--batch-slots 2", "needs --mtp"):
+        assert needle in err, err
+
+
+def test_cli_bad_env_value(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                           tiny_path: Path) -> None:
+    monkeypatch.setenv("STRATA_PREFILL_REPEAT_MIN_TOKENS", "1e4")
+    assert main(["run", "--model", str(tiny_path), "--prompt", "hi"]) == 2
+    assert "STRATA_PREFILL_REPEAT_MIN_TOKENS='1e4' is not an integer" in capsys.readouterr().err
