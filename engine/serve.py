@@ -237,6 +237,8 @@ class ServeLoop:
         reuse = rt.session.common_prefix(ids)
         if reuse == len(ids):  # the last prompt token is always recomputed for its logits
             reuse -= 1
+        if rt.spec is not None:  # the draft must continue from the kept tokens too
+            reuse = rt.spec.begin(rt.session, ids, reuse)
         rt.session.truncate(reuse)
         fresh = ids[reuse:]
         timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = len(ids), reuse, len(fresh)

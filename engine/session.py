@@ -73,6 +73,7 @@ class Session:
         self.experts: ExpertProvider = experts or DirectExperts(model.experts)
         self.tokens: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last_hidden: Any = None  # [1, d] pre-norm hidden of the last token (MTP input)
+        self.on_hidden: Callable[[int, Any], None] | None = None  # (pos0, hidden [T, d])
 
     @property
     def n_ctx(self) -> int:
@@ -85,6 +86,8 @@ class Session:
 
     def truncate(self, n: int) -> None:
         """Drop tokens n.. (rejected drafts, or an edited conversation)."""
+        if n < len(self.tokens):
+            self.last_hidden = None  # it belonged to a dropped token
         del self.tokens[n:]
         self.kv.truncate(n)
 
@@ -109,6 +112,8 @@ class Session:
         )
         self.tokens.extend(int(t) for t in ids)
         self.last_hidden = res.hidden[-1:].copy()
+        if self.on_hidden is not None:
+            self.on_hidden(pos0, res.hidden)
         return res
 
     def prefill(

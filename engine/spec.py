@@ -3,42 +3,43 @@ agreeing prefix plus one token from the target.
 
 One step, with `x` the last emitted token (not yet in the KV) at position n:
 
-    drafts  = source.propose(x, T-1)                 # MTP block, or a test source
-    logits  = verifier.verify([x, d1..d_{T-1}])      # [T, V], main KV grows to n+T
+    drafts   = source.propose(x, T-1)                # MTP block, or a test source
+    logits   = verifier.verify([x, d1..d_{T-1}])     # [T, V]; main KV grows to n+T
     k, bonus = accept(drafts, logits)                # greedy: longest prefix with d == argmax
-    main KV  -> n+1+k;  source.observe(hidden[:k+1], [d1..dk, bonus])
+    main KV -> n+1+k;  source.observe(hidden[:k+1], [d1..dk, bonus])
 
 Greedy output is token-identical to plain decoding. With temperature, each draft is accepted
 with probability min(1, p(d)/q(d)); on rejection the token is drawn from normalize(max(0, p-q)),
 and when every draft is accepted the bonus is drawn from p: the output distribution is p's.
 
-The MTP block needs the main model's hidden h[p] for every position p it has a cell for. After
-prefill it runs over every prompt position (cells built in one batched pass once the first
-token is known); after each verify it runs over the accepted positions, whose hidden the
-verifier already holds, and that same pass yields the next step's first draft. Cells written
-by chained drafts (fed the block's own output) are dropped at the next `observe`.
+The MTP block needs the main model's hidden h[p] for every position it has a cell for. The
+prompt's hidden is collected during prefill (`collect`, called per chunk) and fed to the block
+in one pass once the first token is known (the loan has restored the MTP experts by then);
+after each verify the block runs over the accepted positions, whose hidden the verifier holds,
+and that same pass yields the next step's first draft.
+
+Two entry points: `generate` (prefill + decode, the contract of `Session.generate`) and, for a
+runtime that prefills itself, `begin` -> prefill with `collect` on each chunk -> `decode`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from engine.draft_head import DraftHead
 from engine.errors import FlagError
-from engine.kv import KVCache
 from engine.model.loader import Model
-from engine.model.mtp import MTPBlock
+from engine.model.mtp import Draft, MTPBlock, MTPDraft, draft_token
 from engine.sampler import Sampler, SamplingParams, distribution
 from engine.session import Session, Timing
 from engine.verifier import Verifier
 
 MIN_WINDOW, MAX_WINDOW = 2, 8
-MTP_CHUNK = 512  # cells per MTP pass when catching up over a prompt
 
 
 def check_spec(n_window: int) -> None:
@@ -49,8 +50,8 @@ def check_spec(n_window: int) -> None:
 
 
 @runtime_checkable
-class DecodeResource(Protocol):
-    """A decode-only device region the VRAM loan can release and restore."""
+class LoanableResource(Protocol):
+    """A decode-only device region the VRAM loan releases before prefill and restores after."""
 
     name: str
     nbytes: int
@@ -69,16 +70,10 @@ class DecodeResource(Protocol):
     def check_integrity(self) -> None: ...
 
 
-@dataclass
-class Draft:
-    tokens: list[int]  # proposed tokens, in order
-    q: list[np.ndarray] | None  # sampled mode: the [V] distribution each token was drawn from
-
-
 class DraftSource(Protocol):
     """Where drafts come from. Positions are the main session's."""
 
-    def resources(self) -> list[DecodeResource]: ...
+    def resources(self) -> list[Any]: ...
 
     def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
         """How many of the session's `reuse` matching tokens the source can continue from."""
@@ -102,100 +97,11 @@ def _host(xp: Any) -> Callable[[Any], np.ndarray]:
     return getattr(xp, "asnumpy", np.asarray)
 
 
-def _pick(logits: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
-    """Greedy argmax, or a draw from the sampling distribution (returned as q)."""
-    if sampler.params.greedy:
-        return int(np.argmax(logits)), None
-    q = distribution(logits, sampler.params)
-    return sampler.draw(q), q
-
-
-class MTPDraft:
-    """Drafts with the MTP block, whose KV cache follows the main session (run-state here)."""
-
-    def __init__(self, block: MTPBlock, kv_alloc: Callable | None = None):
-        self.block, self._kv_alloc = block, kv_alloc
-        self.kv: KVCache | None = None
-        self.n_cells = 0  # committed cells 0..n_cells-1, built from the main model's hidden
-        self.seq: list[int] = []  # t[0..n_cells]: main tokens and the pending one
-        self._logits: np.ndarray | None = None  # [N] draft logits of the last committed cell
-        self._hidden: Any = None  # [1, d] block output there (h_prev of the first chained step)
-
-    def resources(self) -> list[DecodeResource]:
-        found = [self.block.experts, self.block.head]
-        return [r for r in found if isinstance(r, DecodeResource)]
-
-    def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
-        kv = session.kv
-        if self.kv is None or (self.kv.n_ctx, self.kv.kind) != (kv.n_ctx, kv.kind):
-            self.kv = self.block.new_kv(kv.n_ctx, kv.kind, self._kv_alloc)
-            self.n_cells, self.seq, self._logits, self._hidden = 0, [], None, None
-        # cell p is valid while t[0..p+1] match
-        n_match = 0
-        for a, b in zip(self.seq, prompt_ids):
-            if a != b:
-                break
-            n_match += 1
-        return max(0, min(reuse, self.n_cells, n_match - 1))
-
-    def truncate(self, n: int) -> None:
-        if n < self.n_cells:
-            self.n_cells = n
-            del self.seq[n + 1 :]
-            self._logits = self._hidden = None
-        if self.kv is not None:
-            self.kv.truncate(min(self.kv.n_tokens, self.n_cells))
-
-    def observe(self, session: Session, pos0: int, hidden: Any, next_ids: list[int]) -> None:
-        assert self.kv is not None, "reusable() binds the MTP KV to the session first"
-        n = len(next_ids)
-        assert 0 < n == hidden.shape[0], (n, hidden.shape)
-        assert pos0 <= self.n_cells, f"MTP has cells 0..{self.n_cells - 1}, asked to go on at {pos0}"
-        assert session.tokens[pos0 + 1 : pos0 + n] == list(next_ids[:-1])
-        self.kv.truncate(pos0)
-        for a in range(0, n, MTP_CHUNK):
-            b = min(n, a + MTP_CHUNK)
-            out = self.block.forward(
-                hidden[a:b], np.asarray(next_ids[a:b]), pos0 + a, self.kv,
-                "last" if b == n else "none",
-            )
-        self.n_cells = pos0 + n
-        self.seq = [*session.tokens[: pos0 + 1], *next_ids]
-        self._logits = _host(self.block.xp)(out.logits[-1])
-        self._hidden = out.hidden[-1:]
-
-    def propose(self, session: Session, pending: int, n_draft: int, sampler: Sampler) -> Draft:
-        assert self.kv is not None and self._logits is not None, "observe() comes first"
-        assert self.n_cells == len(session.tokens) and self.seq[-1] == pending
-        tokens: list[int] = []
-        qs: list[np.ndarray] = []
-        logits, h = self._logits, self._hidden
-        head: DraftHead = self.block.head
-        for j in range(n_draft):
-            if j:  # chained step: the block's own output stands in for the main hidden
-                out = self.block.forward(h, np.asarray(tokens[-1:]), self.n_cells + j - 1, self.kv)
-                logits, h = _host(self.block.xp)(out.logits[-1]), out.hidden
-            tok, q = _pick(head.full_logits(logits), sampler)
-            tokens.append(tok)
-            if q is not None:
-                qs.append(q)
-        return Draft(tokens, qs if not sampler.params.greedy else None)
-
-    def check_integrity(self) -> None:
-        if self.kv is None:
-            return
-        self.kv.check_integrity()
-        if self.n_cells > self.kv.n_tokens or (self.n_cells and len(self.seq) != self.n_cells + 1):
-            raise AssertionError(
-                f"MTP state: {self.n_cells} cells, KV {self.kv.n_tokens}, {len(self.seq)} tokens"
-            )
-
-
 class TargetDraft:
     """Drafts by decoding ahead with the main model itself, then truncating: every draft is
-    the target's own choice (accept-all reference path)."""
+    the target's own choice (the accept-all reference path)."""
 
-    def resources(self) -> list[DecodeResource]:
+    def resources(self) -> list[Any]:
         return []
 
     def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
@@ -222,7 +128,7 @@ class TargetDraft:
         return Draft(tokens, None if sampler.params.greedy else qs)
 
     def _choose(self, row: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
-        return _pick(row, sampler)
+        return draft_token(row, sampler)
 
 
 class AdversarialDraft(TargetDraft):
@@ -271,12 +177,14 @@ def speculative_accept(
 
 
 class SpecDecoder:
-    """`--spec T`: the decode loop with drafts; same contract as `Session.generate`."""
+    """`--spec T`: the decode loop with drafts checked by the verifier."""
 
     def __init__(self, n_window: int, draft: DraftSource, verifier: Verifier):
         check_spec(n_window)
         assert verifier.n_window >= n_window, (verifier.n_window, n_window)
         self.n_window, self.draft, self.verifier = n_window, draft, verifier
+        self._pos0: int | None = None  # first prompt position whose hidden `collect` expects
+        self._hidden: list[Any] = []  # [T, d] per prefill chunk since `begin`
 
     @classmethod
     def with_mtp(
@@ -293,7 +201,7 @@ class SpecDecoder:
         block = MTPBlock(model, head=head, xp=xp, to_device=to_device)
         return cls(n_window, MTPDraft(block), Verifier.for_model(model, n_window, xp))
 
-    def resources(self) -> list[DecodeResource]:
+    def resources(self) -> list[LoanableResource]:
         """Decode-only regions in the loan's release order (restore runs it backwards)."""
         return [self.verifier, *self.draft.resources()]
 
@@ -304,6 +212,71 @@ class SpecDecoder:
         if check is not None:
             check()
 
+    # -- the runtime's three calls ---------------------------------------------------------
+    def begin(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
+        """Before prefill: of the `reuse` tokens the session shares with the prompt, how many
+        to keep (the draft must continue from them too). Truncates the draft; the caller
+        truncates the session to the result and prefills the rest, calling `collect`."""
+        keep = self.draft.reusable(session, prompt_ids, reuse)
+        self.draft.truncate(keep)
+        self._pos0, self._hidden = keep, []
+        return keep
+
+    def collect(self, pos0: int, hidden: Any) -> None:
+        """Prefill hook: the main model's pre-norm hidden [T, d] of positions pos0.. ."""
+        if self._pos0 is None:  # not prefilling (a verify window, a test draft's forward)
+            return
+        have = self._pos0 + sum(len(h) for h in self._hidden)
+        assert pos0 == have, f"prefill hidden arrives for position {pos0}, expected {have}"
+        self._hidden.append(hidden)
+
+    def decode(
+        self,
+        session: Session,
+        logits: Any,
+        sampler: Sampler,
+        max_new: int,
+        stop_ids: frozenset[int] = frozenset(),
+        timing: Timing | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[int]:
+        """Tokens after the prompt, from its last logits [.., V]. Whenever it stops, the KV
+        holds the prompt and every generated token but the last, as plain decoding does."""
+        timing = timing if timing is not None else Timing()
+        n_start = len(session.tokens)
+        pos0, hidden = self._take_hidden(session, n_start)
+        emitted: list[int] = []
+        try:
+            out = [sampler.sample(_host(session.xp)(logits[-1]))]
+            while True:
+                for tok in out:
+                    emitted.append(tok)
+                    timing.generated += 1
+                    yield tok
+                    n_kv = n_start + len(emitted) - 1  # what plain decoding holds now
+                    if (
+                        tok in stop_ids
+                        or len(emitted) >= max_new
+                        or n_kv >= session.n_ctx
+                        or (cancel is not None and cancel.is_set())
+                    ):
+                        return
+                if hidden is not None:  # first token known: the draft catches up on the prompt
+                    self.draft.observe(session, pos0, hidden, [*session.tokens[pos0 + 1 :], tok])
+                    hidden = None
+                n_draft = min(
+                    self.n_window - 1,
+                    max_new - len(emitted) - 1,
+                    session.n_ctx - len(session.tokens) - 1,
+                )
+                out = self._step(session, out[-1], n_draft, sampler, timing)
+        finally:
+            n_keep = n_start + max(len(emitted) - 1, 0)
+            if len(session.tokens) > n_keep:
+                session.truncate(n_keep)
+                self.draft.truncate(n_keep)
+
+    # -- the plain-session entry point -----------------------------------------------------
     def generate(
         self,
         session: Session,
@@ -314,63 +287,57 @@ class SpecDecoder:
         stop_ids: frozenset[int] = frozenset(),
         timing: Timing | None = None,
     ) -> Iterator[int]:
-        """Prefill the fresh part of `prompt_ids`, then decode with drafts. Whenever it stops,
-        the KV holds the prompt and every generated token but the last, as plain decoding."""
+        """Prefill the fresh part of `prompt_ids` (reusing a common prefix), then decode with
+        drafts: `Session.generate`'s contract."""
         timing = timing if timing is not None else Timing()
         reuse = session.common_prefix(prompt_ids)
         if reuse == len(prompt_ids):  # always recompute at least the last token
             reuse -= 1
-        keep = self.draft.reusable(session, prompt_ids, reuse)
+        keep = self.begin(session, prompt_ids, reuse)
         session.truncate(keep)
-        self.draft.truncate(keep)
         fresh = prompt_ids[keep:]
         timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = (
-            len(prompt_ids), keep, len(fresh),
+            len(prompt_ids),
+            keep,
+            len(fresh),
         )
         t0 = time.perf_counter()
-        logits, hidden = self._prefill(session, fresh, chunk_tokens)
+        logits = self._prefill(session, fresh, chunk_tokens)
         timing.prefill_s = time.perf_counter() - t0
-        sampler = Sampler(params)
-        emitted: list[int] = []
         t1 = time.perf_counter()
+        tokens = self.decode(session, logits, Sampler(params), max_new, stop_ids, timing)
         try:
-            out = [sampler.sample(_host(session.xp)(logits[-1]))]
-            while True:
-                for tok in out:
-                    if not emitted:
-                        timing.ttft_s = time.perf_counter() - t0
-                    emitted.append(tok)
-                    timing.generated += 1
-                    yield tok
-                    n_kv = len(prompt_ids) + len(emitted) - 1  # what plain decoding holds now
-                    if tok in stop_ids or len(emitted) >= max_new or n_kv >= session.n_ctx:
-                        return
-                if hidden is not None:  # first token known: the draft catches up on the prompt
-                    self.draft.observe(session, keep, hidden, [*fresh[1:], out[0]])
-                    hidden = None
-                n_draft = min(
-                    self.n_window - 1,
-                    max_new - len(emitted) - 1,
-                    session.n_ctx - len(session.tokens) - 1,
-                )
-                out = self._step(session, out[-1], n_draft, sampler, timing)
+            for tok in tokens:
+                if timing.generated == 1:
+                    timing.ttft_s = time.perf_counter() - t0
+                yield tok
         finally:
+            tokens.close()  # settles the KV now, not when the generator is collected
             timing.decode_s = time.perf_counter() - t1
-            n_keep = len(prompt_ids) + max(len(emitted) - 1, 0)
-            if len(session.tokens) > n_keep:
-                session.truncate(n_keep)
-                self.draft.truncate(n_keep)
 
-    def _prefill(self, session: Session, ids: list[int], chunk_tokens: int) -> tuple[Any, Any]:
-        """`Session.prefill`'s chunk loop, keeping every chunk's hidden [T, d] for the draft."""
+    def _prefill(self, session: Session, ids: list[int], chunk_tokens: int) -> Any:
+        """`Session.prefill`'s chunk loop, handing every chunk's hidden to `collect`."""
         assert ids, "prefill needs at least one token"
-        hidden, res = [], None
+        res = None
         for a in range(0, len(ids), chunk_tokens):
             last = a + chunk_tokens >= len(ids)
+            pos0 = len(session.tokens)
             res = session.forward(ids[a : a + chunk_tokens], "last" if last else "none")
-            hidden.append(res.hidden)
+            self.collect(pos0, res.hidden)
         assert res is not None
-        return res.logits, session.xp.concatenate(hidden)  # [1, V], [F, d]
+        return res.logits  # [1, V]
+
+    def _take_hidden(self, session: Session, n_start: int) -> tuple[int, Any]:
+        pos0, parts = self._pos0, self._hidden
+        self._pos0, self._hidden = None, []
+        assert pos0 is not None, "SpecDecoder.begin() must come before prefill and decode"
+        hidden = session.xp.concatenate(parts) if parts else None  # [n_start - pos0, d]
+        n = 0 if hidden is None else len(hidden)
+        assert pos0 + n == n_start and n > 0, (
+            f"the draft needs the prefill's hidden for positions {pos0}..{n_start - 1}, got {n} "
+            "rows; route every prefill chunk's hidden to SpecDecoder.collect"
+        )
+        return pos0, hidden
 
     def _step(
         self, session: Session, x: int, n_draft: int, sampler: Sampler, timing: Timing

@@ -3,6 +3,7 @@ sources, KV state after rejections, the rejection-sampling rule, and the benchma
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,9 @@ def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 1000, n).tolist()
 
 
-def plain(model: Model, ids: list[int], max_new: int, chunk: int, **kw) -> tuple[list[int], Session]:  # type: ignore[no-untyped-def]
+def plain(
+    model: Model, ids: list[int], max_new: int, chunk: int, **kw
+) -> tuple[list[int], Session]:  # type: ignore[no-untyped-def]
     s = Session(model, n_ctx=kw.pop("n_ctx", 512))
     return list(s.generate(ids, max_new, kw.pop("params", GREEDY), chunk, **kw)), s
 
@@ -88,7 +91,7 @@ def test_stops_match_plain_decoding(model: Model) -> None:
     ids = prompt(12, seed=3)
     free, _ = plain(model, ids, 40, 512)
     stop = frozenset({free[9]})  # a token drafts will accept in the middle of a window
-    cases = [dict(stop_ids=stop), dict(n_ctx=len(ids) + 13), dict(n_ctx=len(ids) + 1)]
+    cases = [{"stop_ids": stop}, {"n_ctx": len(ids) + 13}, {"n_ctx": len(ids) + 1}]
     for max_new in (1, 2, 3, 40):
         for kw in cases:
             want, ref = plain(model, ids, max_new, 512, **dict(kw))
@@ -103,7 +106,8 @@ def test_after_rejections_kv_matches_a_clean_run(model: Model) -> None:
     ids = prompt(29, seed=4)
     for source in (AdversarialDraft(), None):
         dec = (
-            SpecDecoder(5, source, Verifier.for_model(model, 5)) if source
+            SpecDecoder(5, source, Verifier.for_model(model, 5))
+            if source
             else SpecDecoder.with_mtp(model, 5)
         )
         got, s, timing = spec_run(dec, model, ids, 25, 8)
@@ -149,6 +153,34 @@ def test_release_restore_between_requests_keeps_output(model: Model) -> None:
     assert got == want
 
 
+def test_runtime_entry_points_begin_collect_decode(model: Model) -> None:
+    """A runtime prefills itself: begin -> chunks with collect -> decode, with a cancel."""
+    dec = SpecDecoder.with_mtp(model, 4)
+    ids = prompt(30, seed=12)
+    want, _ = plain(model, ids, 30, 8)
+    s = Session(model, 512)
+    keep = dec.begin(s, ids, reuse=0)
+    assert keep == 0
+    for a in range(0, len(ids), 8):  # what Session.prefill does per chunk, with the hook
+        pos0 = len(s.tokens)
+        res = s.forward(ids[a : a + 8], "last" if a + 8 >= len(ids) else "none")
+        dec.collect(pos0, res.hidden)
+    cancel = threading.Event()
+    got = []
+    for tok in dec.decode(s, res.logits, Sampler(GREEDY), 30, timing=Timing(), cancel=cancel):
+        got.append(tok)
+        if len(got) == 11:
+            cancel.set()
+    assert got == want[:11] and s.tokens == ids + got[:-1]
+    dec.check_integrity()
+    # without the prefill's hidden the MTP draft cannot start: a loud error, not bad drafts
+    s2 = Session(model, 512)
+    dec.begin(s2, ids, reuse=0)
+    logits = s2.prefill(ids, 8)
+    with pytest.raises(AssertionError, match="SpecDecoder.collect"):
+        next(dec.decode(s2, logits, Sampler(GREEDY), 5))
+
+
 def test_spec_window_must_be_2_to_8(model: Model) -> None:
     for bad in (1, 9, -2):
         with pytest.raises(FlagError, match=f"--spec {bad} must be 0"):
@@ -182,11 +214,15 @@ def test_rejection_step_preserves_the_target_distribution() -> None:
 def test_speculative_accept_two_positions_keeps_the_first_marginal() -> None:
     """With two drafts, the first output token still follows p0 (joint rule, one window)."""
     v = 6
-    logits = np.log(np.array([
-        [0.30, 0.05, 0.25, 0.10, 0.20, 0.10],
-        [0.10, 0.10, 0.10, 0.40, 0.20, 0.10],
-        [1 / 6] * 6,
-    ]))
+    logits = np.log(
+        np.array(
+            [
+                [0.30, 0.05, 0.25, 0.10, 0.20, 0.10],
+                [0.10, 0.10, 0.10, 0.40, 0.20, 0.10],
+                [1 / 6] * 6,
+            ]
+        )
+    )
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=3)
     q0 = np.array([0.05, 0.40, 0.05, 0.30, 0.10, 0.10])
     q1 = np.full(v, 1 / v)
@@ -229,8 +265,9 @@ def test_sampled_mtp_decoding_runs_and_keeps_state(model: Model) -> None:
 
 
 def test_bench_spec_table(tiny_path: Path) -> None:
-    rows = bench(tiny_path, parse_specs("0,2,3"), runs=2, max_new=12, prompt_tokens=6,
-                 params=GREEDY)
+    rows = bench(
+        tiny_path, parse_specs("0,2,3"), runs=2, max_new=12, prompt_tokens=6, params=GREEDY
+    )
     assert [r.spec for r in rows] == [0, 2, 3]
     assert all(len(r.tok_s) == 2 and min(r.tok_s) > 0 for r in rows)
     assert all(r.same_as_plain for r in rows)

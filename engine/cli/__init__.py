@@ -7,7 +7,7 @@ import sys
 
 from engine.errors import StrataError
 
-COMMANDS = ("run", "logits", "info", "make_model", "plan", "profile", "bench")
+COMMANDS = ("run", "logits", "info", "make_model", "plan", "profile", "bench", "bench_spec")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -31,7 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec", default="0,2,4", help="comma-separated windows; 0 is plain decoding")
     p.add_argument("--runs", type=int, default=3, help="runs per window (default 3)")
     p.add_argument("--max-new", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--prompt-tokens", type=int, default=32, help="random prompt length (default 32)")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=32, help="random prompt length (default 32)"
+    )
     p.add_argument("--draft-vocab", type=int, default=0, help="draft head rows (0: all)")
     p.add_argument("--kv", choices=("f16", "int8", "q4_0"), default="f16")
     add_sampling_args(p)
@@ -114,8 +116,8 @@ def bench(
         if params.greedy and 0 in outputs:
             for t in specs:
                 same = outputs[t] == outputs[0]
-                rows[t].same_as_plain = same if rows[t].same_as_plain is None else (
-                    rows[t].same_as_plain and same
+                rows[t].same_as_plain = (
+                    same if rows[t].same_as_plain is None else (rows[t].same_as_plain and same)
                 )
     return [rows[t] for t in specs]
 
@@ -123,8 +125,10 @@ def bench(
 def format_table(rows: list[BenchRow]) -> str:
     """A Markdown table of the rows."""
     lines = [
-        "| spec T | decode tok/s (median) | range | acceptance | mean accepted / step "
-        "| accepted-length histogram | same tokens as spec 0 |",
+        (
+            "| spec T | decode tok/s (median) | range | acceptance | mean accepted / step "
+            "| accepted-length histogram | same tokens as spec 0 |"
+        ),
         "|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in rows:
@@ -144,8 +148,15 @@ def format_table(rows: list[BenchRow]) -> str:
 def run(args: argparse.Namespace) -> int:
     specs = parse_specs(args.spec)
     rows = bench(
-        resolve_model(args.model), specs, args.runs, args.max_new, args.prompt_tokens,
-        sampling_params(args), args.draft_vocab, args.kv, args.seed,
+        resolve_model(args.model),
+        specs,
+        args.runs,
+        args.max_new,
+        args.prompt_tokens,
+        sampling_params(args),
+        args.draft_vocab,
+        args.kv,
+        args.seed,
     )
     print(format_table(rows))
     return 0

@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.gguf.hparams import HParams
 from engine.kv import KVCache
-from engine.model.ops import rms_norm, rope_neox, softmax
+from engine.model.ops import rms_norm, rope_neox
 
 QUERY_BLOCK = 512  # queries per score block: bounds the [H, Tq, S] score buffer
 
@@ -46,22 +46,28 @@ def attention_block(
 
 
 def causal_gqa(xp: Any, q: Any, k: Any, v: Any, pos0: int) -> Any:
-    """q: [T, H, D]; k, v: [S, Hkv, D] for positions 0..S-1; query i sits at pos0 + i."""
+    """q: [T, H, D]; k, v: [S, Hkv, D] for positions 0..S-1; query i sits at pos0 + i.
+
+    Queries go in blocks; a block only scores the keys it may see (0..its last position), and
+    only the block's own diagonal square needs a mask.
+    """
     t, n_head, d = q.shape
-    s, n_kv, _ = k.shape
+    n_kv = k.shape[1]
     group = n_head // n_kv
     scale = 1.0 / float(d) ** 0.5
-    qg = q.reshape(t, n_kv, group, d).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
+    qg = q.reshape(t, n_kv, group, d).transpose(1, 2, 0, 3) * scale  # [Hkv, G, T, D]
     kt = k.transpose(1, 2, 0)  # [Hkv, D, S]
     vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
     out = xp.empty((n_kv, group, t, d), dtype=xp.float32)
-    key_pos = xp.arange(s)
     for a in range(0, t, QUERY_BLOCK):
         b = min(t, a + QUERY_BLOCK)
-        scores = (qg[:, :, a:b] @ kt[:, None]) * scale  # [Hkv, G, Tq, S]
-        q_pos = xp.arange(pos0 + a, pos0 + b)
-        mask = key_pos[None, :] > q_pos[:, None]  # [Tq, S] future keys
-        scores = xp.where(mask, -xp.inf, scores)
-        probs = softmax(xp, scores)  # [Hkv, G, Tq, S]
-        out[:, :, a:b] = probs @ vh[:, None]  # [Hkv, G, Tq, D]
+        s_eff = pos0 + b  # keys this block may see
+        scores = qg[:, :, a:b] @ kt[:, None, :, :s_eff]  # [Hkv, G, Tq, s_eff]
+        diag = xp.arange(pos0 + a, s_eff)
+        future = diag[None, :] > diag[:, None]  # [Tq, Tq] within the block's own keys
+        scores[..., pos0 + a :] = xp.where(future, -xp.inf, scores[..., pos0 + a :])
+        scores -= xp.max(scores, axis=-1, keepdims=True)
+        xp.exp(scores, out=scores)
+        scores /= xp.sum(scores, axis=-1, keepdims=True)  # softmax over visible keys
+        out[:, :, a:b] = scores @ vh[:, None, :s_eff]  # [Hkv, G, Tq, D]
     return out.transpose(2, 0, 1, 3).reshape(t, n_head, d)  # [T, H, D]

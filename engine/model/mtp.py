@@ -19,7 +19,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,8 +31,20 @@ from engine.model.attention import attention_block
 from engine.model.loader import Model
 from engine.model.moe import ExpertProvider, moe_block
 from engine.model.ops import rms_norm
-from engine.model.weights import BlockWeights, HostExperts, TokenEmbedding, load_block
+from engine.model.weights import (
+    BlockWeights,
+    DecodedLRU,
+    HostExperts,
+    TokenEmbedding,
+    load_block,
+)
 from engine.quant import dequantize
+from engine.sampler import Sampler, distribution
+
+if TYPE_CHECKING:
+    from engine.session import Session
+
+MTP_CHUNK = 512  # cells per MTP pass when catching up over a prompt
 
 NO_MTP = "model has no MTP (nextn) layer; drop --mtp"
 
@@ -67,7 +79,8 @@ class MTPExperts:
         blobs = self._read()
         self._crc = zlib.crc32(blobs.tobytes())
         self.blobs: Any = to_device(blobs)  # uint8 [E, blob_bytes]
-        self._memo: dict[int, tuple[Any, Any, Any]] = {}
+        # decoded float32 copies: what the CPU keeps in place of a GPU's dequantizing GEMV
+        self._decoded = DecodedLRU()
 
     @property
     def resident(self) -> bool:
@@ -75,21 +88,22 @@ class MTPExperts:
 
     def prepare(self, layer: int, experts: list[int]) -> None:
         assert layer == 0, f"MTP experts have one local layer, got {layer}"
-        self._memo = {}
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         assert self.blobs is not None, "MTP experts are released (on loan); restore them first"
-        if expert not in self._memo:
-            blob = _host(self.xp)(self.blobs[expert])  # [blob_bytes]
-            parts = self.host.layout.decode(blob)  # gate [f, d], up [f, d], down [d, f]
-            self._memo[expert] = tuple(self._to_device(w) for w in parts)  # type: ignore[assignment]
-        return self._memo[expert]
+        return self._decoded.get(expert, lambda: self._decode(expert))
+
+    def _decode(self, expert: int) -> tuple[Any, Any, Any]:
+        blob = _host(self.xp)(self.blobs[expert])  # [blob_bytes]
+        gate, up, down = self.host.layout.decode(blob)  # [f, d], [f, d], [d, f]
+        return self.xp.asarray(gate), self.xp.asarray(up), self.xp.asarray(down)
 
     def release(self) -> int:
         """Drop the resident blobs; returns the bytes freed (0 if already released)."""
         if self.blobs is None:
             return 0
-        self.blobs, self._memo = None, {}
+        self.blobs = None
+        self._decoded.clear()
         return self.nbytes
 
     def restore(self) -> int:
@@ -140,8 +154,12 @@ class MTPBlock:
         self.shared_head_norm = get("shared_head_norm")  # [d]
         self.block: BlockWeights = load_block(mf, i, to_device)
         own_embd = mf.tensors.get(names.nextn("embed_tokens", i))
-        self.embd = TokenEmbedding(own_embd) if own_embd is not None else model.transformer.embd
-        self.head = head if head is not None else DraftHead.from_model(model, 0, None, xp, to_device)
+        self.embd = TokenEmbedding(
+            own_embd if own_embd is not None else mf.tensor(names.TOKEN_EMBD)
+        )  # host rows
+        self.head = (
+            head if head is not None else DraftHead.from_model(model, 0, None, xp, to_device)
+        )
         # default: a resident, releasable copy of the quantized experts (not the host map)
         self.experts: ExpertProvider = experts or MTPExperts(model.mtp_experts, xp, to_device)
 
@@ -149,8 +167,21 @@ class MTPBlock:
     def dense_nbytes(self) -> int:
         """float32 bytes of the block's dense weights (counted with the dense weights)."""
         a = self.block.attn
-        arrays = [self.eh_proj, self.enorm, self.hnorm, self.shared_head_norm, self.block.ffn_norm,
-                  self.block.router, a.norm, a.wq, a.wk, a.wv, a.wo, a.q_norm, a.k_norm]
+        arrays = [
+            self.eh_proj,
+            self.enorm,
+            self.hnorm,
+            self.shared_head_norm,
+            self.block.ffn_norm,
+            self.block.router,
+            a.norm,
+            a.wq,
+            a.wk,
+            a.wv,
+            a.wo,
+            a.q_norm,
+            a.k_norm,
+        ]
         return int(sum(x.nbytes for x in arrays))
 
     def new_kv(self, n_ctx: int, kind: str = "f16", alloc: Callable | None = None) -> KVCache:
@@ -165,7 +196,7 @@ class MTPBlock:
         xp, hp = self.xp, self.hp
         ids = np.asarray(tokens, dtype=np.int64)
         assert h_prev.shape == (len(ids), hp.n_embd), (h_prev.shape, len(ids))
-        e = self._to_device(self.embd.rows(ids))  # [T, d]
+        e = xp.asarray(self.embd.rows(ids))  # [T, d] activations, not a weight upload
         u = xp.concatenate(
             [rms_norm(xp, e, self.enorm, hp.rms_eps), rms_norm(xp, h_prev, self.hnorm, hp.rms_eps)],
             axis=-1,
@@ -181,6 +212,109 @@ class MTPBlock:
             sel = x if logits == "all" else x[-1:]
             out = self.head.logits(rms_norm(xp, sel, self.shared_head_norm, hp.rms_eps))
         return MTPOutput(logits=out, hidden=x)
+
+
+@dataclass
+class Draft:
+    """Proposed tokens and, in sampled mode, the [V] distribution q each was drawn from."""
+
+    tokens: list[int]
+    q: list[np.ndarray] | None
+
+
+def draft_token(logits: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
+    """logits [V] -> greedy argmax, or a draw from the sampling distribution q (returned)."""
+    if sampler.params.greedy:
+        return int(np.argmax(logits)), None
+    q = distribution(logits, sampler.params)
+    return sampler.draw(q), q
+
+
+class MTPDraft:
+    """Drafts with the MTP block; its KV cache (run-state) follows the main session.
+
+    Cell p needs the main hidden h[p]: `observe` builds cells from the prompt's hidden after
+    prefill and from the verifier's hidden of each accepted window. Chained drafts write cells
+    past the committed ones, fed the block's own output; the next `observe` overwrites them.
+    Implements `engine.spec.DraftSource`.
+    """
+
+    def __init__(self, block: MTPBlock, kv_alloc: Callable | None = None):
+        self.block, self._kv_alloc = block, kv_alloc
+        self.kv: KVCache | None = None
+        self.n_cells = 0  # committed cells 0..n_cells-1
+        self.seq: list[int] = []  # t[0..n_cells]: main tokens and the pending one
+        self._logits: np.ndarray | None = None  # [N] draft logits of the last committed cell
+        self._hidden: Any = None  # [1, d] block output there: h_prev of the first chained step
+
+    def resources(self) -> list[Any]:
+        """The releasable objects: MTP experts, then the draft head (loan release order)."""
+        return [r for r in (self.block.experts, self.block.head) if hasattr(r, "release")]
+
+    def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
+        kv = session.kv
+        if self.kv is None or (self.kv.n_ctx, self.kv.kind) != (kv.n_ctx, kv.kind):
+            self.kv = self.block.new_kv(kv.n_ctx, kv.kind, self._kv_alloc)
+            self.n_cells, self.seq, self._logits, self._hidden = 0, [], None, None
+        n_match = 0  # cell p stays valid while t[0..p+1] match
+        for a, b in zip(self.seq, prompt_ids):
+            if a != b:
+                break
+            n_match += 1
+        return max(0, min(reuse, self.n_cells, n_match - 1))
+
+    def truncate(self, n: int) -> None:
+        if n < self.n_cells:
+            self.n_cells = n
+            del self.seq[n + 1 :]
+            self._logits = self._hidden = None
+        if self.kv is not None:
+            self.kv.truncate(min(self.kv.n_tokens, self.n_cells))
+
+    def observe(self, session: Session, pos0: int, hidden: Any, next_ids: list[int]) -> None:
+        assert self.kv is not None, "reusable() binds the MTP KV to the session first"
+        n = len(next_ids)
+        assert 0 < n == hidden.shape[0], (n, hidden.shape)
+        assert pos0 <= self.n_cells, (
+            f"MTP has cells 0..{self.n_cells - 1}, asked to go on at {pos0}"
+        )
+        assert session.tokens[pos0 + 1 : pos0 + n] == list(next_ids[:-1])
+        self.kv.truncate(pos0)
+        for a in range(0, n, MTP_CHUNK):
+            b = min(n, a + MTP_CHUNK)
+            want = "last" if b == n else "none"
+            out = self.block.forward(
+                hidden[a:b], np.asarray(next_ids[a:b]), pos0 + a, self.kv, want
+            )
+        self.n_cells = pos0 + n
+        self.seq = [*session.tokens[: pos0 + 1], *next_ids]
+        self._logits = _host(self.block.xp)(out.logits[-1])
+        self._hidden = out.hidden[-1:]
+
+    def propose(self, session: Session, pending: int, n_draft: int, sampler: Sampler) -> Draft:
+        assert self.kv is not None and self._logits is not None, "observe() comes first"
+        assert self.n_cells == len(session.tokens) and self.seq[-1] == pending
+        tokens: list[int] = []
+        qs: list[np.ndarray] = []
+        logits, h = self._logits, self._hidden
+        for j in range(n_draft):
+            if j:  # chained step: the block's own output stands in for the main hidden
+                out = self.block.forward(h, np.asarray(tokens[-1:]), self.n_cells + j - 1, self.kv)
+                logits, h = _host(self.block.xp)(out.logits[-1]), out.hidden
+            tok, q = draft_token(self.block.head.full_logits(logits), sampler)
+            tokens.append(tok)
+            if q is not None:
+                qs.append(q)
+        return Draft(tokens, None if sampler.params.greedy else qs)
+
+    def check_integrity(self) -> None:
+        if self.kv is None:
+            return
+        self.kv.check_integrity()
+        if self.n_cells > self.kv.n_tokens or (self.n_cells and len(self.seq) != self.n_cells + 1):
+            raise AssertionError(
+                f"MTP state: {self.n_cells} cells, KV {self.kv.n_tokens}, {len(self.seq)} tokens"
+            )
 
 
 def _host(xp: Any) -> Callable[[Any], np.ndarray]:

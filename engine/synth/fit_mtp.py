@@ -181,7 +181,7 @@ def fit_expert_down(
 def fit_mtp(
     src: str | Path,
     dst: str | Path | None = None,
-    n_seq: int = 64,
+    n_seq: int = 160,
     n_prompt: int = 16,
     n_gen: int = 112,
     seed: int = 1234,
@@ -202,11 +202,14 @@ def fit_mtp(
     i = model.hp.n_layer
     tmp = dst.with_suffix(dst.suffix + ".part")
     shutil.copyfile(src, tmp)
-    _write(tmp, {
-        names.nextn("eh_proj", i): np.asarray(block.eh_proj),
-        names.nextn("shared_head_norm", i): dequantize(model.mf.tensor(names.OUTPUT_NORM)),
-        names.block("ffn_down_exps", i): np.stack([down[e] for e in sorted(down)]),
-    })
+    _write(
+        tmp,
+        {
+            names.nextn("eh_proj", i): np.asarray(block.eh_proj),
+            names.nextn("shared_head_norm", i): dequantize(model.mf.tensor(names.OUTPUT_NORM)),
+            names.block("ffn_down_exps", i): np.stack([down[e] for e in sorted(down)]),
+        },
+    )
     tmp.replace(dst)
     after = draft_accuracy(MTPBlock(load_model(dst)), held_out)  # as quantized in the file
     return FitReport(dst, n_samples, before, linear, after)
