@@ -148,10 +148,14 @@ class LoanTransaction:
 
     # -- exit: refill, shrink, restore --------------------------------------------------------
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self._finish()
-        else:
+        if exc_type is not None:
             self._undo(failed=True, cancelled=getattr(exc_type, "is_cancel", False))
+            return
+        try:
+            self._finish()
+        except BaseException:
+            self._undo(failed=True)
+            raise
 
     def _finish(self) -> None:
         rt = self.rt

@@ -1,0 +1,173 @@
+"""The VRAM loan (seed 000, DESIGN §9 invariants 1-4) on the demo model, simulated device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.bench import LOAN_ON, prompt_tokens
+from engine.config import EngineOptions, LoanFlags
+from engine.conversation import Conversation
+from engine.events import EventBus, LoanStep, PrefillProgress
+from engine.loan import Faults, InjectedFault
+from engine.serve import ServeLoop
+
+OPTS = dict(serve=True, vram_elastic=True, mtp=True, spec=4, prefill="auto", ctx=4096)
+FLAGS = LoanFlags.make(**{**LOAN_ON.as_kwargs(), "repeat_min_tokens": 256})
+
+
+def make(demo_path: Path, flags: LoanFlags = FLAGS, faults: Faults | None = None,
+         bus: EventBus | None = None) -> ServeLoop:
+    return ServeLoop.create(EngineOptions(model=str(demo_path), **OPTS), flags, bus,  # type: ignore[arg-type]
+                            faults=faults)
+
+
+@dataclass(frozen=True)
+class State:
+    regions: tuple
+    slots: bytes
+    table: bytes
+    resident: tuple
+    startup_pending: bool
+    n_messages: int
+
+
+def state(loop: ServeLoop, conv: Conversation) -> State:
+    rt = loop.rt
+    assert rt.cache is not None
+    return State(
+        tuple((r.name, r.used_bytes, r.n_segments) for r in rt.ledger.snapshot().regions),
+        rt.cache.states().tobytes(), rt.cache.table.slot_of.tobytes(),
+        tuple((r.region, r.resident) for r in rt.resources.items),
+        rt.startup_loan_pending, len(conv.messages),
+    )
+
+
+@pytest.fixture(scope="module")
+def texts(demo_path: Path) -> list[str]:
+    loop = make(demo_path, LoanFlags())
+    tok = loop.rt.model.tokenizer
+    return [tok.decode(prompt_tokens(loop, n, salt=s)) for n, s in ((1200, 1), (40, 2), (700, 3))]
+
+
+def converse(loop: ServeLoop, texts: list[str]) -> list[str]:
+    conv = Conversation()
+    out = []
+    for t in texts:
+        out.append(loop.chat(conv, t, max_new=10).text)
+        loop.rt.check_integrity()  # invariant 2, after every request
+        assert loop.rt.cache is not None and loop.rt.cache.n_lent == 0
+        assert loop.rt.resources.all_resident()
+    return out
+
+
+def test_loan_on_and_off_give_the_same_tokens(demo_path: Path, texts: list[str]) -> None:
+    """Invariant 1 (and 2): a startup loan, a short message, a repeat loan."""
+    bus = EventBus()
+    steps: list[LoanStep] = []
+    bus.subscribe(lambda e: steps.append(e) if isinstance(e, LoanStep) else None)
+    on = converse(make(demo_path, bus=bus), texts)
+    off = converse(make(demo_path, LoanFlags()), texts)
+    assert on == off
+    restores = [s for s in steps if s.step == "restore"]
+    assert len(restores) == 2  # the startup loan and the repeat loan; the 40-token one had none
+    plans = [s.detail for s in steps if s.step == "plan"]
+    assert "startup loan" in plans[0] and "retained startup geometry" in plans[1]
+
+
+def test_loan_chunk_is_larger(demo_path: Path) -> None:
+    loop = make(demo_path)
+    off = make(demo_path, LoanFlags())
+    assert loop.rt.plan.startup_prompt.chunk_tokens >= 2 * off.rt.plan.prompt.chunk_tokens
+
+
+@pytest.mark.parametrize("kind", ["startup", "repeat"])
+def test_fault_at_every_step_rolls_back(demo_path: Path, texts: list[str], kind: str) -> None:
+    """Invariant 3: a fault at each step leaves the state as before the request, and the
+    next request's output equals a clean run's."""
+    clean = converse(make(demo_path), texts[:2] if kind == "repeat" else texts[:1])
+    probe = Faults()
+    loop = make(demo_path, faults=probe)
+    if kind == "repeat":
+        converse(loop, texts[1:2])  # the startup loan is spent on a short message
+    probe.seen.clear()
+    converse(loop, texts[:1])
+    steps = list(dict.fromkeys(probe.seen))
+    assert {"plan", "grow", "lent", "refill", "shrink", "logits"} <= set(steps)
+    assert any(s.startswith("release:") for s in steps) and any(s.startswith("chunk:") for s in steps)
+    for step in steps:
+        faults = Faults()
+        loop = make(demo_path, faults=faults)
+        conv = Conversation()
+        if kind == "repeat":
+            loop.chat(conv, texts[1], max_new=10)
+        before = state(loop, conv)
+        faults.arm(step)
+        if step.startswith("restore:"):  # a one-shot device fault on restore is retried
+            loop.chat(conv, texts[0], max_new=10)
+            continue
+        with pytest.raises(InjectedFault):
+            loop.chat(conv, texts[0], max_new=10)
+        assert state(loop, conv) == before, step
+        loop.rt.check_integrity()
+        assert loop.chat(conv, texts[0], max_new=10).text == clean[-1], step
+
+
+def test_cancel_at_a_random_chunk(demo_path: Path, texts: list[str]) -> None:
+    clean = converse(make(demo_path), texts[:1])
+    bus = EventBus()
+    loop = make(demo_path, bus=bus)
+    n_chunks = -(-len(loop.rt.model.tokenizer.encode(texts[0])) // loop.rt.plan.startup_prompt.chunk_tokens)
+    at = [int(np.random.default_rng(0).integers(1, n_chunks + 1))]  # after chunk 1..n
+
+    def cancel_at(e: object) -> None:
+        if isinstance(e, PrefillProgress) and e.chunk == at[0]:
+            loop.cancel()
+
+    bus.subscribe(cancel_at)
+    conv = Conversation()
+    before = state(loop, conv)
+    reply = loop.chat(conv, texts[0], max_new=10)
+    assert reply.cancelled and state(loop, conv) == before
+    loop.rt.check_integrity()
+    at[0] = -1  # no more cancels
+    assert loop.chat(conv, texts[0], max_new=10).text == clean[0]
+
+
+def test_runtime_flags_apply_from_the_next_request(demo_path: Path, texts: list[str]) -> None:
+    bus = EventBus()
+    steps: list[LoanStep] = []
+    bus.subscribe(lambda e: steps.append(e) if isinstance(e, LoanStep) else None)
+    loop = make(demo_path, LoanFlags(), bus=bus)
+    conv = Conversation()
+    loop.chat(conv, texts[1], max_new=4)
+    refused = loop.set_flags(LoanFlags.make(elastic_loan=True), loop.options.with_changes(serve=False))
+    assert any("--serve" in v for v in refused) and loop.flags == LoanFlags()
+    assert loop.set_flags(FLAGS) == []
+    assert loop.rt.flags == LoanFlags()  # not yet: applied when the next request starts
+    loop.chat(conv, texts[0], max_new=4)
+    assert loop.rt.flags == FLAGS
+    assert [s.step for s in steps if s.step in ("release", "restore")] == ["release", "restore"]
+
+
+def test_cli_shows_a_loan_end_to_end(demo_path: Path, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch,
+                                     capfd: pytest.CaptureFixture[str]) -> None:
+    from engine.cli import main
+
+    for var, value in {**FLAGS.as_env(), "STRATA_TRACE": "1"}.items():
+        monkeypatch.setenv(var, value)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(" ".join(str(300 + i % 5000) for i in range(1500)))
+    rc = main(["run", "--model", str(demo_path), "--serve", "--vram-elastic", "--mtp",
+               "--spec", "4", "--prefill", "auto", "--tokens-file", str(prompt), "--max-new", "4"])
+    err = capfd.readouterr().err
+    assert rc == 0, err
+    order = ["strata loan: released", "strata loan: prompt plan", "strata serve: prompt plan",
+             "strata trace: lent", "strata trace: refilled", "strata loan: restored",
+             "strata serve: prompt 1500 tokens"]
+    positions = [err.find(s) for s in order]
+    assert all(p >= 0 for p in positions) and positions == sorted(positions), err
