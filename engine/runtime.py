@@ -21,7 +21,7 @@ from engine.backend import make_backend
 from engine.backend.base import Backend
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import model_costs
-from engine.errors import FlagError
+from engine.errors import FlagError, StrataError
 from engine.events import CacheChanged, EventBus, LedgerChanged, Loading, Ready, TraceLine
 from engine.experts.cache import LENT, ExpertCache
 from engine.experts.profile import ExpertProfile
@@ -35,6 +35,7 @@ from engine.memory.planner import (
     PlanOptions,
     PromptGeometry,
     StartupPlan,
+    plan_prompt,
     plan_startup,
 )
 from engine.memory.sizes import MiB, format_mib
@@ -254,9 +255,36 @@ class Runtime:
             f"cache {n_slots}/{hp.n_layer * hp.n_expert} experts, prompt plan {self.plan.prompt.label}"
         )
 
+    RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profile",
+                      "vram_segment_mib", "vram_reserve_mib", "vram_limit", "mtp", "draft_vocab",
+                      "no_borrow", "batch_slots", "prefill_head_alias", "vram_elastic", "serve")
+
     def validate(self, options: EngineOptions, flags: LoanFlags) -> list[str]:
-        return validate(options, flags, self.backend.name, self.model.has_mtp,
-                        self.model.hp.has_output)
+        """The guards, plus what cannot change without a restart (a runtime change)."""
+        v = validate(options, flags, self.backend.name, self.model.has_mtp,
+                     self.model.hp.has_output)
+        for name in self.RESTART_FIELDS:
+            if getattr(options, name) != getattr(self.options, name) and not v:
+                v.append(f"--{name.replace('_', '-')} cannot change while running; restart strata")
+        built = self.spec.verifier.n_window if self.spec is not None else 0
+        if options.spec > built:
+            v.append(f"--spec {options.spec} needs a verifier for {options.spec} tokens, this "
+                     f"engine built {built or 'none'}; restart with --spec {options.spec}")
+        if options.prefill != self.options.prefill:
+            try:
+                self._prompt_plan(options.prefill)
+            except StrataError as e:
+                v.append(f"--prefill {options.prefill}: {e}")
+        return v
+
+    def _prompt_plan(self, prefill: int | str) -> PromptGeometry:
+        """The decode-time geometry for another `--prefill`, on the memory this engine has."""
+        opts = replace(self.plan_options, prefill=prefill)
+        if self.plan.prompt.borrowed and self.cache is not None:
+            lendable = self.cache.n_slots * self.cache.blob_bytes
+            return plan_prompt(lendable, self.costs, opts, self.cache.n_slots)
+        owned = sum(a.n_bytes for a in (self.owned_chunk, self.owned_ring) if a is not None)
+        return plan_prompt(owned, self.costs, opts, self.cache.n_slots if self.cache else 0)
 
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(len(self.session.tokens))
@@ -272,7 +300,13 @@ class Runtime:
 
     # -- actions -----------------------------------------------------------------------------
     def apply(self, options: EngineOptions, flags: LoanFlags) -> None:
-        """Flags/options accepted by the guards take effect from the next request."""
+        """Flags/options accepted by `validate` take effect from the next request."""
+        if options.prefill != self.options.prefill:
+            self.plan_options = replace(self.plan_options, prefill=options.prefill)
+            self.plan = replace(self.plan, prompt=self._prompt_plan(options.prefill))
+            self.retained_geometry = None
+        if self.spec is not None:
+            self.spec.n_window = max(options.spec, 1)
         self.options, self.flags = options, flags
 
     def rollback(self, cp: Checkpoint) -> None:
@@ -391,7 +425,7 @@ class Runtime:
     def decode(self, logits: Any, sampler: Sampler, max_new: int, stop_ids: frozenset[int],
                timing: Timing, cancel: threading.Event) -> Iterator[int]:
         """Tokens after the prompt: plain, or speculative when --spec T is on."""
-        if self.spec is not None:
+        if self.spec is not None and self.options.spec >= 2:
             yield from self.spec.decode(self.session, logits, sampler, max_new, stop_ids,
                                         timing, cancel)
             return
