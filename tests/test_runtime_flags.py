@@ -15,7 +15,7 @@ def test_prefill_and_spec_change_between_requests(demo_path: Path) -> None:
     seen: list[object] = []
     bus.subscribe(seen.append)
     loop = ServeLoop.create(EngineOptions(model=str(demo_path), mtp=True, spec=4, ctx=4096,
-                                          prefill=256, device="sim:80MiB", expert_cache=64),
+                                          prefill=256, device="sim:80MiB", expert_cache=120),
                             LoanFlags(), bus)
     conv = Conversation()
     first = loop.chat(conv, "word " * 600, max_new=6)
