@@ -21,10 +21,10 @@ from app.widgets.dashboard import Dashboard
 from app.widgets.event_log import EventLog
 from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer
-from engine.cli.chat import ChatConfig
+from app.cli.chat import ChatConfig
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
-from engine.events import Event, Loading, Token
+from engine.events import Event, Loading, PrefillProgress, Token
 
 NARROW_COLUMNS = 100  # below this the dashboard and the chat take turns
 
@@ -38,8 +38,9 @@ class StrataApp(App[None]):
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+n", "new_conversation", "New"),
         Binding("ctrl+o", "open_conversation", "Open"),
-        Binding("ctrl+e", "export", "Export"),
+        Binding("ctrl+s", "export", "Export"),
         Binding("f2", "toggle_dashboard", "Dashboard"),
+        Binding("f3", "flags", "Flags"),
         Binding("f1", "help", "Help"),
         Binding("ctrl+t", "change_theme", "Theme", show=False),
     ]
@@ -114,12 +115,17 @@ class StrataApp(App[None]):
         await self._dispatch(message.events)
 
     async def _dispatch(self, events: tuple[Event, ...]) -> None:
-        if not events:
+        chats = self.query(ChatLog)
+        if not events or not chats:  # nothing new, or the app is shutting down
             return
-        chat = self.query_one(ChatLog)
+        chat = chats.first()
         for event in events:
             if isinstance(event, Token):
                 await chat.append(event.text)
+            elif isinstance(event, PrefillProgress):
+                chat.progress(
+                    f"reading the prompt: {event.tokens_done:,} of {event.tokens_total:,} tokens"
+                )
             elif isinstance(event, Loading) and isinstance(self.screen, LoadingScreen):
                 self.screen.show(event)
         for view in [*self.query(EventView), *self.query(EventLog)]:
@@ -218,6 +224,7 @@ class StrataApp(App[None]):
         violations = self.link.set_flags(flags, options)
         if violations:
             panel.refused(violations)
+            panel.scroll_visible(top=True, animate=False)
             self.notify("\n".join(violations), title="Flags refused", severity="error", timeout=8)
             return
         panel.accepted(flags, options)
@@ -267,6 +274,13 @@ class StrataApp(App[None]):
     # -- view --------------------------------------------------------------------------------
     def action_toggle_dashboard(self) -> None:
         self.show_dashboard = not self.show_dashboard
+
+    def action_flags(self) -> None:
+        """Show the flags panel and put the focus on its first switch."""
+        self.show_dashboard = True
+        panel = self.query_one(FlagsPanel)
+        panel.scroll_visible(top=True, animate=False)
+        panel.focus_first()
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -64,11 +64,10 @@ class EngineLink:
     """Owns the ServeLoop, the bus subscription and the event queue."""
 
     @dataclass
-    class Events(Message):
+    class Events(Message, bubble=False):
         """A coalesced batch of engine events (one per refresh tick)."""
 
         events: tuple[Event, ...]
-        bubble = False
 
     @dataclass
     class Loaded(Message):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from app.cli.chat import ChatConfig, add_chat_args, chat_config
 from engine.cli import OneLineParser
-from engine.cli.chat import ChatConfig, add_chat_args, chat_config
 from engine.errors import StrataError
 
 

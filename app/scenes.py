@@ -15,12 +15,13 @@ from textual.pilot import Pilot
 
 from app.app import StrataApp
 from app.store import Store
-from app.widgets.prompt_input import Composer
-from engine.cli.chat import ChatConfig
+from app.widgets.prompt_input import Composer, PromptInput
+from app.cli.chat import ChatConfig
 from engine.config import EngineOptions, LoanFlags
 from engine.events import PrefillProgress
 
 SIZE = (120, 40)
+PNG_FONT = "DejaVu Sans Mono"  # Debian: fonts-dejavu-core
 WORDS = [
     "the",
     "expert",
@@ -79,6 +80,7 @@ async def wait_ready(pilot: Pilot) -> None:
     app = pilot.app
     assert isinstance(app, StrataApp)
     await wait_until(pilot, lambda: app.link.loop is not None and app.screen is app.default_screen)
+    app.query_one(PromptInput).cursor_blink = False  # a still picture: no blink phase in it
     await pilot.pause(0.2)
 
 
@@ -117,11 +119,11 @@ async def paste_loan(pilot: Pilot) -> None:
     app = pilot.app
     assert isinstance(app, StrataApp)
     composer = app.query_one(Composer)
-    composer.input.post_message(_paste(sample_paste(400)))
+    app.post_message(_paste(sample_paste(400)))
     await wait_until(pilot, lambda: bool(composer.pastes))
     await pilot.press("enter")
     await wait_until(pilot, lambda: _prefill_chunk(app) >= 3)
-    composer.input.post_message(_paste(sample_paste(120)))
+    app.post_message(_paste(sample_paste(120)))
     await wait_until(pilot, lambda: bool(composer.pastes))
     await pilot.pause(0.2)
 
@@ -193,4 +195,6 @@ def svg_to_png(svg: str) -> bytes | None:
         import cairosvg
     except (ImportError, OSError):
         return None
+    # the SVG asks for Fira Code (a web font cairo cannot fetch): name a local monospace font
+    svg = svg.replace("font-family: Fira Code, monospace;", f"font-family: {PNG_FONT}, monospace;")
     return cairosvg.svg2png(bytestring=svg.encode("utf-8"), scale=1.5)

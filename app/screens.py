@@ -25,8 +25,9 @@ HELP = """\
 | **Esc** | cancel the running prefill or generation; the prompt comes back |
 | **ctrl+n** | new conversation |
 | **ctrl+o** | open a saved conversation |
-| **ctrl+e** | export the conversation to Markdown |
+| **ctrl+s** | export the conversation to Markdown (the path is shown) |
 | **F2** | show / hide the dashboard |
+| **F3** | go to the loan flags panel |
 | **ctrl+t** | change the theme |
 | **ctrl+p** | command palette (loan flags, spec, prefill, …) |
 | **F1** | this help |

@@ -75,12 +75,12 @@ def verifier_bytes(model: Shapes, spec: int) -> int:
 
 def kv_bytes(model: Shapes, n_ctx: int, kind: str) -> int:
     hp = model.hp
-    return kv_bytes_per_cell(kind, hp.n_layer, hp.kv_dim) * n_ctx + 4 * padded(1)
+    return kv_bytes_per_cell(kind, hp.n_layer, hp.kv_dim, hp.n_head_kv) * n_ctx + 4 * padded(1)
 
 
 def mtp_kv_bytes(model: Shapes, n_ctx: int, kind: str) -> int:
     hp = model.hp
-    return kv_bytes_per_cell(kind, 1, hp.kv_dim) * n_ctx + 4 * padded(1) if hp.n_nextn else 0
+    return kv_bytes_per_cell(kind, 1, hp.kv_dim, hp.n_head_kv) * n_ctx + 4 * padded(1) if hp.n_nextn else 0
 
 
 def act_bytes_per_token(model: Shapes) -> int:

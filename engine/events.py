@@ -65,6 +65,15 @@ class CacheChanged(Event):
 
 
 @dataclass(frozen=True)
+class RequestStarted(Event):
+    """A request was admitted: `prompt_tokens` in all, `fresh_tokens` to prefill."""
+
+    request_id: int
+    prompt_tokens: int
+    fresh_tokens: int
+
+
+@dataclass(frozen=True)
 class PlanChosen(Event):
     """The prompt geometry for this request: `chunk tokens / ring slots`."""
 

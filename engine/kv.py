@@ -8,14 +8,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine.errors import FlagError
+
 KV_KINDS = ("f16", "int8", "q4_0")
 Q4_BLOCK = 32
 
 
-def kv_bytes_per_cell(kind: str, n_layer: int, kv_dim: int) -> int:
+def kv_bytes_per_cell(kind: str, n_layer: int, kv_dim: int, n_head_kv: int) -> int:
     """Bytes one token costs across all layers, K and V together."""
     per_row = {"f16": 2 * kv_dim, "int8": kv_dim, "q4_0": kv_dim // 2}[kind]
-    scales = {"f16": 0, "int8": 4, "q4_0": 2 * (kv_dim // Q4_BLOCK)}[kind]
+    scales = {"f16": 0, "int8": 4 * n_head_kv, "q4_0": 2 * (kv_dim // Q4_BLOCK)}[kind]
     return 2 * n_layer * (per_row + scales)
 
 
@@ -37,7 +39,11 @@ class KVCache:
         alloc: Callable[[tuple[int, ...], Any], Any] | None = None,
     ):
         assert kind in KV_KINDS, kind
-        assert kind != "q4_0" or head_dim % Q4_BLOCK == 0, "q4_0 KV needs head_dim % 32 == 0"
+        if kind == "q4_0" and head_dim % Q4_BLOCK:
+            raise FlagError(
+                f"--kv q4_0 needs a head size that is a multiple of {Q4_BLOCK}; this model's is "
+                f"{head_dim}: use --kv int8 or f16"
+            )
         self.xp, self.kind = xp, kind
         self.n_layer, self.n_ctx, self.n_head_kv, self.head_dim = n_layer, n_ctx, n_head_kv, head_dim
         self.n_tokens = 0

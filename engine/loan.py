@@ -205,7 +205,7 @@ class LoanTransaction:
             self._step("restore", line, sum(r.n_bytes for r in items), ms)
 
     def _step(self, step: str, line: str, n_bytes: int = 0, ms: float = 0.0) -> None:
-        self.rt.bus.publish(LoanStep(step, line, n_bytes, ms))
+        self.rt.bus.publish(LoanStep(step, line.removeprefix("strata loan: "), n_bytes, ms))
         self.rt.bus.publish(TraceLine(line))
         self.rt.emit_trace(line)
 

@@ -24,6 +24,7 @@ from engine.events import (
     PlanChosen,
     PrefillProgress,
     RequestDone,
+    RequestStarted,
     Token,
     TraceLine,
 )
@@ -58,6 +59,7 @@ class ServeLoop:
         self._pending_flags: LoanFlags | None = None
         self._pending_options: EngineOptions | None = None
         self._conv_id: str | None = None  # the conversation whose tokens the KV holds
+        self._request_id = 0
 
     @classmethod
     def create(
@@ -242,6 +244,8 @@ class ServeLoop:
         rt.session.truncate(reuse)
         fresh = ids[reuse:]
         timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = len(ids), reuse, len(fresh)
+        self._request_id += 1
+        self.bus.publish(RequestStarted(self._request_id, len(ids), len(fresh)))
         plan: list[PromptGeometry] = []
 
         def on_plan(g: PromptGeometry, loan: bool) -> None:

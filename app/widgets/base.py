@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual.widget import Widget
 
 from app.engine_link import EngineLink
@@ -13,6 +15,18 @@ class EventView(Widget):
 
     Subclasses implement `apply_event`, setting reactives; their `watch_`/`render` draw.
     """
+
+    TITLE: ClassVar[str] = ""
+
+    def on_mount(self) -> None:
+        self.border_title = self.TITLE
+
+    def caption(self, detail: str) -> None:
+        """Show `detail` after the title on the top border."""
+        self.border_title = f"{self.TITLE} · {detail}" if detail else self.TITLE
+
+    def content_width(self) -> int:
+        return max(1, self.content_size.width)
 
     def on_engine_link_events(self, message: EngineLink.Events) -> None:
         for event in message.events:

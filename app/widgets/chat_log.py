@@ -42,6 +42,7 @@ class MessageView(Vertical):
         &.-assistant > Label { color: $text-success; }
         & > Static { padding: 0 1; }
         & > Markdown { padding: 0 1; margin: 0; }
+        & > .status { color: $text-muted; text-style: italic; }
         &.-cancelled > Label { color: $text-warning; }
     }
     """
@@ -55,7 +56,13 @@ class MessageView(Vertical):
         if self.role == "user":
             yield Static(user_preview(self.content))
         else:
+            yield Static("", classes="status")
             yield Markdown(printable(self.content))
+
+    def set_status(self, text: str) -> None:
+        status = self.query_one(".status", Static)
+        status.update(text)
+        status.display = bool(text)
 
 
 class ChatLog(VerticalScroll):
@@ -74,6 +81,7 @@ class ChatLog(VerticalScroll):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._stream: MarkdownStream | None = None
         self._pending: list[MessageView] = []
+        self._streamed = False  # the open answer has received text
 
     def compose(self) -> ComposeResult:
         yield Static("Type a message and press Enter.  F1 shows every key.", id="chat-empty")
@@ -97,20 +105,31 @@ class ChatLog(VerticalScroll):
         user, answer = MessageView("user", prompt), MessageView("assistant")
         await self.mount_all([user, answer])
         self._pending = [user, answer]
+        answer.set_status("waiting for the engine…")
+        self._streamed = False
         self._stream = Markdown.get_stream(answer.query_one(Markdown))
         self.scroll_end(animate=False)
 
     async def append(self, text: str) -> None:
         """Stream generated text into the answer; ignored when no answer is open."""
         if self._stream is not None and text:
+            if not self._streamed:
+                self._streamed = True
+                self._pending[-1].set_status("")
             await self._stream.write(printable(text))
             self.scroll_end(animate=False)
+
+    def progress(self, text: str) -> None:
+        """Say what the engine is doing before the first token (prefill progress)."""
+        if self._stream is not None and not self._streamed:
+            self._pending[-1].set_status(text)
 
     async def finish(self, reply: str) -> None:
         """Close the answer with the engine's final text (authoritative over the stream)."""
         await self._stop_stream()
         if self._pending:
             answer = self._pending[-1]
+            answer.set_status("" if reply else "(no text: the model ended at once)")
             answer.content = reply
             await answer.query_one(Markdown).update(printable(reply))
         self._pending = []

@@ -11,17 +11,22 @@ from app.widgets.base import EventView
 from app.widgets.fmt import fmt_ms
 from engine.events import Event, PlanChosen, PrefillProgress, RequestDone
 
+MAX_REASONS = 3  # one line each; the tooltip has them all
+
 
 class ChunkPlan(EventView):
     """`chunk tokens / ring slots`, loan on/off, chunks done/total, ms per chunk, a bar."""
 
+    TITLE = "Prompt plan"
+
     DEFAULT_CSS = """
     ChunkPlan {
         height: auto;
-        border: round $primary 50%;
+        border: none;
+        border-top: solid $primary 40%;
         border-title-color: $text-primary;
         padding: 0 1;
-        & > Static { height: auto; }
+        & > Static { height: auto; text-wrap: nowrap; text-overflow: ellipsis; }
         & > ProgressBar { width: 1fr; }
         & Bar { width: 1fr; }
     }
@@ -34,9 +39,6 @@ class ChunkPlan(EventView):
     def compose(self) -> ComposeResult:
         yield Static(Text("no request yet", style="dim"), id="plan-text")
         yield ProgressBar(total=1, show_eta=False, id="prefill-bar")
-
-    def on_mount(self) -> None:
-        self.border_title = "Prompt plan"
 
     def apply_event(self, event: Event) -> None:
         if isinstance(event, PlanChosen):
@@ -67,16 +69,17 @@ class ChunkPlan(EventView):
             return
         text = Text()
         text.append(f"{plan.chunk_tokens:,} / {plan.ring_slots}", style="bold")
-        text.append("  chunk tokens / ring slots   loan ")
+        text.append(" chunk tokens / ring slots · loan ")
         text.append("on" if plan.loan else "off", style="bold green" if plan.loan else "dim")
         done = prog.chunk if prog else 0
         text.append(f"\nchunk {done} of {plan.n_chunks}")
-        text.append(f"   {prog.tokens_done if prog else 0:,} of {plan.fresh_tokens:,} tokens")
+        text.append(f" · {prog.tokens_done if prog else 0:,} of {plan.fresh_tokens:,} tokens")
         if prog is not None:
-            text.append(f"   last chunk {fmt_ms(prog.chunk_ms)}")
+            text.append(f"\nlast chunk {fmt_ms(prog.chunk_ms)}")
         if self.mean_chunk_ms:
-            text.append(f"   mean {fmt_ms(self.mean_chunk_ms)}/chunk")
-        for reason in plan.reasons:
+            text.append(f" · mean {fmt_ms(self.mean_chunk_ms)} per chunk")
+        for reason in plan.reasons[:MAX_REASONS]:
             text.append(f"\n· {reason}", style="dim")
+        self.tooltip = "\n".join(plan.reasons) or None
         self.query_one("#plan-text", Static).update(text)
         bar.update(total=plan.fresh_tokens, progress=prog.tokens_done if prog else 0)

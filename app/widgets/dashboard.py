@@ -24,7 +24,7 @@ class Dashboard(VerticalScroll):
         min-width: 40;
         height: 1fr;
         scrollbar-size-vertical: 1;
-        & > EventLog { height: 12; }
+        & > EventLog { height: 12; scrollbar-size-vertical: 1; }
     }
     """
 

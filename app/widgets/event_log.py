@@ -45,7 +45,8 @@ class EventLog(RichLog):
     EventLog {
         height: 1fr;
         min-height: 5;
-        border: round $primary 50%;
+        border: none;
+        border-top: solid $primary 40%;
         border-title-color: $text-primary;
         background: $surface;
     }

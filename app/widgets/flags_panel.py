@@ -34,11 +34,17 @@ class FlagsPanel(Widget):
     DEFAULT_CSS = """
     FlagsPanel {
         height: auto;
-        border: round $primary 50%;
+        border: none;
+        border-top: solid $primary 40%;
         border-title-color: $text-primary;
         padding: 0 1;
         & Horizontal { height: 1; }
-        & Switch { border: none; padding: 0; height: 1; margin-right: 1; }
+        & Switch {
+            border: none; padding: 0; height: 1; width: 6; margin-right: 1;
+            & .switch--slider { color: $foreground 35%; background: $panel-darken-2; }
+            &.-on .switch--slider { color: $success; }
+            &:focus { border: none; background-tint: $foreground 25%; }
+        }
         & Label { height: 1; }
         & Input { width: 12; height: 1; border: none; padding: 0 1; }
         & Select { width: 14; }
@@ -94,7 +100,10 @@ class FlagsPanel(Widget):
 
     def on_mount(self) -> None:
         self.border_title = "Loan flags"
-        self._sync()
+        self.call_later(self._sync)  # `is_mounted` turns true once this handler returns
+
+    def focus_first(self) -> None:
+        self.query_one(f"#{SWITCHES[0]}", Switch).focus()
 
     # -- the app's answers -------------------------------------------------------------------
     def show(self, flags: LoanFlags, options: EngineOptions) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.text import Text
+
 REGION_COLORS = {
     "weights.dense": "#5f87d7",
     "kv": "#af87d7",
@@ -38,3 +40,19 @@ def fmt_ms(ms: float) -> str:
 
 def rate(count: int, ms: float) -> str:
     return f"{count / (ms / 1e3):,.1f} tok/s" if ms > 0 else "–"
+
+
+def flow(items: list[Text], width: int, gap: int = 2) -> Text:
+    """Lay legend items out in lines of at most `width` cells, never breaking an item."""
+    out, line_len = Text(), 0
+    for item in items:
+        n = item.cell_len
+        if line_len and line_len + gap + n > width:
+            out.append("\n")
+            line_len = 0
+        elif line_len:
+            out.append(" " * gap)
+            line_len += gap
+        out.append_text(item)
+        line_len += n
+    return out

@@ -36,13 +36,18 @@ class Phase:
 class LoanTimeline(EventView):
     """One row per phase (release, plan, lend, prefill, refill, restore), bars to scale."""
 
+    TITLE = "Loan timeline"
+
     DEFAULT_CSS = """
     LoanTimeline {
         height: auto;
-        min-height: 3;
-        border: round $primary 50%;
+        min-height: 2;
+        border: none;
+        border-top: solid $primary 40%;
         border-title-color: $text-primary;
         padding: 0 1;
+        text-wrap: nowrap;
+        text-overflow: ellipsis;
     }
     """
 
@@ -54,9 +59,6 @@ class LoanTimeline(EventView):
         self._open = False
         self._prefill_t0 = 0.0
 
-    def on_mount(self) -> None:
-        self.border_title = "Loan timeline"
-
     def _begin(self) -> None:
         if not self._open:
             self._open, self.phases, self.loan = True, (), None
@@ -64,7 +66,7 @@ class LoanTimeline(EventView):
     def apply_event(self, event: Event) -> None:
         if isinstance(event, LoanStep):
             self._begin()
-            detail = event.detail
+            detail = event.detail.removeprefix("strata loan: ").removeprefix("strata trace: ")
             if event.n_bytes:
                 detail = (
                     f"{detail} ({fmt_bytes(event.n_bytes)})" if detail else fmt_bytes(event.n_bytes)
@@ -88,12 +90,12 @@ class LoanTimeline(EventView):
         )
 
     def watch_loan(self, loan: bool | None) -> None:
-        self.border_subtitle = "" if loan is None else f"loan {'on' if loan else 'off'}"
+        self.caption("" if loan is None else f"loan {'on' if loan else 'off'}")
 
     def render(self) -> Text:
         if not self.phases:
             return Text("no request yet", style="dim")
-        width = max(1, (self.content_region.width or self.size.width) - LABEL_WIDTH - MS_WIDTH - 2)
+        width = max(1, self.content_width() - LABEL_WIDTH - MS_WIDTH - 2)
         bar_width = max(4, width // 2)
         longest = max(p.ms for p in self.phases) or 1.0
         text = Text()

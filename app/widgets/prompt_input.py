@@ -27,6 +27,11 @@ LONG_PASTE_CHARS = 1000
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
 
 
+def newlines(text: str) -> str:
+    """Terminals send pasted line ends as CR (or CR LF); the engine gets LF."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def is_long_paste(text: str) -> bool:
     return text.count("\n") + 1 > LONG_PASTE_LINES or len(text) > LONG_PASTE_CHARS
 
@@ -55,20 +60,23 @@ def expand(text: str, pastes: tuple[PastedText, ...]) -> str:
 
 
 def chip_text(paste: PastedText, repeat_threshold: int | None) -> Text:
-    chip = Text.assemble(
-        (f" ⧉ paste #{paste.n} ", "bold reverse"),
-        f" {paste.n_lines:,} lines · ",
-        f"{paste.n_tokens:,} tokens" if paste.n_tokens is not None else "tokens: engine loading",
-        " · ",
+    chip = Text()
+    chip.append_text(
+        Text.assemble(
+            (f" ▤ paste #{paste.n} ", "bold reverse"),
+            f" {paste.n_lines:,} lines · ",
+            f"{paste.n_tokens:,} tokens"
+            if paste.n_tokens is not None
+            else "tokens: engine loading",
+            " · ",
+        )
     )
     if repeat_threshold is None:
         chip.append("repeat loan off", style="dim")
     elif paste.n_tokens is not None and paste.n_tokens >= repeat_threshold:
-        chip.append(
-            f"≥ {repeat_threshold:,}: crosses the repeat-loan threshold", style="bold green"
-        )
+        chip.append(f"≥ {repeat_threshold:,}: repeat loan", style="bold green")
     else:
-        chip.append(f"< {repeat_threshold:,}: below the repeat-loan threshold", style="yellow")
+        chip.append(f"< {repeat_threshold:,}: no repeat loan", style="yellow")
     return chip
 
 
@@ -97,14 +105,12 @@ class PromptInput(TextArea):
         await super()._on_key(event)
 
     async def _on_paste(self, event: events.Paste) -> None:
-        if self.read_only:
-            return
-        if is_long_paste(event.text):
+        # short pastes fall through to TextArea's own handler (Textual calls it after this one)
+        text = newlines(event.text)
+        if not self.read_only and is_long_paste(text):
             event.stop()
             event.prevent_default()
-            self.post_message(self.LongPaste(event.text))
-            return
-        await super()._on_paste(event)
+            self.post_message(self.LongPaste(text))
 
 
 class Composer(Vertical):
@@ -114,7 +120,7 @@ class Composer(Vertical):
     Composer {
         height: auto;
         max-height: 50%;
-        & > #chips { height: auto; padding: 0 1; color: $text-accent; }
+        & > #chips { height: auto; padding: 0 1; color: $text-accent; text-wrap: nowrap; text-overflow: ellipsis; }
         & > PromptInput { height: auto; min-height: 3; max-height: 12; border: round $accent 50%; padding: 0 1; }
         & > PromptInput:focus { border: round $accent; }
     }
@@ -181,12 +187,13 @@ class Composer(Vertical):
         self.pastes = ()
 
     def restore(self, draft: Draft) -> None:
-        """Put a sent prompt back, chips included (after a cancel or a failure)."""
-        self.pastes = tuple(
-            PastedText(n, text, self.count_tokens(text)) for n, text in draft.pastes
-        )
+        """Put a sent prompt back, chips included (after a cancel or a failure); anything
+        typed meanwhile stays after it."""
+        typed = self.input.text
+        restored = tuple(PastedText(n, text, self.count_tokens(text)) for n, text in draft.pastes)
+        self.pastes = (*restored, *(p for p in self.pastes if p.marker in typed))
         self._next_n = max([self._next_n, *(n + 1 for n, _ in draft.pastes)])
-        self.input.load_text(draft.text)
+        self.input.load_text(draft.text + (f"\n{typed}" if typed.strip() else ""))
         self.input.move_cursor(self.input.document.end)
         self.input.focus()
 

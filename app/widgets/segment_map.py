@@ -8,7 +8,7 @@ from rich.text import Text
 from textual.reactive import reactive
 
 from app.widgets.base import EventView
-from app.widgets.fmt import fmt_bytes, region_color
+from app.widgets.fmt import flow, fmt_bytes, region_color
 from engine.events import Event, LedgerChanged
 
 FREE_NAMES = ("", "free")
@@ -17,11 +17,14 @@ FREE_NAMES = ("", "free")
 class SegmentMap(EventView):
     """Draws `LedgerChanged.segment_map` row by row; free segments are dim dots."""
 
+    TITLE = "Segments"
+
     DEFAULT_CSS = """
     SegmentMap {
         height: auto;
-        min-height: 3;
-        border: round $primary 50%;
+        min-height: 2;
+        border: none;
+        border-top: solid $primary 40%;
         border-title-color: $text-primary;
         padding: 0 1;
     }
@@ -29,9 +32,6 @@ class SegmentMap(EventView):
 
     segments: reactive[tuple[str, ...]] = reactive((), layout=True)
     segment_bytes: reactive[int] = reactive(0)
-
-    def on_mount(self) -> None:
-        self.border_title = "Segments"
 
     def apply_event(self, event: Event) -> None:
         if isinstance(event, LedgerChanged):
@@ -41,25 +41,25 @@ class SegmentMap(EventView):
     def watch_segments(self, segments: tuple[str, ...]) -> None:
         n_free = sum(1 for s in segments if s in FREE_NAMES)
         if segments:
-            self.border_subtitle = (
-                f"{len(segments)} × {fmt_bytes(self.segment_bytes)}, {n_free} free"
-            )
+            self.caption(f"{len(segments)} × {fmt_bytes(self.segment_bytes)}, {n_free} free")
 
     def render(self) -> Text:
         if not self.segments:
             return Text("no segment map yet", style="dim")
+        width = self.content_width()
         text = Text()
-        for owner in self.segments:
+        for i, owner in enumerate(self.segments):
+            if i and i % width == 0:
+                text.append("\n")
             if owner in FREE_NAMES:
                 text.append("·", style="dim")
             else:
                 text.append("■", style=region_color(owner))
         counts = Counter(s for s in self.segments if s not in FREE_NAMES)
+        legend = [
+            Text.assemble(("■", region_color(name)), f" {name} {n}")
+            for name, n in sorted(counts.items(), key=lambda kv: -kv[1])
+        ]
         text.append("\n")
-        text.append(
-            Text("  ").join(
-                Text.assemble(("■ ", region_color(name)), f"{name} {n}")
-                for name, n in sorted(counts.items(), key=lambda kv: -kv[1])
-            )
-        )
+        text.append_text(flow(legend, width))
         return text

@@ -6,6 +6,7 @@ from rich.text import Text
 from textual.reactive import reactive
 
 from app.widgets.base import EventView
+from app.widgets.fmt import flow
 from engine.events import CacheChanged, Event
 
 # CacheChanged.states codes -> (glyph, style, label)
@@ -20,20 +21,20 @@ STATES = {
 class SlotMap(EventView):
     """Draws `CacheChanged.states`; the subtitle names the lent range and how many are lent."""
 
+    TITLE = "Expert cache"
+
     DEFAULT_CSS = """
     SlotMap {
         height: auto;
-        min-height: 3;
-        border: round $primary 50%;
+        min-height: 2;
+        border: none;
+        border-top: solid $primary 40%;
         border-title-color: $text-primary;
         padding: 0 1;
     }
     """
 
     cache: reactive[CacheChanged | None] = reactive(None, layout=True)
-
-    def on_mount(self) -> None:
-        self.border_title = "Expert cache"
 
     def apply_event(self, event: Event) -> None:
         if isinstance(event, CacheChanged):
@@ -44,9 +45,9 @@ class SlotMap(EventView):
             return
         if cache.lent_range is not None:
             a, b = cache.lent_range
-            self.border_subtitle = f"{cache.n_lent} lent [{a}..{b}]"
+            self.caption(f"{cache.n_lent} lent [{a}..{b}]")
         else:
-            self.border_subtitle = f"{cache.n_lent} lent"
+            self.caption(f"{cache.n_lent} lent")
 
     def counts(self) -> dict[int, int]:
         assert self.cache is not None
@@ -55,16 +56,18 @@ class SlotMap(EventView):
     def render(self) -> Text:
         if self.cache is None:
             return Text("no expert-cache state yet", style="dim")
+        width = self.content_width()
         text = Text()
-        for code in self.cache.states:
+        for i, code in enumerate(self.cache.states):
+            if i and i % width == 0:
+                text.append("\n")
             glyph, style, _ = STATES.get(code, ("?", "red", "unknown"))
             text.append(glyph, style=style)
-        text.append("\n")
         counts = self.counts()
-        text.append(
-            Text("  ").join(
-                Text.assemble((f"{STATES[c][0]} ", STATES[c][1]), f"{STATES[c][2]} {counts[c]}")
-                for c in STATES
-            )
-        )
+        legend = [
+            Text.assemble((STATES[c][0], STATES[c][1]), f" {STATES[c][2]} {counts[c]}")
+            for c in STATES
+        ]
+        text.append("\n")
+        text.append_text(flow(legend, width))
         return text

@@ -14,11 +14,14 @@ from engine.events import Event, RequestDone
 class TimingPanel(EventView):
     """PP, TG, TTFT, drafts accepted and bytes streamed of the last finished request."""
 
+    TITLE = "Timing"
+
     DEFAULT_CSS = """
     TimingPanel {
         height: auto;
-        min-height: 3;
-        border: round $primary 50%;
+        min-height: 2;
+        border: none;
+        border-top: solid $primary 40%;
         border-title-color: $text-primary;
         padding: 0 1;
     }
@@ -26,15 +29,12 @@ class TimingPanel(EventView):
 
     done: reactive[RequestDone | None] = reactive(None, layout=True)
 
-    def on_mount(self) -> None:
-        self.border_title = "Timing"
-
     def apply_event(self, event: Event) -> None:
         if isinstance(event, RequestDone):
             self.done = event
 
     def watch_done(self, done: RequestDone | None) -> None:
-        self.border_subtitle = "cancelled" if done is not None and done.cancelled else ""
+        self.caption("cancelled" if done is not None and done.cancelled else "")
 
     def render(self) -> Table | Text:
         d = self.done

@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.reactive import reactive
 
 from app.widgets.base import EventView
-from app.widgets.fmt import fmt_bytes, region_color
+from app.widgets.fmt import flow, fmt_bytes, region_color
 from engine.events import Event, LedgerChanged
 
 BLOCK = "█"
@@ -32,20 +32,20 @@ def bar_cells(parts: list[tuple[str, int]], capacity: int, width: int) -> list[t
 class VramBar(EventView):
     """Stacked bar of `LedgerChanged.regions` + free (+ unaccounted on CUDA), and a legend."""
 
+    TITLE = "VRAM"
+
     DEFAULT_CSS = """
     VramBar {
         height: auto;
-        min-height: 3;
-        border: round $primary 50%;
+        min-height: 2;
+        border: none;
+        border-top: solid $primary 40%;
         border-title-color: $text-primary;
         padding: 0 1;
     }
     """
 
     ledger: reactive[LedgerChanged | None] = reactive(None, layout=True)
-
-    def on_mount(self) -> None:
-        self.border_title = "VRAM"
 
     def apply_event(self, event: Event) -> None:
         if isinstance(event, LedgerChanged):
@@ -54,29 +54,32 @@ class VramBar(EventView):
     def watch_ledger(self, ledger: LedgerChanged | None) -> None:
         if ledger is not None:
             used = ledger.capacity_bytes - ledger.free_bytes
-            self.border_subtitle = f"{fmt_bytes(used)} / {fmt_bytes(ledger.capacity_bytes)}"
+            self.caption(f"{fmt_bytes(used)} / {fmt_bytes(ledger.capacity_bytes)}")
 
-    def parts(self) -> list[tuple[str, int]]:
+    def parts(self) -> list[tuple[str, int, int]]:
+        """(name, bytes asked for, bytes mapped) per region, then unaccounted and free."""
         ledger = self.ledger
         assert ledger is not None
-        parts = [(r.name, r.used_bytes) for r in ledger.regions]
+        parts = [(r.name, r.used_bytes, r.mapped_bytes) for r in ledger.regions]
         if ledger.unaccounted_bytes:
-            parts.append(("unaccounted", ledger.unaccounted_bytes))
-        parts.append(("free", ledger.free_bytes))
+            parts.append(("unaccounted", ledger.unaccounted_bytes, ledger.unaccounted_bytes))
+        parts.append(("free", ledger.free_bytes, ledger.free_bytes))
         return parts
 
     def render(self) -> Text:
         if self.ledger is None:
             return Text("waiting for the memory ledger…", style="dim")
         parts = self.parts()
-        width = max(1, self.content_region.width or self.size.width)
+        width = self.content_width()
         text = Text()
-        for name, n in bar_cells(parts, self.ledger.capacity_bytes, width):
+        # the bar is drawn by mapped bytes (whole segments), so it adds up to the capacity
+        mapped = [(name, n_mapped) for name, _, n_mapped in parts]
+        for name, n in bar_cells(mapped, self.ledger.capacity_bytes, width):
             text.append(BLOCK * n, style=region_color(name))
         text.append("\n")
         legend = []
-        for name, n in parts:
+        for name, n, _ in parts:
             if n > 0:
-                legend.append(Text.assemble(("■ ", region_color(name)), f"{name} {fmt_bytes(n)}"))
-        text.append(Text("  ").join(legend))
+                legend.append(Text.assemble(("■", region_color(name)), f" {name} {fmt_bytes(n)}"))
+        text.append_text(flow(legend, width))
         return text

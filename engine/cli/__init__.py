@@ -7,7 +7,10 @@ import sys
 
 from engine.errors import StrataError
 
-COMMANDS = ("run", "logits", "info", "make_model", "plan", "profile", "bench", "bench_spec")
+COMMANDS = tuple(
+    f"engine.cli.{name}"
+    for name in ("run", "logits", "info", "make_model", "plan", "profile", "bench", "bench_spec")
+)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -18,19 +21,21 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """The parser of every sub-command module in COMMANDS plus `extra` (the app adds its own:
+    the engine never imports the app)."""
     from importlib import import_module
 
     parser = OneLineParser(prog="strata", description=__doc__)
     sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
-    for name in COMMANDS:
-        import_module(f"engine.cli.{name}").add_parser(sub)
+    for module in COMMANDS + extra:
+        import_module(module).add_parser(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extra: tuple[str, ...] = ()) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    parser = build_parser(extra)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -1,0 +1,272 @@
+"""Pilot tests of the app's flows, on the real engine with the `tiny` preset."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+
+import pytest
+from textual.events import Paste
+from textual.notifications import Notify
+from textual.widgets import Markdown, Switch
+
+from app.app import StrataApp
+from app.scenes import sample_paste, wait_ready, wait_until
+from app.store import Store
+from app.widgets.chat_log import MessageView, printable
+from app.widgets.chunk_plan import ChunkPlan
+from app.widgets.flags_panel import FlagsPanel
+from app.widgets.prompt_input import Composer, PromptInput
+from app.widgets.timing_panel import TimingPanel
+from app.cli.chat import ChatConfig
+from engine.config import EngineOptions, LoanFlags
+from engine.conversation import Conversation
+from engine.serve import ServeLoop
+
+MAX_NEW = 8
+SIZE = (120, 40)
+
+
+def async_test(fn):
+    """Run an async test body with asyncio.run (no pytest async plugin needed)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return wrapper
+
+
+def make_app(tmp_path: Path, flags: LoanFlags | None = None, **options: object) -> StrataApp:
+    config = ChatConfig(
+        EngineOptions(model="tiny", **options), flags or LoanFlags(), max_new=MAX_NEW
+    )
+    store = Store.open(tmp_path / "conversations.sqlite3")
+    return StrataApp(config, store=store, export_dir=tmp_path / "exports")
+
+
+def reference_reply(prompts: list[str], **options: object) -> str:
+    """What a separate engine answers to the last prompt after the earlier ones."""
+    loop = ServeLoop.create(EngineOptions(model="tiny", **options))
+    conv = Conversation()
+    reply = ""
+    for prompt in prompts:
+        reply = loop.chat(conv, prompt, max_new=MAX_NEW).text
+    return reply
+
+
+async def send(pilot, text: str) -> None:
+    app = pilot.app
+    n = len(app.conv.messages)
+    await pilot.press(*text)
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: not app.running and len(app.conv.messages) == n + 2)
+
+
+@async_test
+async def test_send_streams_the_engine_answer_and_saves_it(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await send(pilot, "hello")
+        expected = reference_reply(["hello"])
+        assert [m.role for m in app.conv.messages] == ["user", "assistant"]
+        assert app.conv.messages[1].content == expected
+        answer = app.query(MessageView).last()
+        assert answer.role == "assistant"
+        assert answer.query_one(Markdown).source == printable(expected)
+        assert app.query_one(PromptInput).text == ""
+        done = app.query_one(TimingPanel).done
+        assert done is not None and not done.cancelled and done.generated >= 1
+        assert app.query_one(ChunkPlan).plan is not None
+        saved = app.store.load(app.conv.id)
+        assert saved is not None
+        assert [m.content for m in saved.messages] == ["hello", expected]
+
+
+@async_test
+async def test_ctrl_j_inserts_a_newline_and_enter_sends(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await pilot.press("a", "ctrl+j", "b")
+        assert app.query_one(PromptInput).text == "a\nb"
+        assert not app.running
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(app.conv.messages) == 2 and not app.running)
+        assert app.conv.messages[0].content == "a\nb"
+
+
+@async_test
+async def test_long_paste_collapses_into_a_chip_and_expands_when_sent(tmp_path: Path) -> None:
+    flags = LoanFlags(elastic_loan=True, repeat_loan=True)
+    app = make_app(tmp_path, flags, serve=True, vram_elastic=True)
+    small, big = sample_paste(11), sample_paste(30)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        loop = app.link.loop
+        threshold = loop.flags.repeat_min_tokens
+        n_small, n_big = loop.count_tokens(small), loop.count_tokens(big)
+        assert n_small < threshold <= n_big, "the sample texts must straddle the threshold"
+        prompt = app.query_one(PromptInput)
+        await pilot.press(*"see: ")
+        app.post_message(Paste(small))
+        await pilot.pause()
+        app.post_message(Paste(" and "))  # short: typed into the text as it is
+        await pilot.pause()
+        app.post_message(Paste(big))
+        await pilot.pause()
+        composer = app.query_one(Composer)
+        first, second = composer.pastes
+        assert (first.n_lines, first.n_tokens) == (11, n_small)
+        assert (second.n_lines, second.n_tokens) == (30, n_big)
+        assert prompt.text == f"see: {first.marker} and {second.marker}"
+        chips = str(composer.query_one("#chips").render())
+        assert f"11 lines · {n_small:,} tokens · < {threshold:,}: no repeat loan" in chips
+        assert f"30 lines · {n_big:,} tokens · ≥ {threshold:,}: repeat loan" in chips
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(app.conv.messages) == 2 and not app.running)
+        assert app.conv.messages[0].content == f"see: {small} and {big}"
+        assert composer.pastes == ()
+
+
+@async_test
+async def test_deleting_a_marker_drops_its_chip(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        app.post_message(Paste(sample_paste(12)))
+        await pilot.pause()
+        composer = app.query_one(Composer)
+        assert len(composer.pastes) == 1
+        composer.input.clear()
+        await pilot.pause()
+        assert composer.pastes == ()
+        assert not composer.query_one("#chips").display
+
+
+@async_test
+async def test_escape_cancels_a_long_prefill_and_puts_the_prompt_back(tmp_path: Path) -> None:
+    app = make_app(tmp_path, prefill=16)
+    text = sample_paste(200)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        composer = app.query_one(Composer)
+        app.post_message(Paste(text))
+        await wait_until(pilot, lambda: bool(composer.pastes))
+        marker = composer.pastes[0].marker
+        await pilot.press("enter")
+        plan = app.query_one(ChunkPlan)
+        await wait_until(pilot, lambda: plan.progress is not None and plan.progress.chunk >= 2)
+        n_chunks = plan.plan.n_chunks
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not app.running)
+        assert plan.progress.chunk < n_chunks, "the prefill finished before the cancel"
+        assert app.conv.messages == []
+        assert not app.query(MessageView)
+        assert composer.input.text == marker
+        assert [p.text for p in composer.pastes] == [text]
+        done = app.query_one(TimingPanel).done
+        assert done is not None and done.cancelled
+        assert app.store.list() == []
+        # the engine rolled back: the next message is answered as by a fresh engine
+        composer.clear()
+        await pilot.pause()
+        await send(pilot, "hi")
+        assert app.conv.messages[1].content == reference_reply(["hi"], prefill=16)
+
+
+async def toggle_first_switch(pilot) -> Switch:
+    await pilot.press("f3")  # focus the first loan switch (ELASTIC_LOAN)
+    switch = pilot.app.focused
+    assert isinstance(switch, Switch) and switch.id == "elastic_loan"
+    await pilot.press("space")
+    await pilot.pause(0.1)
+    return switch
+
+
+@async_test
+async def test_accepted_flag_applies_from_the_next_message(tmp_path: Path) -> None:
+    app = make_app(tmp_path, serve=True, vram_elastic=True)
+    notes: list[Notify] = []
+    async with app.run_test(size=SIZE, message_hook=lambda m: notes.append(m)) as pilot:
+        await wait_ready(pilot)
+        switch = await toggle_first_switch(pilot)
+        await wait_until(pilot, lambda: app.link.loop.flags.elastic_loan)
+        panel = app.query_one(FlagsPanel)
+        assert switch.value is True
+        assert panel.flags.elastic_loan
+        assert "applies from the next message" in str(panel.query_one("#flags-status").render())
+        titles = [n.notification.title for n in notes if isinstance(n, Notify)]
+        assert "Flags accepted" in titles
+
+
+@async_test
+async def test_refused_flag_shows_the_reasons_and_resets_the_switch(tmp_path: Path) -> None:
+    app = make_app(tmp_path)  # no --serve, no --vram-elastic: the master switch is refused
+    notes: list[Notify] = []
+    async with app.run_test(size=SIZE, message_hook=lambda m: notes.append(m)) as pilot:
+        await wait_ready(pilot)
+        switch = await toggle_first_switch(pilot)
+        panel = app.query_one(FlagsPanel)
+        status = panel.query_one("#flags-status")
+        await wait_until(pilot, lambda: "refused" in str(status.render()))
+        await pilot.pause(0.1)
+        assert switch.value is False
+        assert not app.link.loop.flags.elastic_loan
+        violations = app.link.loop.set_flags(LoanFlags(elastic_loan=True), app.link.loop.options)
+        assert violations, "the engine accepts what the app showed as refused"
+        shown = str(status.render())
+        toasts = [n.notification for n in notes if isinstance(n, Notify)]
+        refused = [t for t in toasts if t.title == "Flags refused"]
+        assert refused
+        for v in violations:
+            assert v in shown.replace("\n", " ") or v in shown
+            assert v in refused[-1].message
+
+
+@async_test
+async def test_reopen_restores_the_last_conversation_and_the_list_switches(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await send(pilot, "first")
+        first = app.conv.id
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        await send(pilot, "second")
+        second = app.conv.id
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        exported = tmp_path / "exports" / f"conversation-{second}.md"
+        assert exported.read_text() == app.conv.to_markdown()
+    assert first != second
+    again = make_app(tmp_path)
+    async with again.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        assert again.conv.id == second
+        views = again.query(MessageView)
+        assert views.first().content == "second"
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        await pilot.press("down", "enter")  # the list is newest first: the second item is `first`
+        await wait_until(pilot, lambda: again.conv.id == first)
+        assert again.query(MessageView).first().content == "first"
+
+
+@pytest.mark.parametrize("width, shown", [(120, True), (80, False)])
+@async_test
+async def test_dashboard_collapses_on_small_terminals(
+    tmp_path: Path, width: int, shown: bool
+) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(width, 24)) as pilot:
+        await wait_ready(pilot)
+        dashboard = app.query_one("Dashboard")
+        assert dashboard.display is shown
+        await pilot.press("f2")
+        await pilot.pause()
+        assert dashboard.display is not shown
+        if width == 80:  # narrow: the dashboard takes the screen, the chat steps aside
+            assert not app.query_one("#chat-pane").display

@@ -1,0 +1,229 @@
+"""Dashboard widgets fed with the engine's real event dataclasses (unit tests of the widgets).
+
+LedgerChanged, CacheChanged and LoanStep are also drawn from real engine runs in
+test_app_flows.py; here each widget is checked against events whose numbers we choose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+from textual.app import App, ComposeResult
+from textual.widget import Widget
+from textual.widgets import ProgressBar
+
+from app.engine_link import EngineLink, coalesce
+from app.widgets.chunk_plan import ChunkPlan
+from app.widgets.event_log import EventLog
+from app.widgets.fmt import flow, fmt_bytes
+from app.widgets.loan_timeline import LoanTimeline
+from app.widgets.segment_map import SegmentMap
+from app.widgets.slot_map import SlotMap
+from app.widgets.timing_panel import TimingPanel
+from app.widgets.vram_bar import BLOCK, VramBar, bar_cells
+from engine.events import (
+    CacheChanged,
+    Event,
+    FlagsRefused,
+    LedgerChanged,
+    LoanStep,
+    PlanChosen,
+    PrefillProgress,
+    RegionInfo,
+    RequestDone,
+    Token,
+    TraceLine,
+)
+
+MIB = 1 << 20
+
+
+class Host(App[None]):
+    def __init__(self, widget: Widget) -> None:
+        super().__init__()
+        self.widget = widget
+
+    def compose(self) -> ComposeResult:
+        yield self.widget
+
+
+def feed(widget: Widget, *events: Event, size: tuple[int, int] = (60, 20)) -> str:
+    """Mount `widget`, post the events as one batch, return its rendered text."""
+
+    async def run() -> str:
+        app = Host(widget)
+        async with app.run_test(size=size) as pilot:
+            widget.post_message(EngineLink.Events(tuple(events)))
+            await pilot.pause()
+            await pilot.pause()
+            return plain(widget.render(), size[0])
+
+    return asyncio.run(run())
+
+
+def plain(renderable: object, width: int) -> str:
+    """The text a Rich renderable shows (Text or Table), without styles."""
+    from rich.console import Console
+
+    console = Console(width=width, record=True, color_system=None, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text().rstrip("\n")
+
+
+def ledger(unaccounted: int | None = None) -> LedgerChanged:
+    regions = (
+        RegionInfo("weights.dense", 5 * MIB, 3, 6 * MIB),
+        RegionInfo("kv", 8 * MIB, 4, 8 * MIB),
+        RegionInfo("experts.cache", 40 * MIB, 20, 40 * MIB),
+    )
+    return LedgerChanged(
+        capacity_bytes=64 * MIB,
+        segment_bytes=2 * MIB,
+        regions=regions,
+        free_bytes=10 * MIB,
+        segment_map=("weights.dense",) * 3 + ("kv",) * 4 + ("experts.cache",) * 20 + ("",) * 5,
+        unaccounted_bytes=unaccounted,
+    )
+
+
+def test_bar_cells_fill_the_width_in_proportion() -> None:
+    cells = bar_cells([("a", 30), ("b", 60), ("c", 1), ("free", 9)], 100, 50)
+    assert sum(n for _, n in cells) == 50
+    by_name = dict(cells)
+    assert by_name["c"] == 1  # tiny regions stay visible
+    assert by_name["b"] in (29, 30) and by_name["a"] in (14, 15)
+    assert bar_cells([("a", 0)], 100, 10) == []
+
+
+def test_vram_bar_draws_every_region_and_free() -> None:
+    bar = VramBar()
+    text = feed(bar, ledger())
+    for name, n in (("weights.dense", 5), ("kv", 8), ("experts.cache", 40), ("free", 10)):
+        assert f"{name} {fmt_bytes(n * MIB)}" in text
+    assert "unaccounted" not in text
+    first_line = text.splitlines()[0]
+    assert first_line == BLOCK * 58  # the 60-cell host minus the padding
+    assert bar.border_title == f"VRAM · {fmt_bytes(54 * MIB)} / {fmt_bytes(64 * MIB)}"
+
+
+def test_vram_bar_shows_unaccounted_bytes_on_cuda() -> None:
+    assert f"unaccounted {fmt_bytes(3 * MIB)}" in feed(VramBar(), ledger(unaccounted=3 * MIB))
+
+
+def test_segment_map_one_cell_per_segment() -> None:
+    widget = SegmentMap()
+    text = feed(widget, ledger())
+    cells = "".join(text.split("\n")[:-1]) if text.count("\n") > 1 else text.split("\n")[0]
+    assert cells.count("■") == 27 and cells.count("·") == 5
+    assert "experts.cache 20" in text and "kv 4" in text and "weights.dense 3" in text
+    assert widget.border_title == f"Segments · 32 × {fmt_bytes(2 * MIB)}, 5 free"
+
+
+def test_slot_map_counts_states_and_names_the_lent_range() -> None:
+    states = bytes([1] * 10 + [2] * 4 + [3] * 2 + [0] * 4)
+    widget = SlotMap()
+    text = feed(widget, CacheChanged(states=states, lent_range=(10, 13), n_lent=4))
+    assert "resident 10" in text and "lent 4" in text and "refilling 2" in text
+    assert "empty 4" in text
+    assert widget.border_title == "Expert cache · 4 lent [10..13]"
+
+
+def test_loan_timeline_orders_phases_with_their_durations() -> None:
+    widget = LoanTimeline()
+    t0 = 100.0
+    events = (
+        LoanStep("release", "verifier, head", n_bytes=12 * MIB, ms=4.0, t=t0),
+        LoanStep("plan", "512 / 16", ms=0.5, t=t0 + 0.01),
+        PlanChosen(512, 16, True, 3, 1400, t=t0 + 0.02),
+        PrefillProgress(1, 3, 512, 1400, 80.0, t=t0 + 0.1),
+        LoanStep("refill", "16 slots", n_bytes=32 * MIB, ms=9.0, t=t0 + 0.4),
+        LoanStep("restore", "verifier, head", ms=3.0, t=t0 + 0.41),
+        RequestDone(1400, 0, 1400, 250.0, 4, 20.0, 255.0, 0, 0, 0, t=t0 + 0.5),
+    )
+    text = feed(widget, *events, size=(100, 20))
+    steps = [line.split()[0] for line in text.splitlines()]
+    assert steps == ["release", "plan", "prefill", "refill", "restore"]
+    assert "250 ms" in text and "9.0 ms" in text and fmt_bytes(12 * MIB) in text
+    assert widget.border_title == "Loan timeline · loan on"
+    # the next request starts a new timeline
+    widget2 = LoanTimeline()
+    text2 = feed(widget2, *events, PlanChosen(256, 8, False, 1, 20, t=t0 + 1))
+    assert [line.split()[0] for line in text2.splitlines()] == ["prefill"]
+
+
+def test_chunk_plan_shows_the_plan_and_moves_the_bar() -> None:
+    widget = ChunkPlan()
+
+    async def run() -> None:
+        app = Host(widget)
+        async with app.run_test(size=(80, 20)) as pilot:
+            widget.post_message(
+                EngineLink.Events(
+                    (
+                        PlanChosen(2304, 227, True, 4, 9000, reasons=("lends 40 slots",)),
+                        PrefillProgress(2, 4, 4608, 9000, 310.0),
+                    )
+                )
+            )
+            await pilot.pause()
+            text = str(widget.query_one("#plan-text").render())
+            assert "2,304 / 227" in text and "loan on" in text
+            assert "chunk 2 of 4" in text and "4,608 of 9,000 tokens" in text
+            assert "lends 40 slots" in text
+            bar = widget.query_one(ProgressBar)
+            assert (bar.total, bar.progress) == (9000, 4608)
+
+    asyncio.run(run())
+
+
+def test_timing_panel_rates() -> None:
+    done = RequestDone(2000, 500, 1500, 1000.0, 40, 2000.0, 1100.0, 30, 21, 5 * MIB)
+    text = feed(TimingPanel(), done, size=(100, 20))
+    assert "1,500.0 tok/s" in text and "20.0 tok/s" in text  # PP and TG
+    assert "21 of 30 (70%)" in text and fmt_bytes(5 * MIB) in text
+    assert "2,000 = 500 reused + 1,500" in text
+
+
+def test_event_log_writes_trace_lines_and_refusals() -> None:
+    log = EventLog()
+
+    async def run() -> list[str]:
+        app = Host(log)
+        async with app.run_test(size=(100, 20)) as pilot:
+            log.post_message(
+                EngineLink.Events(
+                    (
+                        TraceLine("strata serve: prompt plan 512 / 8"),
+                        Token("ignored"),
+                        FlagsRefused(("needs --serve",)),
+                    )
+                )
+            )
+            await pilot.pause()
+            return [line.text for line in log.lines]
+
+    lines = asyncio.run(run())
+    assert lines == ["strata serve: prompt plan 512 / 8", "flags refused: needs --serve"]
+
+
+def test_coalesce_keeps_the_newest_snapshot_and_merges_tokens() -> None:
+    events = [
+        PrefillProgress(1, 3, 10, 30, 1.0),
+        Token("a"),
+        Token("b"),
+        TraceLine("x"),
+        PrefillProgress(2, 3, 20, 30, 1.0),
+        Token("c"),
+    ]
+    out = coalesce(events)
+    assert [type(e).__name__ for e in out] == ["Token", "TraceLine", "PrefillProgress", "Token"]
+    assert out[0].text == "ab" and out[2].chunk == 2 and out[3].text == "c"
+
+
+def test_flow_never_splits_an_item() -> None:
+    from rich.text import Text
+
+    items = [Text("alpha 1"), Text("beta 22"), Text("gamma 333")]
+    lines = flow(items, 16).plain.split("\n")
+    assert lines == ["alpha 1  beta 22", "gamma 333"]
