@@ -114,11 +114,16 @@ async def refused_flag(pilot: Pilot) -> None:
 
 
 async def paste_loan(pilot: Pilot) -> None:
-    """Send a long paste with the loan flags on; stop while the prefill runs."""
+    """A short first message (it takes the startup loan), then a long paste: the repeat loan
+    releases the decode-only regions; stop while its prefill runs."""
     await wait_ready(pilot)
     app = pilot.app
     assert isinstance(app, StrataApp)
     composer = app.query_one(Composer)
+    await pilot.press(*"hello")
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: app.link.loop is not None and not app.link.loop.busy
+                     and len(app.conv.messages) >= 2)
     app.post_message(_paste(sample_paste(400)))
     await wait_until(pilot, lambda: bool(composer.pastes))
     await pilot.press("enter")
@@ -141,14 +146,15 @@ def _prefill_chunk(app: StrataApp) -> int:
     return progress.chunk if progress is not None else 0
 
 
-LOAN_FLAGS = LoanFlags(elastic_loan=True, retain_startup_chunk=True, repeat_loan=True)
+LOAN_FLAGS = LoanFlags(elastic_loan=True, mtp_loan=True, head_loan=True,
+                       retain_startup_chunk=True, repeat_loan=True)
 
 SCENES = {
     "idle": Scene("idle", idle, lambda model: EngineOptions(model=model)),
     "paste-loan": Scene(
         "paste-loan",
         paste_loan,
-        lambda model: EngineOptions(model=model, serve=True, vram_elastic=True, prefill=256),
+        lambda model: EngineOptions(model=model, serve=True, vram_elastic=True, mtp=True, spec=2),
         LOAN_FLAGS,
     ),
     "refused-flag": Scene("refused-flag", refused_flag, lambda model: EngineOptions(model=model)),
