@@ -42,6 +42,7 @@ class SynthSpec:
     rope_base: float = 1_000_000.0
     rms_eps: float = 1e-6
     tied_output: bool = False
+    readable_head: bool = True  # see head_row_scale
     seed: int = 0
     qtypes: dict[str, str] = field(
         default_factory=lambda: {
@@ -151,7 +152,27 @@ def make_tensor(name: str, shape: tuple[int, ...], qtype: Q, spec: SynthSpec) ->
     if name.endswith("norm.weight"):
         x = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         return x if qtype == Q.F32 else gq.quantize(x, qtype)
+    if name == names.OUTPUT and spec.readable_head and qtype in QUANTIZABLE:
+        x = rng.standard_normal(shape, dtype=np.float32) * np.float32(_std(name, spec))
+        x *= head_row_scale(spec)[:, None]  # [V, d]
+        return x if qtype == Q.F32 else gq.quantize(x, qtype)
     return random_tensor(rng, qtype, shape, _std(name, spec))
+
+
+# Types gguf.quants can quantize from floats (the others get random blocks).
+QUANTIZABLE = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1})
+
+
+def head_row_scale(spec: SynthSpec) -> np.ndarray:
+    """Output-head row norms that make random output read as words: rows of space-led
+    words and punctuation keep their norm, the rest (word pieces, bytes, specials) shrink,
+    so the argmax of random logits lands on a whole word with a space before it."""
+    spec_vocab = build_vocab(spec.n_vocab, seed=spec.seed)
+    scale = np.full(spec.n_vocab, 0.35, dtype=np.float32)  # [V]
+    for i, t in enumerate(spec_vocab.tokens):
+        if (t.startswith("\u0120") and t[1:].isalpha()) or t in (".", ",", "\u010a"):
+            scale[i] = 1.0
+    return scale
 
 
 def write_model(

@@ -1,0 +1,267 @@
+"""A CUDA device behind the `Backend` protocol: CuPy arrays, VMM segments, counted copies.
+
+Budget. `limit_bytes` (`--vram-limit`) or, without one, the free memory at start minus a safety
+margin is the process's budget B. Of B, `workspace_bytes` is kept for CuPy's memory pool (model
+temporaries, cuBLAS workspace, kernel scratch); the rest is `capacity_bytes`, what the planner
+and the ledger divide into regions. Enforced: mapped segments + `alloc` buffers never exceed
+`capacity_bytes`, and those plus the pool never exceed B (the pool's limit follows every map and
+unmap). Passing either raises `DeviceError` with one line. The CUDA context, cuBLAS handles and
+module code are outside B; NVML shows them as this process's `unaccounted` bytes.
+
+Copies. `upload` takes host numpy arrays. Pages that `pin` registered (or `host_buffer`
+allocated) are copied straight by DMA; pageable arrays go through a reusable pinned staging
+buffer in two halves, so the host-side copy of one half overlaps the DMA of the other. Copies
+run on a dedicated copy stream; events order them after the compute already queued on the
+current stream (which may still read `out`) and before any compute queued after the upload.
+`upload_async` returns the copy's event without making compute wait, for prefetching into a
+buffer nothing reads yet; `wait(event)` joins it later.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import cupy
+import numpy as np
+
+from engine.backend.base import CopyStats, MemInfo
+from engine.backend.vmm import PlainAddressSpace, VmmAddressSpace, vmm_granularity, vmm_supported
+from engine.errors import DeviceError
+from engine.memory.sizes import MiB, format_mib
+
+_H2D = 1  # cudaMemcpyHostToDevice
+_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
+DEFAULT_MARGIN_BYTES = 512 * MiB
+DEFAULT_STAGING_BYTES = 64 * MiB
+_PARALLEL_COPY_BYTES = 4 * MiB  # host copies larger than this are split over threads
+
+
+class CudaBackend:
+    """One GPU as a `Backend` (see the module docstring)."""
+
+    def __init__(
+        self,
+        device: int = 0,
+        limit_bytes: int | None = None,
+        *,
+        segment_granularity: int = 2 * MiB,
+        workspace_bytes: int | None = None,
+        margin_bytes: int = DEFAULT_MARGIN_BYTES,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        elastic: bool = True,
+    ):
+        n_devices = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= device < n_devices:
+            raise DeviceError(f"--device cuda:{device}: there are {n_devices} CUDA devices")
+        self.device = device
+        self.name = f"cuda:{device}"
+        self.xp = cupy
+        self.stats = CopyStats()
+        self._dev = cupy.cuda.Device(device)
+        self._dev.use()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        self.device_total_bytes = int(total)
+        budget = int(free) - margin_bytes
+        if limit_bytes is not None:
+            budget = min(budget, limit_bytes)
+        if budget <= 0:
+            raise DeviceError(f"{self.name}: {format_mib(free)} MiB free, nothing left to plan")
+        self.budget_bytes = budget
+        ws = min(1024 * MiB, budget // 8) if workspace_bytes is None else workspace_bytes
+        self.workspace_bytes = ws
+        self.elastic = elastic and vmm_supported(device)
+        granularity = vmm_granularity(device) if self.elastic else 2 * MiB
+        if segment_granularity % granularity:
+            raise DeviceError(
+                f"segment granularity {segment_granularity} B is not a multiple of the "
+                f"device's mapping granularity {granularity} B"
+            )
+        self.granularity_bytes = segment_granularity
+        self.capacity_bytes = (budget - ws) // segment_granularity * segment_granularity
+        self._mapped_bytes = 0
+        self._buffers: dict[int, Any] = {}  # id -> live alloc() buffer
+        self._buffer_bytes = 0
+        self._pool = cupy.get_default_memory_pool()
+        self._update_pool_limit()
+        self._copy_stream = cupy.cuda.Stream(non_blocking=True)
+        half = max(staging_bytes // 2, 1 * MiB)
+        self._staging = [cupy.cuda.alloc_pinned_memory(half) for _ in range(2)]
+        self._staging_views = [np.frombuffer(m, dtype=np.uint8, count=half) for m in self._staging]
+        self._staging_free = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
+        for ev in self._staging_free:
+            ev.record(self._copy_stream)
+        self._pinned: dict[int, tuple[int, Any]] = {}  # host ptr -> (n_bytes, owner or None)
+        self._copy_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
+        self._telemetry: Any = None
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held through the ledger: mapped segments plus `alloc` buffers."""
+        return self._mapped_bytes + self._buffer_bytes
+
+    def _update_pool_limit(self) -> None:
+        self._pool.set_limit(size=max(0, self.budget_bytes - self.used_bytes))
+
+    def _charge(self, n_bytes: int) -> None:
+        free = self.capacity_bytes - self.used_bytes
+        if n_bytes > free:
+            raise DeviceError(
+                f"{self.name}: out of planned VRAM: asked {format_mib(n_bytes)} MiB, "
+                f"{format_mib(free)} MiB left of {format_mib(self.capacity_bytes)} MiB "
+                f"(--vram-limit / free memory)"
+            )
+        if self.used_bytes + self._pool.total_bytes() + n_bytes > self.budget_bytes:
+            self._pool.free_all_blocks()  # cached temporaries give way to planned memory
+        pool = self._pool.total_bytes()
+        if self.used_bytes + pool + n_bytes > self.budget_bytes:
+            raise DeviceError(
+                f"{self.name}: {format_mib(pool)} MiB of temporaries leave no room for "
+                f"{format_mib(n_bytes)} MiB within the {format_mib(self.budget_bytes)} MiB budget"
+            )
+        self._mapped_bytes += n_bytes
+        self._update_pool_limit()
+
+    def _uncharge(self, n_bytes: int) -> None:
+        self._mapped_bytes -= n_bytes
+        assert self._mapped_bytes >= 0, self._mapped_bytes
+        self._update_pool_limit()
+
+    def alloc(self, n_bytes: int) -> Any:
+        """A standalone uint8 buffer [n_bytes] (cudaMalloc), charged to the capacity."""
+        self._charge(n_bytes)
+        self._mapped_bytes -= n_bytes  # _charge books mapped bytes; this is a buffer
+        self._buffer_bytes += n_bytes
+        try:
+            mem = cupy.cuda.Memory(n_bytes)
+        except cupy.cuda.memory.OutOfMemoryError as e:
+            self._buffer_bytes -= n_bytes
+            self._update_pool_limit()
+            raise DeviceError(f"{self.name}: cudaMalloc of {format_mib(n_bytes)} MiB: {e}") from None
+        buf = cupy.ndarray((n_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        self._buffers[id(buf)] = buf
+        return buf
+
+    def free(self, buf: Any) -> None:
+        """Free a buffer from `alloc` (the memory goes when the last view of it is dropped)."""
+        assert id(buf) in self._buffers, "free() of a buffer this backend did not alloc()"
+        del self._buffers[id(buf)]
+        self._buffer_bytes -= buf.nbytes
+        self._update_pool_limit()
+
+    def reserve_address_space(self, n_bytes: int) -> VmmAddressSpace | PlainAddressSpace:
+        """Reserve device addresses (VMM), or the plain fallback where VMM is missing."""
+        cls = VmmAddressSpace if self.elastic else PlainAddressSpace
+        return cls(
+            self.device, n_bytes, self.granularity_bytes, self._charge, self._uncharge,
+            self.synchronize,
+        )
+
+    def mem_info(self) -> MemInfo:
+        """Budget, budget minus what the process holds through us, and NVML's process bytes."""
+        held = self.used_bytes + self._pool.total_bytes()
+        return MemInfo(self.budget_bytes, self.budget_bytes - held, self._process_bytes())
+
+    def device_mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the whole device (`cudaMemGetInfo`)."""
+        with self._dev:
+            free, total = cupy.cuda.runtime.memGetInfo()
+        return int(free), int(total)
+
+    def _process_bytes(self) -> int | None:
+        if self._telemetry is None:
+            from engine.telemetry import Telemetry
+
+            self._telemetry = Telemetry.open(self.device) or False
+        return self._telemetry.process_used_bytes() if self._telemetry else None
+
+    # -- copies ---------------------------------------------------------------------------------
+
+    def host_buffer(self, n_bytes: int) -> np.ndarray:
+        """A pinned host uint8 array [n_bytes]; uploads from it skip the staging copy."""
+        mem = cupy.cuda.alloc_pinned_memory(n_bytes)
+        arr = np.frombuffer(mem, dtype=np.uint8, count=n_bytes)
+        self._pinned[arr.ctypes.data] = (n_bytes, mem)
+        return arr
+
+    def pin(self, host: np.ndarray) -> None:
+        """Page-lock an existing host array (e.g. a memory-mapped GGUF) for direct DMA."""
+        assert host.flags.c_contiguous, "pin() needs a contiguous array"
+        flags = 0 if host.flags.writeable else _HOST_REGISTER_READ_ONLY
+        cupy.cuda.runtime.hostRegister(host.ctypes.data, host.nbytes, flags)
+        self._pinned[host.ctypes.data] = (host.nbytes, None)
+
+    def unpin(self, host: np.ndarray) -> None:
+        """Undo `pin`."""
+        n_bytes, owner = self._pinned.pop(host.ctypes.data)
+        assert owner is None, "unpin() of a host_buffer()"
+        cupy.cuda.runtime.hostUnregister(host.ctypes.data)
+
+    def _is_pinned(self, ptr: int, n_bytes: int) -> bool:
+        return any(p <= ptr and ptr + n_bytes <= p + n for p, (n, _) in self._pinned.items())
+
+    def upload_async(self, host: np.ndarray, out: Any, *, after_compute: bool = True) -> Any:
+        """Queue host -> `out` on the copy stream; returns the event that marks it done.
+
+        `after_compute`: order the copy after the compute already queued on the current
+        stream (it may still read `out`); pass False only for a buffer nothing reads now.
+        """
+        src = np.ascontiguousarray(host).reshape(-1).view(np.uint8)  # [n_bytes]
+        n = src.nbytes
+        assert n == out.nbytes, f"upload of {n} bytes into {out.nbytes}"
+        assert out.flags.c_contiguous, "upload into a non-contiguous device array"
+        stream = self._copy_stream
+        if after_compute:
+            stream.wait_event(cupy.cuda.get_current_stream().record())
+        dst = out.data.ptr
+        if self._is_pinned(src.ctypes.data, n):
+            cupy.cuda.runtime.memcpyAsync(dst, src.ctypes.data, n, _H2D, stream.ptr)
+        else:
+            half = self._staging_views[0].nbytes
+            for k, off in enumerate(range(0, n, half)):
+                m = min(half, n - off)
+                slot = k % 2
+                self._staging_free[slot].synchronize()  # its previous DMA has finished
+                self._host_copy(self._staging_views[slot][:m], src[off : off + m])
+                cupy.cuda.runtime.memcpyAsync(
+                    dst + off, self._staging_views[slot].ctypes.data, m, _H2D, stream.ptr
+                )
+                self._staging_free[slot].record(stream)
+        self.stats.count_h2d(n)
+        return stream.record()
+
+    def upload(self, host: np.ndarray, out: Any) -> None:
+        """Copy host bytes into `out` (same byte size); compute queued afterwards sees them."""
+        self.wait(self.upload_async(host, out))
+
+    def wait(self, event: Any) -> None:
+        """Make the current stream wait for `event` (no host synchronisation)."""
+        cupy.cuda.get_current_stream().wait_event(event)
+
+    def _host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        n = src.nbytes
+        n_parts = min(self._copy_pool._max_workers, max(1, n // _PARALLEL_COPY_BYTES))
+        if n_parts == 1:
+            np.copyto(dst, src)
+            return
+        step = -(-n // n_parts)
+        jobs = [
+            self._copy_pool.submit(np.copyto, dst[i : i + step], src[i : i + step])
+            for i in range(0, n, step)
+        ]
+        for job in jobs:
+            job.result()
+
+    def download(self, dev: Any) -> np.ndarray:
+        """A host copy of `dev` (waits for the work that writes it); counted as D2H."""
+        host = cupy.asnumpy(dev)
+        self.stats.count_d2h(host.nbytes)
+        return host
+
+    def synchronize(self) -> None:
+        """Wait for all queued kernels and copies."""
+        cupy.cuda.get_current_stream().synchronize()
+        self._copy_stream.synchronize()
