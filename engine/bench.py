@@ -28,7 +28,7 @@ LOAN_ON = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
 class Config:
     label: str
     options: EngineOptions
-    flags: LoanFlags = LoanFlags()
+    flags: LoanFlags = field(default_factory=LoanFlags)
     warmup_tokens: int = 0  # repeat scenario: a short first message before the measured one
 
 
@@ -166,12 +166,16 @@ class SoakResult:
 
     def markdown(self) -> str:
         return "\n".join([
-            "| Requests | Repeat loans | Max slots lent after a request | Ledger drift (bytes) "
-            "| RSS start / end / max (MiB) | Time (s) |",
+            (
+                "| Requests | Repeat loans | Max slots lent after a request | Ledger drift (bytes) "
+                "| RSS start / end / max (MiB) | Time (s) |"
+            ),
             "|---:|---:|---:|---:|---|---:|",
-            f"| {self.requests} | {self.loans} | {self.max_lent_after} | {self.ledger_drift_bytes} "
-            f"| {self.rss_start_mib:.0f} / {self.rss_end_mib:.0f} / {self.rss_max_mib:.0f} "
-            f"| {self.seconds:.0f} |",
+            (
+                f"| {self.requests} | {self.loans} | {self.max_lent_after} | "
+                f"{self.ledger_drift_bytes} | {self.rss_start_mib:.0f} / {self.rss_end_mib:.0f} / "
+                f"{self.rss_max_mib:.0f} | {self.seconds:.0f} |"
+            ),
         ])
 
 

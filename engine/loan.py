@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
 
 from engine.errors import StrataError
 from engine.events import LoanStep, TraceLine
@@ -78,7 +79,7 @@ class LoanTransaction:
         self.geometry: PromptGeometry | None = None
 
     # -- enter: release, plan, grow ------------------------------------------------------------
-    def __enter__(self) -> LoanTransaction:
+    def __enter__(self) -> Self:
         try:
             self._release()
             self.geometry = self._plan()
@@ -147,7 +148,9 @@ class LoanTransaction:
         rt.publish_cache()
 
     # -- exit: refill, shrink, restore --------------------------------------------------------
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is not None:
             self._undo(failed=True, cancelled=getattr(exc_type, "is_cancel", False))
             return

@@ -44,7 +44,7 @@ def test_quantized_kv_runs_close_to_f16(demo_path: Path, tmp_path: Path, kv: str
 
 def test_logits_shape(tiny_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "l.npy"
-    rc, text, _ = run(capsys, "logits", str(tiny_path), "--tokens", "5,17,300", "--out", str(out))
+    rc, _, _ = run(capsys, "logits", str(tiny_path), "--tokens", "5,17,300", "--out", str(out))
     assert rc == 0 and np.load(out).shape == (3, 1024) and np.load(out).dtype == np.float32
 
 
@@ -89,6 +89,6 @@ def test_tokens_file_errors(tiny_path: Path, tmp_path: Path, capsys: pytest.Capt
     rc, _, err = run(capsys, "run", "--model", str(tiny_path), "--tokens-file", str(f))
     assert rc == 2 and "token id 99999 is outside 0..1023" in err
     f.write_text(" ".join(["198"] * 300))
-    rc, out, err = run(capsys, "run", "--model", str(tiny_path), "--tokens-file", str(f),
+    rc, _, err = run(capsys, "run", "--model", str(tiny_path), "--tokens-file", str(f),
                        "--max-new", "1", "--prefill", "auto", "--no-token-graph")
     assert rc == 0 and "prompt 300 tokens" in err and "1 generated" in err

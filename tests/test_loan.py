@@ -15,7 +15,7 @@ from engine.events import EventBus, LoanStep, PrefillProgress
 from engine.loan import Faults, InjectedFault
 from engine.serve import ServeLoop
 
-OPTS = dict(serve=True, vram_elastic=True, mtp=True, spec=4, prefill="auto", ctx=4096)
+OPTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 4, "prefill": "auto", "ctx": 4096}
 FLAGS = LoanFlags.make(**{**LOAN_ON.as_kwargs(), "repeat_min_tokens": 256})
 
 

@@ -6,6 +6,7 @@ Every failure becomes a one-line `GGUFError` naming the file and what to do.
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,7 @@ def open_gguf(path: str | os.PathLike[str]) -> ModelFile:
         raise GGUFError(f"{path.name}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
         reader = GGUFReader(path, "r")
-    except Exception as exc:  # the library raises ValueError/IndexError/struct errors on bad bytes
+    except (ValueError, IndexError, KeyError, TypeError, OSError, struct.error) as exc:  # bad bytes
         raise GGUFError(
             f"{path.name}: cannot parse the GGUF header ({type(exc).__name__}: {exc}); "
             "the file is truncated or corrupt, download it again"
