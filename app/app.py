@@ -11,6 +11,7 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import Footer, Header
 
+from app.cli.chat import ChatConfig
 from app.commands import FlagCommands
 from app.engine_link import EngineLink
 from app.screens import ConversationsScreen, HelpScreen, LoadingScreen
@@ -21,7 +22,6 @@ from app.widgets.dashboard import Dashboard
 from app.widgets.event_log import EventLog
 from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer
-from app.cli.chat import ChatConfig
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.events import Event, Loading, PrefillProgress, Token

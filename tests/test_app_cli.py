@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from app.app import StrataApp
+from app.cli.chat import ChatConfig
+from app.cli.screenshot import screenshot
 from app.main import run_app
 from app.scenes import wait_until
 from app.store import Store
-from app.cli.chat import ChatConfig
-from app.cli.screenshot import screenshot
 from engine.config import EngineOptions, LoanFlags
 
 

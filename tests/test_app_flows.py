@@ -12,6 +12,7 @@ from textual.notifications import Notify
 from textual.widgets import Markdown, Switch
 
 from app.app import StrataApp
+from app.cli.chat import ChatConfig
 from app.scenes import sample_paste, wait_ready, wait_until
 from app.store import Store
 from app.widgets.chat_log import MessageView, printable
@@ -19,7 +20,6 @@ from app.widgets.chunk_plan import ChunkPlan
 from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer, PromptInput
 from app.widgets.timing_panel import TimingPanel
-from app.cli.chat import ChatConfig
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.serve import ServeLoop

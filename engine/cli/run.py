@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         stderr_line(f"strata: warning: {w}")
     loop = ServeLoop.create(options, flags, on_trace=stderr_line)
     n_vocab = loop.rt.model.hp.n_vocab
-    write = lambda text: (sys.stdout.write(text), sys.stdout.flush())  # noqa: E731
+    write = lambda text: (sys.stdout.write(text), sys.stdout.flush())
     if args.tokens_file:
         ids = read_tokens_file(args.tokens_file, n_vocab)
         if len(ids) + args.max_new > options.ctx:
