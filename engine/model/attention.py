@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.gguf.hparams import HParams
 from engine.kv import KVCache
-from engine.model.ops import rms_norm, rope_neox
+from engine.model.ops import linear, rms_norm, rope_neox
 
 QUERY_BLOCK = 512  # queries per score block: bounds the [H, Tq, S] score buffer
 
@@ -31,9 +31,9 @@ def attention_block(
     """x: [T, d] residual stream -> [T, d] attention output; writes this chunk's K/V at pos0."""
     t = x.shape[0]
     h = rms_norm(xp, x, w.norm, hp.rms_eps)  # [T, d]
-    q = (h @ w.wq.T).reshape(t, hp.n_head, hp.head_dim)  # [T, H, D]
-    k = (h @ w.wk.T).reshape(t, hp.n_head_kv, hp.head_dim)  # [T, Hkv, D]
-    v = (h @ w.wv.T).reshape(t, hp.n_head_kv, hp.head_dim)  # [T, Hkv, D]
+    q = linear(xp, h, w.wq).reshape(t, hp.n_head, hp.head_dim)  # [T, H, D]
+    k = linear(xp, h, w.wk).reshape(t, hp.n_head_kv, hp.head_dim)  # [T, Hkv, D]
+    v = linear(xp, h, w.wv).reshape(t, hp.n_head_kv, hp.head_dim)  # [T, Hkv, D]
     q = rms_norm(xp, q, w.q_norm, hp.rms_eps)
     k = rms_norm(xp, k, w.k_norm, hp.rms_eps)
     positions = xp.arange(pos0, pos0 + t)
@@ -42,7 +42,7 @@ def attention_block(
     kv.write(layer, pos0, k, v)
     k_all, v_all = kv.read(layer, pos0 + t)  # [S, Hkv, D] with S = pos0 + T
     out = causal_gqa(xp, q, k_all, v_all, pos0)  # [T, H, D]
-    return out.reshape(t, hp.q_dim) @ w.wo.T  # [T, d]
+    return linear(xp, out.reshape(t, hp.q_dim), w.wo)  # [T, d]
 
 
 def causal_gqa(xp: Any, q: Any, k: Any, v: Any, pos0: int) -> Any:

@@ -9,11 +9,16 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from engine.gguf.hparams import HParams
-from engine.model.ops import rms_norm, silu, softmax
+from engine.model.ops import linear, rms_norm, silu, softmax
 
 
 class ExpertProvider(Protocol):
-    """Supplies dequantized expert weights for one layer at a time."""
+    """Supplies dequantized expert weights for one layer at a time.
+
+    A provider may also define `ffn(layer, h, ids, w, used) -> [T, d]` to compute the whole
+    routed FFN itself (the CUDA provider runs grouped kernels there); otherwise `moe_block`
+    loops over the used experts with `weights`.
+    """
 
     def prepare(self, layer: int, experts: list[int]) -> None:
         """Called once per (chunk, layer) with the sorted experts the chunk routes to."""
@@ -28,7 +33,7 @@ def route(xp: Any, hp: HParams, router: Any, h: Any) -> tuple[Any, Any, Any]:
     `margin` is the probability gap between the k-th and (k+1)-th expert: how far the
     routing decision is from a tie (a perturbation larger than it can change the top-k).
     """
-    probs = softmax(xp, h @ router.T)  # [T, E]
+    probs = softmax(xp, linear(xp, h, router))  # [T, E]
     k = hp.n_expert_used
     order = xp.argsort(-probs, axis=-1, kind="stable")  # [T, E]
     ids = order[:, :k]  # [T, k]
@@ -48,11 +53,21 @@ def moe_block(
     ids, w, margin = route(xp, hp, router, h)
     used = sorted(int(e) for e in xp.unique(ids).tolist())
     experts.prepare(layer, used)
+    ffn = getattr(experts, "ffn", None)
+    if ffn is not None:
+        return ffn(layer, h, ids, w, used), ids, margin
+    return expert_loop(xp, experts, layer, h, ids, w, used), ids, margin
+
+
+def expert_loop(
+    xp: Any, experts: ExpertProvider, layer: int, h: Any, ids: Any, w: Any, used: list[int]
+) -> Any:
+    """The routed FFN one expert at a time: h [T, d], ids/w [T, k] -> [T, d]."""
     out = xp.zeros_like(h)
     for e in used:
         tok, slot = xp.nonzero(ids == e)  # each token routes to an expert at most once
         gate, up, down = experts.weights(layer, e)
         he = h[tok]  # [n_e, d]
-        act = silu(xp, he @ gate.T) * (he @ up.T)  # [n_e, f]
-        out[tok] += (act @ down.T) * w[tok, slot][:, None]  # [n_e, d]
-    return out, ids, margin
+        act = silu(xp, linear(xp, he, gate)) * linear(xp, he, up)  # [n_e, f]
+        out[tok] += linear(xp, act, down) * w[tok, slot][:, None]  # [n_e, d]
+    return out

@@ -5,6 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 
+def linear(xp: Any, x: Any, w: Any) -> Any:
+    """x [.., n_in] @ w[n_out, n_in]^T in the weight's dtype (fp16 on CUDA), float32 out."""
+    if x.dtype != w.dtype:
+        return (x.astype(w.dtype) @ w.T).astype(xp.float32)
+    return x @ w.T
+
+
 def rms_norm(xp: Any, x: Any, weight: Any, eps: float) -> Any:
     """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight."""
     ms = xp.mean(x * x, axis=-1, keepdims=True)

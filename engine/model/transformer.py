@@ -13,7 +13,7 @@ from engine.gguf.reader import ModelFile
 from engine.kv import KVCache
 from engine.model.attention import attention_block
 from engine.model.moe import ExpertProvider, moe_block
-from engine.model.ops import rms_norm
+from engine.model.ops import linear, rms_norm
 from engine.model.weights import BlockWeights, TokenEmbedding, load_block
 from engine.quant import dequantize
 
@@ -96,4 +96,4 @@ class Transformer:
     def logits(self, hidden: Any) -> Any:
         """hidden: [T, d] pre-norm -> [T, V] with the native output head."""
         assert self.head is not None, "output head is released (on loan); restore it first"
-        return rms_norm(self.xp, hidden, self.output_norm, self.hp.rms_eps) @ self.head.T
+        return linear(self.xp, rms_norm(self.xp, hidden, self.output_norm, self.hp.rms_eps), self.head)
