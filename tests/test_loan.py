@@ -88,7 +88,8 @@ def test_loan_chunk_is_larger(demo_path: Path) -> None:
 def test_fault_at_every_step_rolls_back(demo_path: Path, texts: list[str], kind: str) -> None:
     """Invariant 3: a fault at each step leaves the state as before the request, and the
     next request's output equals a clean run's."""
-    clean = converse(make(demo_path), texts[:2] if kind == "repeat" else texts[:1])
+    # the conversation the faulted request continues: [short, long] for a repeat loan
+    clean = converse(make(demo_path), [texts[1], texts[0]] if kind == "repeat" else texts[:1])
     probe = Faults()
     loop = make(demo_path, faults=probe)
     if kind == "repeat":
