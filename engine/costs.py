@@ -36,30 +36,30 @@ class Shapes:
         return cls(model.hp, model.experts.blob_bytes, mtp.blob_bytes if mtp is not None else 0)
 
 
-def block_dense_bytes(d: int, q: int, kv: int, head_dim: int, n_expert: int) -> int:
-    """One block's attention + norms + router, float32, padded per array."""
+def block_dense_bytes(d: int, q: int, kv: int, head_dim: int, n_expert: int, wb: int) -> int:
+    """One block's attention + norms + router, `wb` bytes per element, padded per array."""
     arrays = [d, q * d, kv * d, kv * d, d * q, head_dim, head_dim, d, n_expert * d]
-    return sum(padded(F32 * n) for n in arrays)
+    return sum(padded(wb * n) for n in arrays)
 
 
-def dense_bytes(model: Shapes, with_mtp: bool) -> int:
+def dense_bytes(model: Shapes, with_mtp: bool, wb: int = F32) -> int:
     """Main blocks, the final norm and (with MTP) the nextn block's dense weights."""
     hp = model.hp
-    one = block_dense_bytes(hp.n_embd, hp.q_dim, hp.kv_dim, hp.head_dim, hp.n_expert)
-    total = hp.n_layer * one + padded(F32 * hp.n_embd)
+    one = block_dense_bytes(hp.n_embd, hp.q_dim, hp.kv_dim, hp.head_dim, hp.n_expert, wb)
+    total = hp.n_layer * one + padded(wb * hp.n_embd)
     if with_mtp:
         d = hp.n_embd
-        total += one + padded(F32 * d * 2 * d) + 3 * padded(F32 * d)  # eh_proj, 3 norms
+        total += one + padded(wb * d * 2 * d) + 3 * padded(wb * d)  # eh_proj, 3 norms
     return total
 
 
-def head_bytes(model: Shapes) -> int:
-    return padded(F32 * model.hp.n_vocab * model.hp.n_embd)
+def head_bytes(model: Shapes, wb: int = F32) -> int:
+    return padded(wb * model.hp.n_vocab * model.hp.n_embd)
 
 
-def draft_head_bytes(model: Shapes, draft_vocab: int) -> int:
+def draft_head_bytes(model: Shapes, draft_vocab: int, wb: int = F32) -> int:
     n = draft_vocab or model.hp.n_vocab
-    return padded(F32 * min(n, model.hp.n_vocab) * model.hp.n_embd)
+    return padded(wb * min(n, model.hp.n_vocab) * model.hp.n_embd)
 
 
 def mtp_expert_bytes(model: Shapes) -> int:
@@ -94,13 +94,14 @@ def act_bytes_per_token(model: Shapes) -> int:
     return F32 * per_token
 
 
-def model_costs(model: Shapes, options: EngineOptions) -> ModelCosts:
-    """What each planner item costs for `model` (a Shapes or a loaded Model) under `options`."""
+def model_costs(model: Shapes, options: EngineOptions, wb: int = F32) -> ModelCosts:
+    """What each planner item costs for `model` (a Shapes or a loaded Model) under `options`,
+    with dense weights and heads at `wb` bytes per element."""
     if not isinstance(model, Shapes):
         model = Shapes.of(model)
     use_mtp = options.mtp and model.has_mtp
     return ModelCosts(
-        dense_bytes=dense_bytes(model, use_mtp),
+        dense_bytes=dense_bytes(model, use_mtp, wb),
         kv_bytes=kv_bytes(model, options.ctx, options.kv)
         + (mtp_kv_bytes(model, options.ctx, options.kv) if use_mtp else 0),
         expert_blob_bytes=model.blob_bytes,
@@ -110,7 +111,7 @@ def model_costs(model: Shapes, options: EngineOptions) -> ModelCosts:
         act_bytes_per_token=act_bytes_per_token(model),
         act_bytes_fixed=2 * padded(1),
         verifier_bytes=verifier_bytes(model, options.spec) if use_mtp else 0,
-        head_bytes=head_bytes(model),
+        head_bytes=head_bytes(model, wb),
         mtp_expert_bytes=mtp_expert_bytes(model) if use_mtp else 0,
-        draft_head_bytes=draft_head_bytes(model, options.draft_vocab) if use_mtp else 0,
+        draft_head_bytes=draft_head_bytes(model, options.draft_vocab, wb) if use_mtp else 0,
     )

@@ -25,6 +25,7 @@ from engine.gguf import names
 from engine.gguf.reader import TensorView
 from engine.gguf.tokenizer import Tokenizer, TokenType
 from engine.model.loader import Model
+from engine.model.ops import linear
 from engine.quant import dequantize_bytes
 
 REGULAR_TYPES = (TokenType.NORMAL, TokenType.BYTE, TokenType.USER_DEFINED)
@@ -114,7 +115,7 @@ class DraftHead:
     def logits(self, normed: Any) -> Any:
         """normed: [T, d] (after shared_head_norm) -> draft logits [T, N]."""
         assert self.rows is not None, "draft head is released (on loan); restore it first"
-        return normed @ self.rows.T
+        return linear(self.xp, normed, self.rows)
 
     def full_logits(self, draft_logits: np.ndarray) -> np.ndarray:
         """Host draft logits [N] -> [V] with -inf outside the draft vocabulary."""

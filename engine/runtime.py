@@ -38,7 +38,7 @@ from engine.memory.planner import (
     plan_prompt,
     plan_startup,
 )
-from engine.memory.sizes import MiB, format_mib
+from engine.memory.sizes import MiB, format_mib, parse_size
 from engine.model.loader import Model, load_model
 from engine.model.weights import DecodedLRU
 from engine.prefill import CachedExperts, PrefillResult, run_prompt, shrink_geometry
@@ -74,6 +74,30 @@ def default_sim_bytes(costs: ModelCosts, reserve_bytes: int) -> int:
     if 0.9 * n_cache * costs.expert_blob_bytes < min_prompt:
         total += 2 * min_prompt  # twice: segment rounding of the two prompt regions
     return -(-total // MiB) * MiB
+
+
+def cuda_available() -> bool:
+    """A CUDA device CuPy can use (never imports CuPy's heavy parts on a CPU machine)."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no driver, no device: all mean "no CUDA here"
+        return False
+
+
+def resolve_device(spec: str) -> str:
+    """`auto` is CUDA when present, else the simulated device."""
+    if spec != "auto":
+        return spec
+    return "cuda" if cuda_available() else "sim"
+
+
+def weight_bytes(device: str) -> int:
+    """Bytes per dense weight element: float16 on CUDA (tensor cores), float32 on the CPU."""
+    return 2 if device.startswith("cuda") else 4
 
 
 def deferred_regions(flags: LoanFlags, options: EngineOptions) -> frozenset[str]:
@@ -132,15 +156,16 @@ class Runtime:
         path = resolve_model(options.model, progress=lambda d, t: publish(Loading("building model", d, t)))
         publish(Loading("opening model", 0, 1))
         rt.model = load_model(path, build=False)
-        device = options.device if options.device != "auto" else "sim"
+        device = resolve_device(options.device)
         violations = validate(options, flags, device, rt.model.has_mtp, rt.model.hp.has_output)
         if violations:
             raise FlagError(violations)
-        rt.costs = model_costs(rt.model, options)
+        rt.costs = model_costs(rt.model, options, weight_bytes(device))
         reserve = options.vram_reserve_mib * MiB
         if device == "sim":
             device = f"sim:{default_sim_bytes(rt.costs, reserve) // MiB}MiB"
-        rt.backend = make_backend(device)
+        limit = parse_size(options.vram_limit, what="--vram-limit") if options.vram_limit else None
+        rt.backend = make_backend(device, limit, elastic=options.vram_elastic)
         capacity = rt.backend.capacity_bytes
         seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
         rt.plan_options = cls.plan_options_for(options, flags, reserve, seg)
@@ -163,17 +188,19 @@ class Runtime:
     def _build(self, on_trace: Callable[[str], None] | None) -> None:
         o, m, publish = self.options, self.model, self.bus.publish
         publish(Loading("decoding weights", 0, 3))
-        dense = Arena(self.ledger, "weights.dense", self.costs.dense_bytes)
-        head = Arena(self.ledger, "head.native", self.costs.head_bytes)
-        m.build(np, dense.to_device, head.to_device)
+        wdt = self.weight_dtype
+        dense = Arena(self.ledger, "weights.dense", self.costs.dense_bytes, float_dtype=wdt)
+        head = Arena(self.ledger, "head.native", self.costs.head_bytes, float_dtype=wdt)
+        m.build(self.xp, dense.to_device, head.to_device)
         publish(Loading("decoding weights", 1, 3))
         kv = Arena(self.ledger, "kv", self.costs.kv_bytes)
         if self.plan_options.reserve_bytes:
             Arena(self.ledger, "reserve", self.plan_options.reserve_bytes)
         self._trace_fn = on_trace
         self.cache = self._make_cache()
-        self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), np.asarray)
-        self.session = Session(m, n_ctx=o.ctx, kv_kind=o.kv, experts=self.experts, kv_alloc=kv.alloc)
+        self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), self.to_host)
+        self.session = Session(m, n_ctx=o.ctx, kv_kind=o.kv, xp=self.xp, experts=self.experts,
+                               kv_alloc=kv.alloc)
         self._owned_prompt()
         items = [DecodeResource("head.native", head, NativeHead(m.transformer, head))]
         if o.mtp:
@@ -244,6 +271,17 @@ class Runtime:
 
         self.spec, items = build_spec(self, dense, kv)
         return items
+
+    @property
+    def xp(self) -> Any:
+        return self.backend.xp
+
+    @property
+    def weight_dtype(self) -> Any:
+        return np.float16 if weight_bytes(self.backend.name) == 2 else np.float32
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return getattr(self.xp, "asnumpy", np.asarray)(a)
 
     # -- questions ---------------------------------------------------------------------------
     def summary(self) -> str:
@@ -430,7 +468,7 @@ class Runtime:
                                         timing, cancel)
             return
         for _ in range(max_new):
-            tok = sampler.sample(np.asarray(logits[-1]))
+            tok = sampler.sample(self.to_host(logits[-1]))
             timing.generated += 1
             yield tok
             if tok in stop_ids or cancel.is_set() or len(self.session.tokens) >= self.session.n_ctx:

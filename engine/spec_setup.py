@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from engine.draft_head import DraftHead
 from engine.memory.arena import Arena
 from engine.model.mtp import MTPBlock, MTPDraft, MTPExperts, require_mtp
@@ -25,15 +23,15 @@ def build_spec(rt: Runtime, dense: Arena, kv: Arena) -> tuple[SpecDecoder | None
     require_mtp(m)
     assert m.mtp_experts is not None
     exa = Arena(rt.ledger, "mtp.experts", rt.costs.mtp_expert_bytes)
-    hda = Arena(rt.ledger, "mtp.draft_head", rt.costs.draft_head_bytes)
-    head = DraftHead.from_model(m, o.draft_vocab, None, np, hda.to_device)
-    experts = MTPExperts(m.mtp_experts, np, exa.to_device)
+    hda = Arena(rt.ledger, "mtp.draft_head", rt.costs.draft_head_bytes, float_dtype=rt.weight_dtype)
+    head = DraftHead.from_model(m, o.draft_vocab, None, rt.xp, hda.to_device)
+    experts = MTPExperts(m.mtp_experts, rt.xp, exa.to_device)
     items = [DecodeResource("mtp.experts", exa, experts), DecodeResource("mtp.draft_head", hda, head)]
-    block = MTPBlock(m, head=head, experts=experts, xp=np, to_device=dense.to_device)
+    block = MTPBlock(m, head=head, experts=experts, xp=rt.xp, to_device=dense.to_device)
     if o.spec < 2:
         return None, items
     ver = Arena(rt.ledger, "verifier", rt.costs.verifier_bytes)
-    verifier = Verifier.for_model(m, o.spec, np, ver.alloc)
+    verifier = Verifier.for_model(m, o.spec, rt.xp, ver.alloc)
     spec = SpecDecoder(o.spec, MTPDraft(block, kv_alloc=kv.alloc), verifier)
     rt.session.on_hidden = spec.collect
     return spec, [DecodeResource("verifier", ver, verifier), *items]

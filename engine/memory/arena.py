@@ -24,8 +24,10 @@ def padded(n_bytes: int) -> int:
 class Arena:
     """Bump allocation of typed views in the ledger region `name` of `n_bytes`."""
 
-    def __init__(self, ledger: Ledger, name: str, n_bytes: int, reserve: bool = True):
+    def __init__(self, ledger: Ledger, name: str, n_bytes: int, reserve: bool = True,
+                 float_dtype: Any = np.float32):
         self.ledger, self.name, self.n_bytes = ledger, name, max(n_bytes, ALIGN)
+        self.float_dtype = np.dtype(float_dtype)  # weights' storage: float16 on CUDA
         self.region = ledger.reserve(name, self.n_bytes) if reserve else None
 
     @property
@@ -35,6 +37,8 @@ class Arena:
     def to_device(self, host: np.ndarray) -> Any:
         """Upload `host` into the next free bytes of the region; returns the typed view."""
         host = np.ascontiguousarray(host)
+        if host.dtype == np.float32 and self.float_dtype != host.dtype:
+            host = host.astype(self.float_dtype)
         out = self.alloc(host.shape, host.dtype, zero=False)
         self.ledger.backend.upload(host, out)
         return out

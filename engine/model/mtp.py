@@ -30,7 +30,7 @@ from engine.kv import KVCache
 from engine.model.attention import attention_block
 from engine.model.loader import Model
 from engine.model.moe import ExpertProvider, moe_block
-from engine.model.ops import rms_norm
+from engine.model.ops import linear, rms_norm
 from engine.model.weights import (
     BlockWeights,
     DecodedLRU,
@@ -201,7 +201,7 @@ class MTPBlock:
             [rms_norm(xp, e, self.enorm, hp.rms_eps), rms_norm(xp, h_prev, self.hnorm, hp.rms_eps)],
             axis=-1,
         )  # [T, 2d]: embedding first, then hidden
-        x = u @ self.eh_proj.T  # [T, d]
+        x = linear(xp, u, self.eh_proj)  # [T, d]
         x = x + attention_block(xp, hp, self.block.attn, x, pos0, kv, 0)
         ffn, _, _ = moe_block(xp, hp, self.block.ffn_norm, self.block.router, x, 0, self.experts)
         x = x + ffn  # [T, d]
