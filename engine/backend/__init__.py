@@ -21,8 +21,14 @@ __all__ = [
 ]
 
 
-def make_backend(spec: str) -> Backend:
-    """The device named by `spec`: "sim" (8 GiB), "sim:512MiB", "cuda" or "cuda:N"."""
+def make_backend(spec: str, limit_bytes: int | None = None, *, elastic: bool = True) -> Backend:
+    """The device named by `spec`: "sim" (8 GiB), "sim:512MiB", "cuda" or "cuda:N".
+
+    `limit_bytes` (`--vram-limit`) makes a CUDA device plan and allocate as if it had only that
+    many bytes; `elastic` (`--vram-elastic`) is recorded as a policy: CUDA maps ledger segments
+    through VMM wherever the driver supports it (see docs/cuda.md).
+    CuPy is imported only for a CUDA spec, so the CPU path never needs it.
+    """
     kind, _, arg = spec.strip().partition(":")
     kind = kind.lower()
     if kind == "sim":
@@ -35,5 +41,12 @@ def make_backend(spec: str) -> Backend:
     if kind == "cuda":
         if arg and not arg.isdigit():
             raise DeviceError(f"--device {spec}: '{arg}' is not a GPU index; write cuda or cuda:0")
-        raise DeviceError("CUDA backend not available yet; use --device sim or sim:SIZE")
+        try:
+            from engine.backend.cuda import CudaBackend
+        except ImportError as e:
+            raise DeviceError(
+                f"CUDA backend not available yet on this machine: --device {spec} needs CuPy "
+                f"and cuda-bindings ({e.name} is missing; pip install 'strata-chat[cuda]')"
+            ) from None
+        return CudaBackend(int(arg or 0), limit_bytes, elastic=elastic)
     raise DeviceError(f"unknown device '{spec}'; use sim, sim:SIZE (e.g. sim:8GiB) or cuda[:N]")

@@ -51,8 +51,12 @@ class CudaBackend:
         margin_bytes: int = DEFAULT_MARGIN_BYTES,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         elastic: bool = True,
+        use_vmm: bool | None = None,
     ):
-        n_devices = cupy.cuda.runtime.getDeviceCount()
+        try:
+            n_devices = cupy.cuda.runtime.getDeviceCount()
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            raise DeviceError(f"--device cuda:{device}: no usable CUDA device ({e})") from None
         if not 0 <= device < n_devices:
             raise DeviceError(f"--device cuda:{device}: there are {n_devices} CUDA devices")
         self.device = device
@@ -71,8 +75,11 @@ class CudaBackend:
         self.budget_bytes = budget
         ws = min(1024 * MiB, budget // 8) if workspace_bytes is None else workspace_bytes
         self.workspace_bytes = ws
-        self.elastic = elastic and vmm_supported(device)
-        granularity = vmm_granularity(device) if self.elastic else 2 * MiB
+        # `elastic` (--vram-elastic) is a policy the guards read; the ledger needs contiguous,
+        # stable region addresses either way, so VMM is used wherever the driver has it.
+        self.elastic = elastic
+        self.use_vmm = vmm_supported(device) if use_vmm is None else use_vmm
+        granularity = vmm_granularity(device) if self.use_vmm else 2 * MiB
         if segment_granularity % granularity:
             raise DeviceError(
                 f"segment granularity {segment_granularity} B is not a multiple of the "
@@ -93,7 +100,8 @@ class CudaBackend:
         for ev in self._staging_free:
             ev.record(self._copy_stream)
         self._pinned: dict[int, tuple[int, Any]] = {}  # host ptr -> (n_bytes, owner or None)
-        self._copy_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
+        self._n_copy_threads = min(8, os.cpu_count() or 1)
+        self._copy_pool = ThreadPoolExecutor(max_workers=self._n_copy_threads)
         self._telemetry: Any = None
 
     # -- memory ---------------------------------------------------------------------------------
@@ -104,9 +112,10 @@ class CudaBackend:
         return self._mapped_bytes + self._buffer_bytes
 
     def _update_pool_limit(self) -> None:
-        self._pool.set_limit(size=max(0, self.budget_bytes - self.used_bytes))
+        # 0 would mean "no limit" to CuPy; 1 byte is the honest "nothing left"
+        self._pool.set_limit(size=max(1, self.budget_bytes - self.used_bytes))
 
-    def _charge(self, n_bytes: int) -> None:
+    def _check_budget(self, n_bytes: int) -> None:
         free = self.capacity_bytes - self.used_bytes
         if n_bytes > free:
             raise DeviceError(
@@ -122,6 +131,9 @@ class CudaBackend:
                 f"{self.name}: {format_mib(pool)} MiB of temporaries leave no room for "
                 f"{format_mib(n_bytes)} MiB within the {format_mib(self.budget_bytes)} MiB budget"
             )
+
+    def _charge(self, n_bytes: int) -> None:
+        self._check_budget(n_bytes)
         self._mapped_bytes += n_bytes
         self._update_pool_limit()
 
@@ -132,15 +144,16 @@ class CudaBackend:
 
     def alloc(self, n_bytes: int) -> Any:
         """A standalone uint8 buffer [n_bytes] (cudaMalloc), charged to the capacity."""
-        self._charge(n_bytes)
-        self._mapped_bytes -= n_bytes  # _charge books mapped bytes; this is a buffer
-        self._buffer_bytes += n_bytes
+        self._check_budget(n_bytes)
         try:
-            mem = cupy.cuda.Memory(n_bytes)
+            with self._dev:
+                mem = cupy.cuda.memory.Memory(n_bytes)
         except cupy.cuda.memory.OutOfMemoryError as e:
-            self._buffer_bytes -= n_bytes
-            self._update_pool_limit()
-            raise DeviceError(f"{self.name}: cudaMalloc of {format_mib(n_bytes)} MiB: {e}") from None
+            raise DeviceError(
+                f"{self.name}: cudaMalloc of {format_mib(n_bytes)} MiB: {e}"
+            ) from None
+        self._buffer_bytes += n_bytes
+        self._update_pool_limit()
         buf = cupy.ndarray((n_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
         self._buffers[id(buf)] = buf
         return buf
@@ -154,9 +167,13 @@ class CudaBackend:
 
     def reserve_address_space(self, n_bytes: int) -> VmmAddressSpace | PlainAddressSpace:
         """Reserve device addresses (VMM), or the plain fallback where VMM is missing."""
-        cls = VmmAddressSpace if self.elastic else PlainAddressSpace
+        cls = VmmAddressSpace if self.use_vmm else PlainAddressSpace
         return cls(
-            self.device, n_bytes, self.granularity_bytes, self._charge, self._uncharge,
+            self.device,
+            n_bytes,
+            self.granularity_bytes,
+            self._charge,
+            self._uncharge,
             self.synchronize,
         )
 
@@ -196,7 +213,7 @@ class CudaBackend:
 
     def unpin(self, host: np.ndarray) -> None:
         """Undo `pin`."""
-        n_bytes, owner = self._pinned.pop(host.ctypes.data)
+        _, owner = self._pinned.pop(host.ctypes.data)
         assert owner is None, "unpin() of a host_buffer()"
         cupy.cuda.runtime.hostUnregister(host.ctypes.data)
 
@@ -243,7 +260,7 @@ class CudaBackend:
 
     def _host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         n = src.nbytes
-        n_parts = min(self._copy_pool._max_workers, max(1, n // _PARALLEL_COPY_BYTES))
+        n_parts = min(self._n_copy_threads, max(1, n // _PARALLEL_COPY_BYTES))
         if n_parts == 1:
             np.copyto(dst, src)
             return

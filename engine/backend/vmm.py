@@ -69,7 +69,9 @@ def vmm_granularity(device: int, *, recommended: bool = True) -> int:
         if recommended
         else flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
     )
-    return int(_check(drv.cuMemGetAllocationGranularity(_alloc_prop(device), option), "granularity"))
+    return int(
+        _check(drv.cuMemGetAllocationGranularity(_alloc_prop(device), option), "granularity")
+    )
 
 
 def _uint8_view(ptr: int, n_bytes: int, owner: object, device: int) -> Any:
@@ -100,7 +102,9 @@ class _Mappings:
         self.items[offset] = (n_bytes, handle)
 
     def pop(self, offset: int, n_bytes: int) -> Any:
-        assert self.items.get(offset, (None,))[0] == n_bytes, f"unmap({offset}, {n_bytes}) of no mapping"
+        assert self.items.get(offset, (None,))[0] == n_bytes, (
+            f"unmap({offset}, {n_bytes}) of no mapping"
+        )
         self.starts.remove(offset)
         return self.items.pop(offset)[1]
 
@@ -109,7 +113,10 @@ class _Mappings:
         end, pos, out = offset + n_bytes, offset, []
         i = bisect.bisect_right(self.starts, pos) - 1
         while pos < end:
-            ok = 0 <= i < len(self.starts) and self.starts[i] <= pos < self.starts[i] + self.items[self.starts[i]][0]
+            ok = (
+                0 <= i < len(self.starts)
+                and self.starts[i] <= pos < self.starts[i] + self.items[self.starts[i]][0]
+            )
             assert ok, f"view of unmapped byte {pos} (view {offset}+{n_bytes})"
             out.append(self.starts[i])
             pos = self.starts[i] + self.items[self.starts[i]][0]
@@ -141,7 +148,9 @@ class VmmAddressSpace:
         self._access.location.id = device
         self._access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._current()
-        ptr = _check(drv.cuMemAddressReserve(self.n_bytes, granularity_bytes, 0, 0), "cuMemAddressReserve")
+        ptr = _check(
+            drv.cuMemAddressReserve(self.n_bytes, granularity_bytes, 0, 0), "cuMemAddressReserve"
+        )
         self.base = int(ptr)
         self._maps = _Mappings()
         self._closed = False
@@ -240,7 +249,7 @@ class PlainAddressSpace:
         self._charge(n_bytes)
         try:
             with cupy.cuda.Device(self.device):
-                mem = cupy.cuda.Memory(n_bytes)
+                mem = cupy.cuda.memory.Memory(n_bytes)
         except cupy.cuda.memory.OutOfMemoryError as e:
             self._uncharge(n_bytes)
             raise DeviceError(f"cudaMalloc of {n_bytes} bytes failed: {e}") from None
@@ -256,8 +265,8 @@ class PlainAddressSpace:
         if len(starts) != 1:
             raise DeviceError(
                 f"view {offset}+{n_bytes} spans {len(starts)} plain allocations; "
-                f"device memory without VMM needs views inside one segment (use --vram-elastic "
-                f"on a VMM-capable driver)"
+                f"device memory without VMM needs views inside one segment (use a driver with "
+                f"virtual memory management)"
             )
         start = starts[0]
         mem = self._maps.items[start][1]

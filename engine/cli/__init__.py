@@ -9,7 +9,7 @@ from engine.errors import StrataError
 
 COMMANDS = tuple(
     f"engine.cli.{name}"
-    for name in ("run", "logits", "info", "make_model", "plan", "profile", "bench", "bench_spec")
+    for name in ("run", "logits", "info", "make_model", "plan", "profile", "bench", "bench_spec", "gpu_probe")
 )
 
 

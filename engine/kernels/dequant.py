@@ -133,35 +133,48 @@ def dequantize_many(
 ) -> None:
     """Decode several tensors of one qtype and shape in one launch: srcs[i] -> outs[i].
 
-    srcs: cupy uint8 arrays (or anything with `.data.ptr`) of the tensor's bytes;
-    outs: contiguous cupy float16 or float32 arrays of `prod(shape)` values, one dtype for all.
+    srcs: cupy uint8 arrays of the tensors' bytes; outs: contiguous cupy float16 or float32
+    arrays of `prod(shape)` values, one dtype for all.
     """
     cp = _cupy()
-    _check_qtype(qtype)
     assert len(srcs) == len(outs) and len(srcs) > 0, (len(srcs), len(outs))
     n_values = int(np.prod(shape))
-    align = _decoder_align(qtype)
     for s in srcs:
         assert s.nbytes >= _n_bytes(qtype, shape), (s.nbytes, _n_bytes(qtype, shape))
-        assert s.data.ptr % align == 0, f"{qtype.name} bytes at {s.data.ptr:#x}: need {align}-alignment"
-    f16 = outs[0].dtype == cp.float16
     for o in outs:
         assert o.dtype == outs[0].dtype and o.dtype in (cp.float16, cp.float32), o.dtype
-        assert o.size == n_values and o.flags.c_contiguous and o.data.ptr % 16 == 0
+        assert o.size == n_values and o.flags.c_contiguous, (o.size, n_values)
+    dequantize_ptrs(
+        [s.data.ptr for s in srcs], [o.data.ptr for o in outs], qtype, n_values,
+        f16=outs[0].dtype == cp.float16, device_id=outs[0].device.id,
+    )  # fmt: skip
+
+
+def dequantize_ptrs(
+    src_ptrs: Sequence[int],
+    dst_ptrs: Sequence[int],
+    qtype: Q,
+    n_values: int,
+    *,
+    f16: bool,
+    device_id: int,
+) -> None:
+    """`dequantize_many` on raw device addresses, for hot loops that cannot afford a cupy view
+    per tensor; the caller vouches for the sizes. Sources need the decoder's alignment
+    (2 or 4 bytes), destinations 16."""
+    cp = _cupy()
+    _check_qtype(qtype)
+    align = _decoder_align(qtype)
+    assert all(p % align == 0 for p in src_ptrs), f"{qtype.name} sources need {align}-alignment"
+    assert all(p % 16 == 0 for p in dst_ptrs), "dequantize outputs need 16-byte alignment"
     kernel = _function(f"dequant_multi<{DECODERS[qtype]}, {'true' if f16 else 'false'}>")
-    table, n_tab = _device_table(qtype, outs[0].device.id)
-    ptrs = np.array(
-        [s.data.ptr for s in srcs] + [o.data.ptr for o in outs], dtype=np.uint64
-    )  # [2 * n_jobs]
-    dptrs = cp.asarray(ptrs)
-    n_jobs = len(srcs)
+    table, n_tab = _device_table(qtype, device_id)
+    n_jobs = len(src_ptrs)
+    ptrs = cp.asarray(np.array([*src_ptrs, *dst_ptrs], dtype=np.uint64))  # [2 * n_jobs]
     n_groups = n_values // 8
     blocks = min((n_groups + 255) // 256, 65535)
-    kernel(
-        (blocks, n_jobs),
-        (256,),
-        (dptrs[:n_jobs], dptrs[n_jobs:], np.int64(n_groups), table, np.int32(n_tab)),
-    )
+    dsts = np.uint64(ptrs.data.ptr + 8 * n_jobs)
+    kernel((blocks, n_jobs), (256,), (ptrs, dsts, np.int64(n_groups), table, np.int32(n_tab)))
 
 
 def dequantize(dev_bytes: Any, qtype: Q, shape: Sequence[int], out_dtype: Any = np.float16) -> Any:
@@ -181,39 +194,91 @@ def _rows_per_warp(n_out: int) -> int:
     return 1
 
 
-def gemv(dev_bytes: Any, qtype: Q, shape: Sequence[int], x: Any, out: Any = None) -> Any:
+def _gemv_kernel(
+    qtype: Q, ptrs: Sequence[int], n_out: int, n_in: int, n_batch: int, rows: int = 0
+) -> Any:
+    """The gemv instantiation and grid for these weight addresses (decoder-aligned)."""
+    _check_qtype(qtype)
+    assert 1 <= n_batch <= _MAX_BATCH, f"gemv takes at most {_MAX_BATCH} vectors, got {n_batch}"
+    align = _decoder_align(qtype)
+    assert all(p % align == 0 for p in ptrs), f"{qtype.name} weights need {align}-alignment"
+    rows = rows or _rows_per_warp(n_out)
+    assert rows in (1, 2, 4), rows
+    warps = (n_out + rows - 1) // rows
+    grid = (warps + _THREADS // 32 - 1) // (_THREADS // 32)
+    return _function(f"gemv<{DECODERS[qtype]}, {rows}, {n_batch}>"), grid
+
+
+def gemv(
+    dev_bytes: Any,
+    qtype: Q,
+    shape: Sequence[int],
+    x: Any,
+    out: Any = None,
+    *,
+    rows_per_warp: int = 0,
+) -> Any:
     """y = W @ x with W the quantized matrix [n_out, n_in] in `dev_bytes`.
 
     x: [n_in] or [B, n_in] with B <= 8 (any float dtype; computed in float32).
-    Returns float32 [n_out] or [B, n_out] (written into `out` when given).
+    Returns float32 [n_out] or [B, n_out] (written into `out` when given). `rows_per_warp`
+    (1, 2 or 4) overrides the choice by matrix height (benchmarks).
     """
     cp = _cupy()
-    _check_qtype(qtype)
     n_out, n_in = (int(s) for s in shape)
     vector = x.ndim == 1
     xb = cp.ascontiguousarray(x.reshape(1, -1) if vector else x, dtype=cp.float32)  # [B, n_in]
     n_batch = xb.shape[0]
     assert xb.shape[1] == n_in, f"x has {xb.shape[1]} values, the matrix {n_in} columns"
-    assert 1 <= n_batch <= _MAX_BATCH, f"gemv takes at most {_MAX_BATCH} vectors, got {n_batch}"
+    assert dev_bytes.nbytes >= _n_bytes(qtype, shape), (dev_bytes.nbytes, tuple(shape))
     y = cp.empty((n_batch, n_out), dtype=cp.float32) if out is None else out  # [B, n_out]
     assert y.dtype == cp.float32 and y.size == n_batch * n_out and y.flags.c_contiguous
-    row_bytes = _n_bytes(qtype, (1, n_in))
-    ptr = dev_bytes.data.ptr
-    if ptr % 16 == 0 and row_bytes % 16 == 0:  # staged with 16-byte loads
-        word, rows = "uint4", _rows_per_warp(n_out)
-    elif ptr % 4 == 0 and row_bytes % 4 == 0:
-        word, rows = "u32", 1
-    else:  # rows only 2-byte aligned (every block size is even)
-        if ptr % 2:
-            dev_bytes = cp.array(dev_bytes[: n_out * row_bytes], copy=True)
-        word, rows = "u16", 1
-    kernel = _function(f"gemv<{DECODERS[qtype]}, {rows}, {n_batch}, {word}>")
+    if dev_bytes.data.ptr % _decoder_align(qtype):  # rare: decode from an aligned copy
+        dev_bytes = cp.array(dev_bytes[: _n_bytes(qtype, shape)], copy=True)
+    kernel, grid = _gemv_kernel(qtype, [dev_bytes.data.ptr], n_out, n_in, n_batch, rows_per_warp)
     table, n_tab = _device_table(qtype, xb.device.id)
-    warps = (n_out + rows - 1) // rows
-    grid = (warps + _THREADS // 32 - 1) // (_THREADS // 32)
-    kernel(
-        (grid,),
-        (_THREADS,),
-        (dev_bytes, xb, y, np.int32(n_out), np.int32(n_in), table, np.int32(n_tab)),
-    )
+    args = (dev_bytes, xb, y, np.int32(n_out), np.int32(n_in), table, np.int32(n_tab), np.uint64(0))
+    kernel((grid,), (_THREADS,), args)
     return y.reshape(n_out) if vector else y.reshape(n_batch, n_out)
+
+
+def gemv_many(ws: Sequence[Any], qtype: Q, shape: Sequence[int], x: Any, out: Any = None) -> Any:
+    """y[j] = W_j @ x[j] for J matrices of one qtype and shape, in one launch.
+
+    ws: J uint8 device arrays (e.g. expert-cache slot views); x: float32 [J, n_in] or
+    [J, B, n_in], each x[j] contiguous, any stride between jobs (0: one x shared by all, as
+    `cupy.broadcast_to` makes). Returns float32 [J, n_out] or [J, B, n_out].
+    """
+    cp = _cupy()
+    n_out, n_in = (int(s) for s in shape)
+    n_jobs = len(ws)
+    xj = x.reshape(x.shape[0], 1, x.shape[1]) if x.ndim == 2 else x  # [J, B, n_in]
+    assert xj.shape[0] == n_jobs and xj.shape[2] == n_in, (xj.shape, n_jobs, n_in)
+    n_batch = xj.shape[1]
+    if xj.dtype != cp.float32 or xj.strides[2] != 4 or (n_batch > 1 and xj.strides[1] != 4 * n_in):
+        xj = cp.ascontiguousarray(xj, dtype=cp.float32)
+    y = cp.empty((n_jobs, n_batch, n_out), dtype=cp.float32) if out is None else out
+    assert y.dtype == cp.float32 and y.size == n_jobs * n_batch * n_out and y.flags.c_contiguous
+    for w in ws:
+        assert w.nbytes >= _n_bytes(qtype, shape), (w.nbytes, tuple(shape))
+    jobs = np.empty((n_jobs, 3), dtype=np.uint64)  # [J, (w, x, y)] launch metadata
+    jobs[:, 0] = [w.data.ptr for w in ws]
+    jobs[:, 1] = xj.data.ptr + np.arange(n_jobs, dtype=np.uint64) * np.uint64(xj.strides[0])
+    jobs[:, 2] = y.data.ptr + np.arange(n_jobs, dtype=np.uint64) * np.uint64(n_batch * n_out * 4)
+    gemv_ptrs(jobs, qtype, shape, n_batch, device_id=y.device.id)
+    return y.reshape(n_jobs, n_out) if x.ndim == 2 else y
+
+
+def gemv_ptrs(
+    jobs: np.ndarray, qtype: Q, shape: Sequence[int], n_batch: int, *, device_id: int
+) -> None:
+    """`gemv_many` on raw device addresses: jobs uint64 [J, 3] rows of (weights, x [B, n_in]
+    float32, y [B, n_out] float32) addresses; the caller vouches for the sizes."""
+    cp = _cupy()
+    n_out, n_in = (int(s) for s in shape)
+    kernel, grid = _gemv_kernel(qtype, jobs[:, 0].tolist(), n_out, n_in, n_batch)
+    table, n_tab = _device_table(qtype, device_id)
+    dev_jobs = cp.asarray(np.ascontiguousarray(jobs, dtype=np.uint64))  # [J, 3]
+    null = np.uint64(0)  # w, x, y come from the job table
+    args = (null, null, null, np.int32(n_out), np.int32(n_in), table, np.int32(n_tab), dev_jobs)
+    kernel((grid, len(jobs)), (_THREADS,), args)

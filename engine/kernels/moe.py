@@ -1,17 +1,20 @@
-"""Prefill MoE on CUDA: decode each used expert to fp16, grouped cuBLAS GEMMs, weighted combine.
+"""Routed-expert FFN on CUDA: prefill through fp16 GEMMs, decode through fused GEMVs.
 
-For a chunk of T tokens routed to k experts each:
+Prefill (`moe_prefill`), for a chunk of T tokens routed to k experts each:
 
-1. sort the T*k (token, expert) rows by expert; gather the activations in that order;
-2. for a group of experts that fits the scratch: decode every gate|up|down part of the group in
-   one launch per quant type (`dequantize_many`), then per expert two cuBLAS GEMMs on its
-   contiguous rows ([n_e, d] @ [d, 2f] for gate|up, [n_e, f] @ [f, d] for down) with one
-   `silu(gate) * up` launch for the whole group in between;
+1. sort the T*k (token, expert) rows by expert and gather the activations in that order;
+2. order the used experts by row count and take them in groups that fit the scratch: decode the
+   gate|up|down parts of a group in one launch per quant type (`dequantize_many`), pad the
+   group's rows to its largest expert, and run two strided-batched cuBLAS GEMMs per group
+   ([m, d] @ [d, 2f] for gate|up, [m, f] @ [f, d] for down; fp16 operands, fp32 accumulation)
+   with one `silu(gate) * up` launch in between;
 3. out[t] = sum_j w[t, j] * y[row of (t, j)] in one deterministic launch (no atomics).
 
-GEMMs take fp16 operands and accumulate in fp32 (cuBLAS compute type set for CuPy's fp16
-matmul on first use). The expert ids and row counts come to the host once per call (two small
-arrays: the GEMM shapes need them).
+Decode (`moe_decode`), for B <= a few tokens: gate and up of every (token, expert) pair in one
+`gemv_many` launch, `silu(gate) * up`, down in one more, and the weighted sum.
+
+The expert ids and row counts come to the host once per call (the GEMM shapes and the blob
+addresses need them); small launch tables (row indices, pointers) go the other way.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.kernels.dequant import dequantize_many
+from engine.kernels.dequant import dequantize_ptrs, gemv_ptrs
 
 if TYPE_CHECKING:
     from engine.model.weights import ExpertLayout
 
 _DIR = Path(__file__).parent
 DEFAULT_SCRATCH_BYTES = 256 << 20
+_ONE, _ZERO = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)  # cuBLAS alpha, beta
 
 
 def _cupy() -> Any:
@@ -41,12 +45,37 @@ def _cupy() -> Any:
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
     cp = _cupy()
-    from cupy._core import _routines_linalg as linalg
-
-    # CuPy's fp16 matmul: fp32 accumulation inside cuBLAS (the default may accumulate in fp16).
-    linalg.set_compute_type(cp.float16, linalg.COMPUTE_TYPE_FP32)
     module = cp.RawModule(code=(_DIR / "moe.cu").read_text(), options=("-std=c++17",))
     return module.get_function("swiglu"), module.get_function("combine")
+
+
+def gemm_nt(a: Any, w: Any, out: Any) -> Any:
+    """out[g] = a[g] @ w[g].T for every g: a [G, m, K], w [G, N, K], out [G, m, N], all fp16
+    and contiguous; one strided-batched cuBLAS call, fp32 accumulation."""
+    cp = _cupy()
+    from cupy_backends.cuda.libs import cublas
+
+    n_group, m, k = a.shape
+    n = w.shape[1]
+    assert w.shape == (n_group, n, k) and out.shape == (n_group, m, n), (
+        a.shape,
+        w.shape,
+        out.shape,
+    )
+    assert all(t.dtype == cp.float16 and t.flags.c_contiguous for t in (a, w, out))
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    f16 = cp.cuda.runtime.CUDA_R_16F
+    # column-major view: out^T [N, m] = (w [N, K] as K x N)^T @ (a as K x m)
+    cublas.gemmStridedBatchedEx(
+        handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k,
+        _ONE.ctypes.data, w.data.ptr, f16, k, n * k,
+        a.data.ptr, f16, k, m * k,
+        _ZERO.ctypes.data, out.data.ptr, f16, n, m * n,
+        n_group, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT,
+    )  # fmt: skip
+    return out
 
 
 def _dims(layout: ExpertLayout) -> tuple[int, int]:
@@ -62,35 +91,51 @@ def expert_fp16_bytes(layout: ExpertLayout) -> int:
 
 
 def workspace_bytes(n_tokens: int, n_used: int, layout: ExpertLayout, scratch_bytes: int) -> int:
-    """Device bytes one `moe_prefill` call allocates (for planning the prompt path)."""
+    """About the device bytes one `moe_prefill` call allocates (for planning the prompt path):
+    decoded experts, sorted and padded activations, gate|up, act and expert outputs."""
     f, d = _dims(layout)
     rows = n_tokens * n_used
     group = max(1, scratch_bytes // expert_fp16_bytes(layout))
     decoded = group * expert_fp16_bytes(layout)
-    return decoded + rows * (d + 2 * f + f + d) * 2 + rows * 4 * 3 + n_tokens * d * 4
+    return decoded + 2 * rows * (d + 2 * f + f + d) * 2 + rows * 4 * 3 + n_tokens * d * 4
 
 
-def _decode_group(
-    blobs: Mapping[int, Any], experts: list[int], layout: ExpertLayout, wgu: Any, wd: Any
-) -> None:
-    """Decode experts into wgu[i] = gate | up [2f, d] and wd[i] = down [d, f] (fp16)."""
+def _part_ptrs(blob: Any, layout: ExpertLayout) -> tuple[int, int, int]:
+    """Device addresses of the gate, up and down bytes of one expert blob."""
+    n_gate, n_up, _ = layout.part_bytes
+    assert blob.nbytes >= layout.blob_bytes, f"{blob.nbytes} bytes < layout {layout.blob_bytes}"
+    base = blob.data.ptr
+    return base, base + n_gate, base + n_gate + n_up
+
+
+def _decode_group(blobs: list[Any], layout: ExpertLayout, wgu: Any, wd: Any) -> None:
+    """Decode experts into wgu[i] = gate | up [2f, d] and wd[i] = down [d, f] (fp16).
+
+    Works on addresses (no cupy view per part): this runs for every expert of every layer."""
     f, d = _dims(layout)
-    n_gate, n_up, n_down = layout.part_bytes
-    parts = []
-    for e in experts:
-        blob = blobs[e]
-        assert blob.nbytes >= layout.blob_bytes, f"expert {e}: {blob.nbytes} bytes < layout"
-        parts.append((blob[:n_gate], blob[n_gate : n_gate + n_up], blob[n_gate + n_up :]))
-    n = len(experts)
+    assert wgu.dtype == wd.dtype and wgu.flags.c_contiguous and wd.flags.c_contiguous
+    n = len(blobs)
+    parts = [_part_ptrs(b, layout) for b in blobs]
+    gate_dst = [wgu.data.ptr + i * 2 * f * d * 2 for i in range(n)]
+    up_dst = [p + f * d * 2 for p in gate_dst]
+    down_dst = [wd.data.ptr + i * d * f * 2 for i in range(n)]
+    dev = wgu.device.id
     q_gate, q_up, q_down = layout.qtypes
     if q_gate == q_up:
         srcs = [p[0] for p in parts] + [p[1] for p in parts]
-        outs = [wgu[i, :f] for i in range(n)] + [wgu[i, f:] for i in range(n)]
-        dequantize_many(srcs, q_gate, (f, d), outs)
+        dequantize_ptrs(srcs, gate_dst + up_dst, q_gate, f * d, f16=True, device_id=dev)
     else:
-        dequantize_many([p[0] for p in parts], q_gate, (f, d), [wgu[i, :f] for i in range(n)])
-        dequantize_many([p[1] for p in parts], q_up, (f, d), [wgu[i, f:] for i in range(n)])
-    dequantize_many([p[2] for p in parts], q_down, (d, f), [wd[i] for i in range(n)])
+        dequantize_ptrs([p[0] for p in parts], gate_dst, q_gate, f * d, f16=True, device_id=dev)
+        dequantize_ptrs([p[1] for p in parts], up_dst, q_up, f * d, f16=True, device_id=dev)
+    dequantize_ptrs([p[2] for p in parts], down_dst, q_down, d * f, f16=True, device_id=dev)
+
+
+def _swiglu(gu: Any, act: Any) -> None:
+    """act [rows, f] = silu(gu[:, :f]) * gu[:, f:] for gu [rows, 2f] (fp16)."""
+    swiglu, _ = _kernels()
+    n_rows, f = act.shape
+    blocks = min((n_rows * f + 255) // 256, 8192)
+    swiglu((blocks,), (256,), (gu, act, np.int64(n_rows), np.int32(f)))
 
 
 def moe_prefill(
@@ -102,7 +147,7 @@ def moe_prefill(
     *,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
 ) -> Any:
-    """Routed-expert FFN of a token chunk on the GPU.
+    """Routed-expert FFN of a token chunk on the GPU (see the module docstring).
 
     h: [T, d] fp16/fp32 (normed) activations; ids: [T, k] int expert ids (a token names an
     expert at most once); weights: [T, k] routing weights; blobs: expert id -> uint8 device
@@ -110,7 +155,7 @@ def moe_prefill(
     Returns float32 [T, d]: sum_j weights[t, j] * down(silu(gate h_t) * up h_t) of expert ids[t, j].
     """
     cp = _cupy()
-    swiglu, combine = _kernels()
+    _, combine = _kernels()
     f, d = _dims(layout)
     n_tok, k = ids.shape
     assert h.shape == (n_tok, d), f"h {h.shape} for {n_tok} tokens of width {d}"
@@ -119,36 +164,81 @@ def moe_prefill(
     order = cp.argsort(flat).astype(cp.int32)  # [T*k] rows sorted by expert
     experts, counts = cp.unique(flat, return_counts=True)
     used, n_per = (a.tolist() for a in cp.stack([experts, counts.astype(cp.int32)]).get())
-    starts = np.concatenate([[0], np.cumsum(n_per)]).tolist()  # [n_used + 1]
+    starts = np.concatenate([[0], np.cumsum(n_per)])  # [n_used + 1]
     pos = cp.empty(n_rows, dtype=cp.int32)  # [T*k] sorted row of (t, j)
     pos[order] = cp.arange(n_rows, dtype=cp.int32)
-    hs = cp.ascontiguousarray(h, dtype=cp.float16)[order // k]  # [T*k, d]
+    hs = cp.zeros((n_rows + 1, d), dtype=cp.float16)  # last row: zeros for padding
+    hs[:n_rows] = cp.asarray(h, dtype=cp.float16)[order // k]
+    y = cp.empty((n_rows + 1, d), dtype=cp.float16)  # last row: where padding rows land
 
-    group = max(1, scratch_bytes // expert_fp16_bytes(layout))
-    group = min(group, len(used))
+    group = min(max(1, scratch_bytes // expert_fp16_bytes(layout)), len(used))
     wgu = cp.empty((group, 2 * f, d), dtype=cp.float16)  # gate | up of each expert
     wd = cp.empty((group, d, f), dtype=cp.float16)
-    gu = cp.empty((n_rows, 2 * f), dtype=cp.float16)
-    act = cp.empty((n_rows, f), dtype=cp.float16)
-    y = cp.empty((n_rows, d), dtype=cp.float16)
+    by_count = sorted(range(len(used)), key=lambda i: (-n_per[i], used[i]))
     for g0 in range(0, len(used), group):
-        members = used[g0 : g0 + group]
-        _decode_group(blobs, members, layout, wgu, wd)
-        for i in range(len(members)):
-            a, b = starts[g0 + i], starts[g0 + i + 1]
-            cp.matmul(hs[a:b], wgu[i].T, out=gu[a:b])  # [n_e, 2f]
-        ra, rb = starts[g0], starts[g0 + len(members)]
-        n_act = (rb - ra) * f
-        swiglu(
-            (min((n_act + 255) // 256, 8192),),
-            (256,),
-            (gu[ra:rb], act[ra:rb], np.int64(rb - ra), np.int32(f)),
-        )
-        for i in range(len(members)):
-            a, b = starts[g0 + i], starts[g0 + i + 1]
-            cp.matmul(act[a:b], wd[i].T, out=y[a:b])  # [n_e, d]
+        members = by_count[g0 : g0 + group]
+        n_g, m = len(members), n_per[members[0]]
+        rows = np.full((n_g, m), n_rows, dtype=np.int32)  # [n_g, m] sorted rows, padded
+        for i, u in enumerate(members):
+            rows[i, : n_per[u]] = np.arange(starts[u], starts[u + 1])
+        idx = cp.asarray(rows)
+        _decode_group([blobs[used[u]] for u in members], layout, wgu, wd)
+        gu = gemm_nt(hs[idx], wgu[:n_g], cp.empty((n_g, m, 2 * f), dtype=cp.float16))
+        act = cp.empty((n_g, m, f), dtype=cp.float16)
+        _swiglu(gu.reshape(n_g * m, 2 * f), act.reshape(n_g * m, f))
+        yg = gemm_nt(act, wd[:n_g], cp.empty((n_g, m, d), dtype=cp.float16))  # [n_g, m, d]
+        y[idx.reshape(-1)] = yg.reshape(n_g * m, d)
     out = cp.empty((n_tok, d), dtype=cp.float32)
     w = cp.ascontiguousarray(weights, dtype=cp.float32)  # [T, k]
-    pos_tk = pos.reshape(n_tok, k)  # [T, k]
-    combine((n_tok,), (256,), (y, pos_tk, w, out, np.int32(k), np.int32(d)))
+    combine((n_tok,), (256,), (y, pos.reshape(n_tok, k), w, out, np.int32(k), np.int32(d)))
     return out
+
+
+@functools.cache
+def _silu_mul() -> Any:
+    cp = _cupy()
+    return cp.ElementwiseKernel(
+        "float32 g, float32 u", "float32 a", "a = g / (1.0f + expf(-g)) * u", "strata_silu_mul"
+    )
+
+
+def moe_decode(
+    h: Any, ids: Any, weights: Any, blobs: Mapping[int, Any], layout: ExpertLayout
+) -> Any:
+    """Routed-expert FFN of a few tokens through fused dequantize-GEMV (no decoded copies).
+
+    h: [B, d] activations; ids, weights: [B, k] (ids on host or device). Returns float32 [B, d].
+    Three GEMV launches at most (gate|up together when they share a quant type, then down).
+    """
+    cp = _cupy()
+    f, d = _dims(layout)
+    ids_h = ids.get() if hasattr(ids, "get") else np.asarray(ids)
+    n_tok, k = ids_h.shape
+    n_pairs = n_tok * k  # job order: (token, slot)
+    hx = cp.ascontiguousarray(h, dtype=cp.float32)  # [B, d]
+    parts = np.array([_part_ptrs(blobs[int(e)], layout) for e in ids_h.reshape(-1)], np.uint64)
+    tok = np.repeat(np.arange(n_tok, dtype=np.uint64), k)  # [B*k]
+    pair = np.arange(n_pairs, dtype=np.uint64)
+    gu = cp.empty((2, n_pairs, f), dtype=cp.float32)  # gate, up
+    act = cp.empty((n_pairs, f), dtype=cp.float32)
+    y = cp.empty((n_pairs, d), dtype=cp.float32)
+    x_ptrs = hx.data.ptr + tok * np.uint64(d * 4)
+    gate = np.stack([parts[:, 0], x_ptrs, gu.data.ptr + pair * np.uint64(f * 4)], axis=1)
+    up = np.stack(
+        [parts[:, 1], x_ptrs, gu.data.ptr + (pair + np.uint64(n_pairs)) * np.uint64(f * 4)], axis=1
+    )
+    down = np.stack(
+        [parts[:, 2], act.data.ptr + pair * np.uint64(f * 4), y.data.ptr + pair * np.uint64(d * 4)],
+        axis=1,
+    )
+    q_gate, q_up, q_down = layout.qtypes
+    dev = hx.device.id
+    if q_gate == q_up:
+        gemv_ptrs(np.concatenate([gate, up]), q_gate, (f, d), 1, device_id=dev)
+    else:
+        gemv_ptrs(gate, q_gate, (f, d), 1, device_id=dev)
+        gemv_ptrs(up, q_up, (f, d), 1, device_id=dev)
+    _silu_mul()(gu[0], gu[1], act)
+    gemv_ptrs(down, q_down, (d, f), 1, device_id=dev)
+    w = cp.asarray(weights, dtype=cp.float32).reshape(n_tok, k, 1)
+    return (y.reshape(n_tok, k, d) * w).sum(axis=1)  # [B, d]

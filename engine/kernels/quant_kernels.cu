@@ -5,10 +5,12 @@
 // experts in one launch.
 //
 // gemv: y[b, n] = sum_k W[n, k] x[b, k] with W quantized, x float32 [B, n_in], y float32
-// [B, n_out]. A warp owns R consecutive rows. It streams each row in chunks of NB whole blocks
-// (a multiple of 16 bytes): wide coalesced loads of chunk c + 1 go into registers while chunk c,
-// already in shared memory, is decoded; every decoded group of 8 weights is multiplied by x of
-// all B batch rows, and each x load serves all R rows. One block = 4 warps.
+// [B, n_out]; with `jobs`, grid row blockIdx.y computes one of several such products (one
+// launch for all experts of a decode step). A warp owns R consecutive rows. It streams each row
+// in chunks of NB whole blocks (a multiple of 16 bytes): wide coalesced loads of chunk c + 1 go
+// into registers while chunk c, already in shared memory, is decoded; every decoded group of 8
+// weights is multiplied by x of all B batch rows, and each x load serves all R rows.
+// One block = 4 warps.
 
 #define WARPS 4
 
@@ -47,20 +49,31 @@ __global__ void dequant_multi(const unsigned long long* __restrict__ srcs,
       o.w = f2h(v[6]) | ((u32)f2h(v[7]) << 16);
       ((uint4*)dst)[g] = o;
     } else {
-      float4* o = (float4*)dst + 2 * g;
-      o[0] = make_float4(v[0], v[1], v[2], v[3]);
-      o[1] = make_float4(v[4], v[5], v[6], v[7]);
+      float4 lo, hi;
+      lo.x = v[0], lo.y = v[1], lo.z = v[2], lo.w = v[3];
+      hi.x = v[4], hi.y = v[5], hi.z = v[6], hi.w = v[7];
+      ((float4*)dst)[2 * g] = lo;
+      ((float4*)dst)[2 * g + 1] = hi;
     }
   }
 }
 
-template <class BT, int R, int B, class W>
+template <class BT, int R, int B>
 __global__ void __launch_bounds__(WARPS * 32)
     gemv(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n_out,
-         int n_in, const u32* __restrict__ tab_g, int n_tab) {
+         int n_in, const u32* __restrict__ tab_g, int n_tab,
+         const unsigned long long* __restrict__ jobs) {
   typedef Chunk<BT> C;
-  enum { WPL = (C::CB / (int)sizeof(W) + 31) / 32 };  // words per lane and row per chunk
-  __shared__ __align__(16) u8 s_raw[WARPS][R][C::CB];
+  if (jobs != 0) {  // several matrices in one launch: job blockIdx.y = (w, x, y) pointers
+    w = (const u8*)jobs[3 * blockIdx.y];
+    x = (const float*)jobs[3 * blockIdx.y + 1];
+    y = (float*)jobs[3 * blockIdx.y + 2];
+  }
+  // A row chunk is staged from the 16-byte boundary at or below its start (`lead` bytes
+  // earlier), so every row uses 16-byte loads whatever its alignment; the bytes read before the
+  // start and after the end lie in the same 16-byte segments as row bytes.
+  enum { SB = C::CB + 16, WPL = (SB / 16 + 31) / 32 };  // smem bytes, uint4 per lane per row
+  __shared__ __align__(16) u8 s_raw[WARPS][R][SB];
   __shared__ u32 s_tab[256];
   for (int i = threadIdx.x; i < n_tab; i += blockDim.x) s_tab[i] = tab_g[i];
   __syncthreads();
@@ -72,27 +85,32 @@ __global__ void __launch_bounds__(WARPS * 32)
   const i64 row_bytes = (i64)nblk * BT::TS;
   const int n_chunks = (nblk + C::NB - 1) / C::NB;
   const u8* rows[R];
+  int lead[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) rows[r] = w + (i64)min(row0 + r, n_out - 1) * row_bytes;
+  for (int r = 0; r < R; ++r) {
+    rows[r] = w + (i64)min(row0 + r, n_out - 1) * row_bytes;
+    lead[r] = (int)((unsigned long long)rows[r] & 15);
+  }
 
-  W pre[R][WPL];
+  uint4 pre[R][WPL];
   float acc[R][B];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
 
-  // chunk c of every row -> registers (words past the row's end are not read)
-#define GEMV_LOAD(c)                                                              \
-  {                                                                               \
-    const int nw = min(C::NB, nblk - (c) * C::NB) * BT::TS / (int)sizeof(W);      \
-    _Pragma("unroll") for (int r = 0; r < R; ++r) {                               \
-      const W* src = (const W*)(rows[r] + (i64)(c) * C::CB);                      \
-      _Pragma("unroll") for (int i = 0; i < WPL; ++i) {                           \
-        const int idx = lane + 32 * i;                                            \
-        if (idx < nw) pre[r][i] = src[idx];                                       \
-      }                                                                           \
-    }                                                                             \
+  // chunk c of every row -> registers (16-byte words; none past the row's last segment)
+#define GEMV_LOAD(c)                                                                   \
+  {                                                                                    \
+    const int n_bytes = min(C::NB, nblk - (c) * C::NB) * BT::TS;                       \
+    _Pragma("unroll") for (int r = 0; r < R; ++r) {                                    \
+      const uint4* src = (const uint4*)(rows[r] + (i64)(c) * C::CB - lead[r]);         \
+      const int nw = (lead[r] + n_bytes + 15) >> 4;                                    \
+      _Pragma("unroll") for (int i = 0; i < WPL; ++i) {                                \
+        const int idx = lane + 32 * i;                                                 \
+        if (idx < nw) pre[r][i] = src[idx];                                            \
+      }                                                                                \
+    }                                                                                  \
   }
 
   GEMV_LOAD(0);
@@ -102,7 +120,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
       for (int i = 0; i < WPL; ++i) {
         const int idx = lane + 32 * i;
-        if (idx * (int)sizeof(W) < C::CB) ((W*)s_raw[warp][r])[idx] = pre[r][i];
+        if (idx * 16 < SB) ((uint4*)s_raw[warp][r])[idx] = pre[r][i];
       }
     __syncwarp();
     if (c + 1 < n_chunks) GEMV_LOAD(c + 1);
@@ -113,7 +131,8 @@ __global__ void __launch_bounds__(WARPS * 32)
       const int blk = g / C::GPB, j = g % C::GPB;
       float v[R][8];
 #pragma unroll
-      for (int r = 0; r < R; ++r) BT::dec8(s_raw[warp][r] + blk * BT::TS, j, v[r], s_tab);
+      for (int r = 0; r < R; ++r)
+        BT::dec8(s_raw[warp][r] + lead[r] + blk * BT::TS, j, v[r], s_tab);
       const int k0 = blk * BT::QK + 8 * j;
 #pragma unroll
       for (int b = 0; b < B; ++b) {

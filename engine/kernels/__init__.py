@@ -1,0 +1,34 @@
+"""CUDA kernels (CuPy + NVRTC): GGUF dequantization, fused dequantize-GEMV, grouped MoE prefill.
+
+Importing this package needs no GPU and no CuPy; CuPy is imported on the first kernel call.
+"""
+
+from engine.kernels.dequant import (
+    SUPPORTED,
+    check_layouts,
+    dequantize,
+    dequantize_many,
+    gemv,
+    gemv_many,
+)
+from engine.kernels.moe import (
+    expert_fp16_bytes,
+    gemm_nt,
+    moe_decode,
+    moe_prefill,
+    workspace_bytes,
+)
+
+__all__ = [
+    "SUPPORTED",
+    "check_layouts",
+    "dequantize",
+    "dequantize_many",
+    "expert_fp16_bytes",
+    "gemm_nt",
+    "gemv",
+    "gemv_many",
+    "moe_decode",
+    "moe_prefill",
+    "workspace_bytes",
+]

@@ -1,0 +1,177 @@
+"""The CUDA backend on a real GPU: VMM segments, the --vram-limit budget, counted copies.
+
+Marked `gpu`; skipped where CuPy is missing or finds no device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.errors import DeviceError, LedgerError
+from engine.memory.sizes import GiB, MiB
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    cp = pytest.importorskip("cupy")
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError:
+        n = 0
+    if n == 0:
+        pytest.skip("CuPy finds no CUDA device")
+    return cp
+
+
+@pytest.fixture
+def backend(cp):
+    from engine.backend.cuda import CudaBackend
+
+    b = CudaBackend(0, limit_bytes=4 * GiB)
+    yield b
+    b.synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def _device_used_bytes() -> int:
+    from engine.telemetry import Telemetry
+
+    t = Telemetry.open(0)
+    assert t is not None, "NVML is needed for this test"
+    try:
+        return t.memory()[2]
+    finally:
+        t.close()
+
+
+def test_make_backend_routes_cuda(cp) -> None:
+    from engine.backend import Backend, make_backend
+
+    b = make_backend("cuda:0", limit_bytes=2 * GiB)
+    assert isinstance(b, Backend) and b.name == "cuda:0" and b.xp is cp
+    assert 0 < b.capacity_bytes < 2 * GiB and b.capacity_bytes % (2 * MiB) == 0
+    with pytest.raises(DeviceError, match="CUDA devices"):
+        make_backend("cuda:99")
+
+
+def test_vmm_unmap_frees_memory_and_remap_keeps_addresses(backend, cp) -> None:
+    seg = 256 * MiB
+    aspace = backend.reserve_address_space(2 * GiB)
+    assert aspace.granularity_bytes % (2 * MiB) == 0
+    used0 = _device_used_bytes()
+    aspace.map(0, seg)
+    aspace.map(seg, seg)
+    used1 = _device_used_bytes()
+    assert used1 - used0 >= 2 * seg - 8 * MiB, (used0, used1)
+    view = aspace.view(0, 2 * seg)  # one contiguous range over two physical chunks
+    ptr = view.data.ptr
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 256, 2 * seg, dtype=np.uint8)
+    backend.upload(first, view)
+    assert np.array_equal(backend.download(view), first)
+
+    aspace.unmap(seg, seg)
+    backend.synchronize()
+    used2 = _device_used_bytes()
+    assert used1 - used2 >= seg - 8 * MiB, (used1, used2)
+    assert aspace.mapped_bytes == seg
+    assert np.array_equal(backend.download(aspace.view(0, seg)), first[:seg])  # kept part intact
+
+    aspace.map(seg, seg)
+    assert _device_used_bytes() - used2 >= seg - 8 * MiB
+    again = aspace.view(0, 2 * seg)
+    assert again.data.ptr == ptr  # same addresses after release and restore
+    second = rng.integers(0, 256, seg, dtype=np.uint8)
+    backend.upload(second, aspace.view(seg, seg))  # a re-mapped segment is re-uploadable
+    got = backend.download(again)
+    assert np.array_equal(got[:seg], first[:seg]) and np.array_equal(got[seg:], second)
+    aspace.close()
+    assert _device_used_bytes() <= used0 + 32 * MiB
+
+
+def test_ledger_regions_on_vmm_keep_addresses_across_release(backend) -> None:
+    from engine.memory.ledger import Ledger
+
+    ledger = Ledger(backend, backend.capacity_bytes, segment_bytes=64 * MiB)
+    kv = ledger.reserve("kv", 100 * MiB)
+    ptr = kv.view(0, 100 * MiB).data.ptr
+    ledger.grow("kv", 100 * MiB)
+    assert kv.view(0, 200 * MiB).data.ptr == ptr
+    ledger.reserve("verifier", 64 * MiB)
+    ledger.check_integrity()
+    ledger.release("kv")
+    ledger.check_integrity()
+    again = ledger.reserve("kv", 150 * MiB)
+    assert again.view(0, 150 * MiB).data.ptr == ptr
+    snap = ledger.snapshot()
+    assert snap.unaccounted_bytes is None or snap.unaccounted_bytes >= 0
+    ledger.close()
+
+
+def test_vram_limit_is_enforced(cp) -> None:
+    from engine.backend.cuda import CudaBackend
+    from engine.memory.ledger import Ledger
+
+    b = CudaBackend(0, limit_bytes=1 * GiB)
+    assert b.budget_bytes == 1 * GiB and b.capacity_bytes <= 1 * GiB - b.workspace_bytes
+    aspace = b.reserve_address_space(4 * GiB)
+    with pytest.raises(DeviceError, match="out of planned VRAM") as e:
+        aspace.map(0, 2 * GiB)
+    assert "\n" not in str(e.value) and aspace.mapped_bytes == 0
+    with pytest.raises(DeviceError, match="out of planned VRAM"):
+        b.alloc(b.capacity_bytes + 2 * MiB)
+    with pytest.raises(cp.cuda.memory.OutOfMemoryError):  # temporaries are inside the budget too
+        cp.empty(2 * GiB, dtype=cp.uint8)
+    ledger = Ledger(b, b.capacity_bytes, segment_bytes=64 * MiB)
+    with pytest.raises(LedgerError):
+        ledger.reserve("experts.cache", b.capacity_bytes + 64 * MiB)
+    ledger.reserve("experts.cache", ledger.capacity_bytes)  # exactly the capacity fits
+    ledger.check_integrity()
+    with pytest.raises(DeviceError):
+        b.alloc(64 * MiB)
+    ledger.close()
+    aspace.close()
+    buf = b.alloc(64 * MiB)  # released memory is usable again
+    b.free(buf)
+
+
+def test_uploads_are_counted_and_correct(backend, cp) -> None:
+    rng = np.random.default_rng(1)
+    n = 80 * MiB + 12345  # several staging halves and a ragged end
+    host = rng.integers(0, 256, n, dtype=np.uint8)
+    dev = cp.empty(n, dtype=cp.uint8)
+    before = backend.stats.snapshot()
+    backend.upload(host, dev)
+    assert cp.array_equal(dev, cp.asarray(host))  # compute after upload() sees the bytes
+    pinned = backend.host_buffer(n)
+    pinned[:] = host[::-1]
+    backend.upload(pinned, dev)
+    back = backend.download(dev)
+    assert np.array_equal(back, host[::-1])
+    floats = rng.standard_normal((300, 7)).astype(np.float32)
+    fdev = cp.empty((300, 7), dtype=cp.float32)
+    backend.upload(floats, fdev)
+    assert np.array_equal(backend.download(fdev), floats)
+    diff = backend.stats.snapshot() - before
+    assert diff.h2d_copies == 3 and diff.h2d_bytes == 2 * n + floats.nbytes
+    assert diff.d2h_copies == 2 and diff.d2h_bytes == n + floats.nbytes
+
+
+def test_upload_async_overlaps_and_joins(backend, cp) -> None:
+    n = 64 * MiB
+    host = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8)
+    dev = cp.empty(n, dtype=cp.uint8)
+    event = backend.upload_async(host, dev, after_compute=False)
+    backend.wait(event)
+    total = int(dev.sum(dtype=cp.uint64))
+    assert total == int(host.sum(dtype=np.uint64))
+
+
+def test_mem_info_reports_budget_and_process(backend) -> None:
+    info = backend.mem_info()
+    assert info.total_bytes == backend.budget_bytes
+    assert 0 <= info.free_bytes <= info.total_bytes
+    assert info.process_bytes is None or info.process_bytes > 0

@@ -1,0 +1,48 @@
+"""NVML telemetry: the no-NVML path everywhere, a real reading where a GPU is present."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from engine.telemetry import GpuSnapshot, Telemetry, format_snapshot, snapshot
+
+
+def test_without_nvml_everything_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` now raises ImportError
+    assert Telemetry.open(0) is None
+    assert snapshot(0) is None
+    assert "not available" in format_snapshot(None)
+
+
+def test_format_snapshot_names_every_reading() -> None:
+    s = GpuSnapshot(
+        index=0, name="NVIDIA H200", driver_version="580.1", memory_api="v2",
+        total_bytes=143_771 << 20, used_bytes=1_024 << 20, free_bytes=142_747 << 20,
+        reserved_bytes=512 << 20, process_bytes=600 << 20, pcie_gen=5, pcie_width=16,
+        pcie_gen_max=5, pcie_width_max=16, gpu_util_pct=37, mem_util_pct=12,
+        temperature_c=41, power_w=None,
+    )  # fmt: skip
+    text = format_snapshot(s)
+    for words in ("NVIDIA H200", "memory (v2)", "143,771 MiB", "reserved 512 MiB",
+                  "this process 600 MiB", "gen 5 x16", "gpu 37%", "41 C", "n/a"):  # fmt: skip
+        assert words in text, (words, text)
+    assert len(text.splitlines()) == 5
+
+
+@pytest.mark.gpu
+def test_snapshot_on_a_gpu() -> None:
+    pytest.importorskip("pynvml")
+    t = Telemetry.open(0)
+    if t is None:
+        pytest.skip("NVML finds no GPU")
+    try:
+        s = t.snapshot()
+    finally:
+        t.close()
+    assert s.memory_api in ("v1", "v2")
+    assert s.total_bytes > 0 and 0 <= s.used_bytes <= s.total_bytes
+    assert s.free_bytes <= s.total_bytes
+    assert s.name != "?"
+    assert s.pcie_gen is None or s.pcie_gen >= 1
