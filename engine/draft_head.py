@@ -83,7 +83,8 @@ class DraftHead:
         assert self.ids.ndim == 1 and 0 < self.ids.size <= self.n_vocab, self.ids.shape
         assert np.all(np.diff(self.ids) > 0) and 0 <= self.ids[0] and self.ids[-1] < self.n_vocab
         self.nbytes = int(self.ids.size * self.n_embd * 4)
-        host = self._read()
+        self._host_rows: np.ndarray | None = None
+        host = self._host_rows = self._read()
         self._crc = zlib.crc32(host.tobytes())
         self.rows: Any = to_device(host)  # [N, d]
 
@@ -154,6 +155,8 @@ class DraftHead:
                 raise AssertionError(f"draft head checksum {crc:08x} != file rows {self._crc:08x}")
 
     def _read(self) -> np.ndarray:
+        if self._host_rows is not None:  # decoded once; a restore is one upload
+            return self._host_rows
         t = self.source
         raw = t.raw.reshape(self.n_vocab, -1).view(np.uint8)  # [V, row_bytes]
         return dequantize_bytes(raw[self.ids], t.qtype, (self.n_rows, self.n_embd))

@@ -42,15 +42,38 @@ class CachedExperts:
     """
 
     def __init__(self, cache: ExpertCache | None, host: HostExperts, decoded: DecodedLRU,
-                 to_host: Callable[[Any], Any]):
+                 to_host: Callable[[Any], Any], xp_asarray: Callable[[Any], Any] = lambda a: a,
+                 on_device_kernels: bool = False):
         self.cache, self.host, self.decoded = cache, host, decoded
         self.ring: StagingRing | None = None
         self.counters = StreamCounters()
         self._to_host = to_host
         self._host_decoded = DecodedLRU(64 << 20)
+        self._xp_asarray = xp_asarray
+        if on_device_kernels:  # CUDA: experts are computed from their quantized bytes
+            self.ffn = self.kernel_ffn
 
     def prepare(self, layer: int, experts: list[int]) -> None:
         pass
+
+    def blob(self, layer: int, expert: int) -> Any:
+        """Device bytes of (layer, expert): its cache slot, a ring slot (prompt path), or a
+        transient upload (the decode-miss policy on CUDA: stream it over PCIe)."""
+        slot = self.cache.lookup(layer, expert) if self.cache is not None else -1
+        if slot >= 0:
+            self.counters.hits += 1
+            return self.cache.slot_view(slot)  # type: ignore[union-attr]
+        self.counters.streamed += 1
+        self.counters.bytes_streamed += self.host.blob_bytes
+        if self.ring is not None:
+            return self.ring.stage(layer, expert, self.host.blob)
+        self.counters.host_reads += 1
+        return self._xp_asarray(self.host.blob(layer, expert))
+
+    def kernel_ffn(self, layer: int, h: Any, ids: Any, w: Any, used: list[int]) -> Any:
+        """The routed FFN on CUDA: grouped fp16 GEMMs (prefill) or fused GEMVs (decode),
+        reading every expert straight from its device bytes."""
+        return kernel_ffn(self.host.layout, {e: self.blob(layer, e) for e in used}, h, ids, w)
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         layout = self.host.layout
@@ -68,6 +91,15 @@ class CachedExperts:
         return self._host_decoded.get(
             (layer, expert), lambda: layout.decode(self.host.blob(layer, expert))
         )
+
+
+def kernel_ffn(layout: Any, blobs: dict[int, Any], h: Any, ids: Any, w: Any) -> Any:
+    """h [T, d], ids/w [T, k] -> [T, d] with the CUDA MoE kernels (engine.kernels.moe)."""
+    from engine.kernels.moe import moe_decode, moe_prefill
+
+    if h.shape[0] <= 8:
+        return moe_decode(h, ids, w, blobs, layout)
+    return moe_prefill(h, ids, w, blobs, layout)
 
 
 @dataclass(frozen=True)

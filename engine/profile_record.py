@@ -17,6 +17,7 @@ import numpy as np
 from engine.experts.profile import ExpertProfile, ProfileError, ProfileRecorder
 from engine.kv import KVCache
 from engine.model.loader import Model
+from engine.model.moe import ExpertProvider
 from engine.model.weights import DirectExperts
 from engine.synth.demo import cache_dir
 from engine.synth.vocab import word_list
@@ -38,22 +39,25 @@ def calibration_text(n_words: int = 600, seed: int = 0) -> str:
     return " ".join(sentences)
 
 
-def record_profile(model: Model, texts: Iterable[str], max_tokens: int = 1 << 20) -> ExpertProfile:
-    """Route `texts` through the main blocks; counts every (layer, expert) pick."""
+def record_profile(model: Model, texts: Iterable[str], max_tokens: int = 1 << 20,
+                   experts: ExpertProvider | None = None) -> ExpertProfile:
+    """Route `texts` through the main blocks; counts every (layer, expert) pick. `experts`
+    computes the routed FFN (default: decoded from host memory)."""
     assert model.transformer is not None, "build the model weights first"
     hp = model.hp
+    xp = model.transformer.xp
     rec = ProfileRecorder(hp.n_layer, hp.n_expert)
-    experts = DirectExperts(model.experts)
+    experts = experts or DirectExperts(model.experts, to_device=xp.asarray)
     for text in texts:
         ids = model.tokenizer.encode(text)[:max_tokens]
         if not ids:
             continue
-        kv = KVCache(np, hp.n_layer, len(ids), hp.n_head_kv, hp.head_dim)
+        kv = KVCache(xp, hp.n_layer, len(ids), hp.n_head_kv, hp.head_dim)
         for start in range(0, len(ids), CHUNK_TOKENS):
             part = np.asarray(ids[start : start + CHUNK_TOKENS], dtype=np.int64)
             res = model.transformer.forward(part, start, kv, experts, logits="none")
             for layer, routed in enumerate(res.routes):
-                rec.add(layer, np.asarray(routed))
+                rec.add(layer, getattr(xp, "asnumpy", np.asarray)(routed))
     if rec.n_tokens == 0:
         raise ProfileError("no tokens to profile: the prompt set is empty")
     return rec.profile()
@@ -67,7 +71,7 @@ def _cached_path(model: Model) -> list[Path]:
     ]
 
 
-def default_profile(model: Model) -> ExpertProfile:
+def default_profile(model: Model, experts: ExpertProvider | None = None) -> ExpertProfile:
     """The model's calibration profile: loaded when cached, else recorded and cached."""
     hp = model.hp
     for path in _cached_path(model):
@@ -76,7 +80,7 @@ def default_profile(model: Model) -> ExpertProfile:
                 return ExpertProfile.load(path, n_layer=hp.n_layer, n_expert=hp.n_expert)
             except ProfileError:
                 pass  # stale or foreign: record again
-    profile = record_profile(model, [calibration_text()], CALIBRATION_TOKENS)
+    profile = record_profile(model, [calibration_text()], CALIBRATION_TOKENS, experts)
     for path in _cached_path(model):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

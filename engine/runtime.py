@@ -198,7 +198,8 @@ class Runtime:
             Arena(self.ledger, "reserve", self.plan_options.reserve_bytes)
         self._trace_fn = on_trace
         self.cache = self._make_cache()
-        self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), self.to_host)
+        self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), self.to_host,
+                                     self.xp.asarray, on_device_kernels=self.on_cuda)
         self.session = Session(m, n_ctx=o.ctx, kv_kind=o.kv, xp=self.xp, experts=self.experts,
                                kv_alloc=kv.alloc)
         self._owned_prompt()
@@ -257,7 +258,10 @@ class Runtime:
             profile = ExpertProfile.load(self.options.expert_profile)
             profile.check_model(self.model.hp.n_layer, self.model.hp.n_expert)
             return profile
-        return default_profile(self.model)
+        # the calibration pass streams every expert it routes to (the cache is not filled yet)
+        stream = CachedExperts(None, self.model.experts, DecodedLRU(), self.to_host,
+                               self.xp.asarray, on_device_kernels=self.on_cuda)
+        return default_profile(self.model, stream)
 
     def _owned_prompt(self) -> None:
         g = self.plan.prompt
@@ -275,6 +279,10 @@ class Runtime:
     @property
     def xp(self) -> Any:
         return self.backend.xp
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.backend.name.startswith("cuda")
 
     @property
     def weight_dtype(self) -> Any:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from engine.draft_head import DraftHead
 from engine.memory.arena import Arena
 from engine.model.mtp import MTPBlock, MTPDraft, MTPExperts, require_mtp
+from engine.prefill import kernel_ffn
 from engine.resources import DecodeResource
 from engine.spec import SpecDecoder
 from engine.verifier import Verifier
@@ -26,6 +27,10 @@ def build_spec(rt: Runtime, dense: Arena, kv: Arena) -> tuple[SpecDecoder | None
     hda = Arena(rt.ledger, "mtp.draft_head", rt.costs.draft_head_bytes, float_dtype=rt.weight_dtype)
     head = DraftHead.from_model(m, o.draft_vocab, None, rt.xp, hda.to_device)
     experts = MTPExperts(m.mtp_experts, rt.xp, exa.to_device)
+    if rt.on_cuda:  # compute the MTP experts from their resident quantized bytes
+        layout = m.mtp_experts.layout
+        experts.ffn = lambda layer, h, ids, w, used: kernel_ffn(  # type: ignore[attr-defined]
+            layout, {e: experts.blobs[e] for e in used}, h, ids, w)
     items = [DecodeResource("mtp.experts", exa, experts), DecodeResource("mtp.draft_head", hda, head)]
     block = MTPBlock(m, head=head, experts=experts, xp=rt.xp, to_device=dense.to_device)
     if o.spec < 2:

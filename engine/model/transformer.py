@@ -38,12 +38,16 @@ class Transformer:
         self.blocks: list[BlockWeights] = [load_block(mf, i, to_device) for i in range(hp.n_layer)]
         self.output_norm = to_device(dequantize(mf.tensor(names.OUTPUT_NORM)))
         self.head: Any = None  # [V, d] the output head; `release_head` / `load_head`
+        self._head_host: np.ndarray | None = None
         self.load_head(head_to_device or to_device)
 
     def head_host(self) -> np.ndarray:
-        """[V, d] float32 output head from the file (tied models reuse the embedding table)."""
-        out = self.mf.tensors.get(names.OUTPUT)
-        return dequantize(out) if out is not None else self.embd.full()
+        """[V, d] float32 output head from the file (tied models reuse the embedding table),
+        decoded once and kept in host memory so a loan's restore is one upload."""
+        if self._head_host is None:
+            out = self.mf.tensors.get(names.OUTPUT)
+            self._head_host = dequantize(out) if out is not None else self.embd.full()
+        return self._head_host
 
     def load_head(self, to_device: Any) -> None:
         self.head = to_device(self.head_host())
