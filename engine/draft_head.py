@@ -87,6 +87,7 @@ class DraftHead:
         host = self._host_rows = self._read()
         self._crc = zlib.crc32(host.tobytes())
         self.rows: Any = to_device(host)  # [N, d]
+        self.nbytes = int(self.rows.nbytes)  # the device dtype's bytes (fp16 on CUDA)
 
     @classmethod
     def from_model(

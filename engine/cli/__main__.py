@@ -1,0 +1,7 @@
+"""`python -m engine.cli`: the engine's sub-commands without the app."""
+
+import sys
+
+from engine.cli import main
+
+sys.exit(main())
