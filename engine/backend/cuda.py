@@ -73,7 +73,9 @@ class CudaBackend:
         if budget <= 0:
             raise DeviceError(f"{self.name}: {format_mib(free)} MiB free, nothing left to plan")
         self.budget_bytes = budget
-        ws = min(1024 * MiB, budget // 8) if workspace_bytes is None else workspace_bytes
+        # the compute's temporaries (a prompt chunk's activations, attention score blocks,
+        # cuBLAS workspace) live in CuPy's pool: a quarter of the budget, at least 1 GiB
+        ws = min(budget // 2, max(1024 * MiB, budget // 4)) if workspace_bytes is None else workspace_bytes
         self.workspace_bytes = ws
         # `elastic` (--vram-elastic) is a policy the guards read; the ledger needs contiguous,
         # stable region addresses either way, so VMM is used wherever the driver has it.

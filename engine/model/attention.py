@@ -9,7 +9,8 @@ from engine.gguf.hparams import HParams
 from engine.kv import KVCache
 from engine.model.ops import linear, rms_norm, rope_neox
 
-QUERY_BLOCK = 512  # queries per score block: bounds the [H, Tq, S] score buffer
+QUERY_BLOCK = 512  # queries per score block at most
+SCORE_BUDGET_BYTES = 64 << 20  # the [H, Tq, S] float32 score block stays under this
 
 
 @dataclass
@@ -59,8 +60,9 @@ def causal_gqa(xp: Any, q: Any, k: Any, v: Any, pos0: int) -> Any:
     kt = k.transpose(1, 2, 0)  # [Hkv, D, S]
     vh = v.transpose(1, 0, 2)  # [Hkv, S, D]
     out = xp.empty((n_kv, group, t, d), dtype=xp.float32)
-    for a in range(0, t, QUERY_BLOCK):
-        b = min(t, a + QUERY_BLOCK)
+    block = max(16, min(QUERY_BLOCK, SCORE_BUDGET_BYTES // (4 * n_head * (pos0 + t))))
+    for a in range(0, t, block):
+        b = min(t, a + block)
         s_eff = pos0 + b  # keys this block may see
         scores = qg[:, :, a:b] @ kt[:, None, :, :s_eff]  # [Hkv, G, Tq, s_eff]
         diag = xp.arange(pos0 + a, s_eff)
