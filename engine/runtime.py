@@ -169,6 +169,10 @@ class Runtime:
         capacity = rt.backend.capacity_bytes
         seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
         rt.plan_options = cls.plan_options_for(options, flags, reserve, seg)
+        ws = getattr(rt.backend, "workspace_bytes", 0)
+        if ws:  # CUDA: a chunk's temporaries live in the workspace; keep them inside it
+            cap = ws // (2 * rt.costs.act_bytes_per_token) // 256 * 256
+            rt.plan_options = replace(rt.plan_options, max_chunk_tokens=max(256, min(cap, 16384)))
         rt.plan = plan_startup(capacity, rt.costs, rt.plan_options)
         rt.ledger = Ledger(rt.backend, capacity, segment_bytes=seg,
                            on_change=lambda s: publish(LedgerChanged.of(s)))

@@ -8,7 +8,7 @@ from pathlib import Path
 from engine.cli.options import add_engine_args, engine_options, loan_flags
 from engine.costs import Shapes, model_costs
 from engine.memory.planner import format_plan_table, plan_startup
-from engine.memory.sizes import MiB, format_mib
+from engine.memory.sizes import MiB, format_mib, parse_size
 from engine.model.loader import load_model
 from engine.runtime import Runtime, default_segment_bytes, default_sim_bytes, deferred_regions
 from engine.synth.demo import resolve_model
@@ -33,7 +33,8 @@ def plan_text(args: argparse.Namespace) -> str:
     else:
         from engine.backend import make_backend
 
-        capacity = make_backend(device).capacity_bytes
+        limit = parse_size(options.vram_limit, what="--vram-limit") if options.vram_limit else None
+        capacity = make_backend(device, limit).capacity_bytes
     seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
     opts = Runtime.plan_options_for(options, flags, reserve, seg)
     plan = plan_startup(capacity, costs, opts)
