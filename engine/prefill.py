@@ -93,13 +93,23 @@ class CachedExperts:
         )
 
 
+MOE_SLICE_TOKENS = 1024  # tokens per grouped-GEMM pass: bounds the gathered rows and outputs
+
+
 def kernel_ffn(layout: Any, blobs: dict[int, Any], h: Any, ids: Any, w: Any) -> Any:
     """h [T, d], ids/w [T, k] -> [T, d] with the CUDA MoE kernels (engine.kernels.moe)."""
     from engine.kernels.moe import moe_decode, moe_prefill
 
-    if h.shape[0] <= 8:
+    n = h.shape[0]
+    if n <= 8:
         return moe_decode(h, ids, w, blobs, layout)
-    return moe_prefill(h, ids, w, blobs, layout)
+    if n <= MOE_SLICE_TOKENS:
+        return moe_prefill(h, ids, w, blobs, layout)
+    import cupy as xp
+    parts = [moe_prefill(h[a : a + MOE_SLICE_TOKENS], ids[a : a + MOE_SLICE_TOKENS],
+                         w[a : a + MOE_SLICE_TOKENS], blobs, layout)
+             for a in range(0, n, MOE_SLICE_TOKENS)]  # bounded temporaries per launch group
+    return xp.concatenate(parts)
 
 
 @dataclass(frozen=True)
