@@ -14,6 +14,7 @@ import numpy as np
 from engine.memory.ledger import Ledger
 
 ALIGN = 256
+CONVERT_CACHE_MIN_BYTES = 1 << 20  # only big arrays (heads) are worth keeping converted
 
 
 def padded(n_bytes: int) -> int:
@@ -28,6 +29,8 @@ class Arena:
                  float_dtype: Any = np.float32):
         self.ledger, self.name, self.n_bytes = ledger, name, max(n_bytes, ALIGN)
         self.float_dtype = np.dtype(float_dtype)  # weights' storage: float16 on CUDA
+        # host arrays converted to float_dtype, kept so a loan's restore is a plain upload
+        self._converted: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.region = ledger.reserve(name, self.n_bytes) if reserve else None
 
     @property
@@ -38,7 +41,12 @@ class Arena:
         """Upload `host` into the next free bytes of the region; returns the typed view."""
         host = np.ascontiguousarray(host)
         if host.dtype == np.float32 and self.float_dtype != host.dtype:
-            host = host.astype(self.float_dtype)
+            seen = self._converted.get(id(host))
+            if seen is None or seen[0] is not host:
+                seen = (host, host.astype(self.float_dtype))
+                if host.nbytes >= CONVERT_CACHE_MIN_BYTES:
+                    self._converted[id(host)] = seen
+            host = seen[1]
         out = self.alloc(host.shape, host.dtype, zero=False)
         self.ledger.backend.upload(host, out)
         return out
