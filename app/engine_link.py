@@ -22,6 +22,7 @@ from engine.events import (
     CacheChanged,
     Event,
     EventBus,
+    GpuStats,
     LedgerChanged,
     PrefillProgress,
     Token,
@@ -31,7 +32,7 @@ from engine.serve import Reply, ServeLoop
 
 REFRESH_HZ = 15
 # events that are whole snapshots: within one tick only the newest matters
-_SNAPSHOTS = (LedgerChanged, CacheChanged, PrefillProgress)
+_SNAPSHOTS = (LedgerChanged, CacheChanged, PrefillProgress, GpuStats)
 
 
 def coalesce(events: Iterable[Event]) -> tuple[Event, ...]:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.memory.ledger import LedgerSnapshot, RegionInfo
 
@@ -146,6 +147,14 @@ class FlagsChanged(Event):
 @dataclass(frozen=True)
 class FlagsRefused(Event):
     violations: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GpuStats(Event):
+    """An NVML reading of the device (CUDA only), with the ledger's view beside it."""
+
+    snapshot: Any  # engine.telemetry.GpuSnapshot
+    ledger_bytes: int  # bytes the ledger's regions hold
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,7 +23,15 @@ from engine.backend.base import Backend
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import model_costs
 from engine.errors import FlagError, StrataError
-from engine.events import CacheChanged, EventBus, LedgerChanged, Loading, Ready, TraceLine
+from engine.events import (
+    CacheChanged,
+    EventBus,
+    GpuStats,
+    LedgerChanged,
+    Loading,
+    Ready,
+    TraceLine,
+)
 from engine.experts.cache import LENT, ExpertCache
 from engine.experts.profile import ExpertProfile
 from engine.experts.residency import residency_readers
@@ -141,6 +150,8 @@ class Runtime:
         self.active_lent: Any = None  # LentRange while the prompt path holds cache slots
         self.faults = Faults()
         self.warnings: list[str] = []
+        self._telemetry: Any = None  # engine.telemetry.Telemetry, False without NVML
+        self._gpu_t = 0.0
         self.trace = os.environ.get("STRATA_TRACE", "") not in ("", "0")
 
     # -- construction ------------------------------------------------------------------------
@@ -178,6 +189,7 @@ class Runtime:
                            on_change=lambda s: publish(LedgerChanged.of(s)))
         rt._build(on_trace)
         publish(Ready(summary=rt.summary(), device=rt.backend.name))
+        rt.publish_gpu(force=True)
         return rt
 
     @staticmethod
@@ -364,6 +376,22 @@ class Runtime:
         if self.spec is not None:
             self.spec.draft.truncate(min(cp.n_tokens, len(self.session.tokens)))
 
+    def publish_gpu(self, force: bool = False) -> None:
+        """On CUDA, an NVML reading as a GpuStats event (at most twice a second)."""
+        if not self.on_cuda:
+            return
+        now = time.monotonic()
+        if not force and now - self._gpu_t < 0.5:
+            return
+        self._gpu_t = now
+        if self._telemetry is None:
+            from engine.telemetry import Telemetry
+
+            self._telemetry = Telemetry.open(int(self.backend.name.partition(":")[2] or 0)) or False
+        if self._telemetry:
+            used = sum(r.used_bytes for r in self.ledger.snapshot().regions)
+            self.bus.publish(GpuStats(self._telemetry.snapshot(), used))
+
     def publish_cache(self) -> None:
         if self.cache is None:
             return
@@ -428,9 +456,14 @@ class Runtime:
             self.publish_cache()
             raise
         self.publish_cache()
+        self.publish_gpu(force=True)
         return logits, res
 
     def _run(self, fresh: list[int], g: PromptGeometry, on_chunk: Callable) -> PrefillResult:
+        def chunk_done(c: int, n: int, seconds: float) -> None:
+            self.publish_gpu()
+            on_chunk(c, n, seconds)
+
         def hook(event: str, lent: Any) -> None:
             self.active_lent = lent
             self.publish_cache()
@@ -442,7 +475,7 @@ class Runtime:
             owned = (self.owned_chunk.region.view(0, g.chunk_bytes),
                      self.owned_ring.region.view(0, g.ring_bytes))
         res = run_prompt(self.session, fresh, g, self.cache, self.experts, self.backend, owned,
-                         on_chunk, hook)
+                         chunk_done, hook)
         self.active_lent = None
         return res
 

@@ -227,3 +227,23 @@ def test_flow_never_splits_an_item() -> None:
     items = [Text("alpha 1"), Text("beta 22"), Text("gamma 333")]
     lines = flow(items, 16).plain.split("\n")
     assert lines == ["alpha 1  beta 22", "gamma 333"]
+
+
+def test_gpu_panel_appears_with_nvml_readings() -> None:
+    from app.widgets.gpu_panel import GpuPanel
+    from engine.events import GpuStats
+    from engine.telemetry import GpuSnapshot
+
+    snap = GpuSnapshot(
+        index=0, name="NVIDIA H200", driver_version="580", memory_api="v2",
+        total_bytes=140 * 1024 * MIB, used_bytes=6 * 1024 * MIB, free_bytes=134 * 1024 * MIB,
+        reserved_bytes=None, process_bytes=5 * 1024 * MIB, pcie_gen=5, pcie_width=16,
+        pcie_gen_max=5, pcie_width_max=16, gpu_util_pct=87, mem_util_pct=40,
+        temperature_c=51, power_w=412.0,
+    )
+    panel = GpuPanel()
+    assert not panel.has_class("-live")
+    text = feed(panel, GpuStats(snap, 4 * 1024 * MIB), size=(80, 20))
+    assert panel.has_class("-live")
+    assert fmt_bytes(1024 * MIB) in text  # unaccounted = process - ledger
+    assert "gen 5 x16" in text and "87%" in text and "412 W" in text

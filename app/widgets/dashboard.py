@@ -8,6 +8,7 @@ from textual.containers import VerticalScroll
 from app.widgets.chunk_plan import ChunkPlan
 from app.widgets.event_log import EventLog
 from app.widgets.flags_panel import FlagsPanel
+from app.widgets.gpu_panel import GpuPanel
 from app.widgets.loan_timeline import LoanTimeline
 from app.widgets.segment_map import SegmentMap
 from app.widgets.slot_map import SlotMap
@@ -16,7 +17,8 @@ from app.widgets.vram_bar import VramBar
 
 
 class Dashboard(VerticalScroll):
-    """VRAM bar, segment map, slot map, chunk plan, loan timeline, timing, flags, event log."""
+    """VRAM bar, segment map, slot map, chunk plan, loan timeline, timing, GPU (CUDA only),
+    flags, event log."""
 
     DEFAULT_CSS = """
     Dashboard {
@@ -35,5 +37,6 @@ class Dashboard(VerticalScroll):
         yield ChunkPlan()
         yield LoanTimeline()
         yield TimingPanel()
+        yield GpuPanel()
         yield FlagsPanel()
         yield EventLog()
