@@ -150,7 +150,9 @@ LOAN_FLAGS = LoanFlags(elastic_loan=True, mtp_loan=True, head_loan=True,
                        retain_startup_chunk=True, repeat_loan=True)
 
 SCENES = {
-    "idle": Scene("idle", idle, lambda model: EngineOptions(model=model)),
+    # what bare `strata` opens: the loan-ready defaults, the startup loan's regions still free
+    "idle": Scene("idle", idle, lambda model: EngineOptions(
+        model=model, serve=True, vram_elastic=True, mtp=True, spec=2), LOAN_FLAGS),
     "paste-loan": Scene(
         "paste-loan",
         paste_loan,
