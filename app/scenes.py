@@ -150,9 +150,7 @@ LOAN_FLAGS = LoanFlags(elastic_loan=True, mtp_loan=True, head_loan=True,
                        retain_startup_chunk=True, repeat_loan=True)
 
 SCENES = {
-    # what bare `strata` opens: the loan-ready defaults, the startup loan's regions still free
-    "idle": Scene("idle", idle, lambda model: EngineOptions(
-        model=model, serve=True, vram_elastic=True, mtp=True, spec=2), LOAN_FLAGS),
+    "idle": Scene("idle", idle, lambda model: EngineOptions(model=model)),
     "paste-loan": Scene(
         "paste-loan",
         paste_loan,
