@@ -20,6 +20,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
+from engine.devices import deferred_regions
 from engine.errors import StrataError
 from engine.events import LoanStep, TraceLine
 from engine.memory.planner import PromptGeometry, plan_loan
@@ -214,8 +215,6 @@ class LoanTransaction:
 
 
 def loan_regions(rt: Runtime) -> frozenset[str]:
-    from engine.runtime import deferred_regions
-
     present = {r.region for r in rt.resources.items}
     return frozenset(deferred_regions(rt.flags, rt.options) & present)
 

@@ -22,6 +22,13 @@ from engine.backend import make_backend
 from engine.backend.base import Backend
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import model_costs
+from engine.devices import (
+    default_segment_bytes,
+    default_sim_bytes,
+    deferred_regions,
+    resolve_device,
+    weight_bytes,
+)
 from engine.errors import FlagError, StrataError
 from engine.events import (
     CacheChanged,
@@ -56,70 +63,6 @@ from engine.resources import DecodeResource, NativeHead, ResourceSet
 from engine.sampler import Sampler
 from engine.session import Session, Timing
 from engine.synth.demo import resolve_model
-
-
-def default_segment_bytes(capacity_bytes: int) -> int:
-    """Sim segments: a power of two near 1/64 of the device, between 64 KiB and 512 MiB, so
-    the segment map has a readable number of cells whatever the simulated size."""
-    seg = 64 << 10
-    while seg * 64 < capacity_bytes and seg < 512 * MiB:
-        seg *= 2
-    return seg
-
-
-def default_sim_bytes(costs: ModelCosts, reserve_bytes: int) -> int:
-    """The simulated device size when none is given: every mandatory and decode-only item
-    plus room for THREE QUARTERS of the experts, rounded up to a MiB. The expert cache then
-    cannot hold every expert (prefill streams the rest, as on a consumer card), the prompt
-    path borrows its tail, and the memory a loan frees visibly changes the prompt geometry.
-    (With half, a small model's borrowable tail is too short for one 256-token chunk.) A model
-    whose experts are small next to a chunk's activations also gets room for an owned
-    256-token prompt path."""
-    fixed = costs.dense_bytes + costs.kv_bytes + reserve_bytes
-    fixed += sum(costs.decode_only_bytes().values())
-    n_cache = costs.n_blobs * 3 // 4
-    total = fixed + costs.cache_bytes(n_cache)
-    min_prompt = costs.chunk_bytes(256) + 2 * costs.n_expert_used * costs.expert_blob_bytes
-    if 0.9 * n_cache * costs.expert_blob_bytes < min_prompt:
-        total += 2 * min_prompt  # twice: segment rounding of the two prompt regions
-    return -(-total // MiB) * MiB
-
-
-def cuda_available() -> bool:
-    """A CUDA device CuPy can use (never imports CuPy's heavy parts on a CPU machine)."""
-    try:
-        import cupy
-    except ImportError:
-        return False
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - no driver, no device: all mean "no CUDA here"
-        return False
-
-
-def resolve_device(spec: str) -> str:
-    """`auto` is CUDA when present, else the simulated device."""
-    if spec != "auto":
-        return spec
-    return "cuda" if cuda_available() else "sim"
-
-
-def weight_bytes(device: str) -> int:
-    """Bytes per dense weight element: float16 on CUDA (tensor cores), float32 on the CPU."""
-    return 2 if device.startswith("cuda") else 4
-
-
-def deferred_regions(flags: LoanFlags, options: EngineOptions) -> frozenset[str]:
-    """Decode-only regions a loan releases: the master switch lends the verifier; the MTP
-    loan adds the MTP experts and the draft head; the head loan adds the native head."""
-    if not flags.elastic_loan:
-        return frozenset()
-    out = {"verifier"} if options.spec >= 2 else set()
-    if flags.mtp_loan:
-        out |= {"mtp.experts", "mtp.draft_head"}
-    if flags.head_loan:
-        out.add("head.native")
-    return frozenset(out)
 
 
 @dataclass(frozen=True)

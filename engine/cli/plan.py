@@ -7,10 +7,11 @@ from pathlib import Path
 
 from engine.cli.options import add_engine_args, engine_options, loan_flags
 from engine.costs import Shapes, model_costs
+from engine.devices import default_segment_bytes, default_sim_bytes, deferred_regions
 from engine.memory.planner import format_plan_table, plan_startup
 from engine.memory.sizes import MiB, format_mib, parse_size
 from engine.model.loader import load_model
-from engine.runtime import Runtime, default_segment_bytes, default_sim_bytes, deferred_regions
+from engine.runtime import Runtime
 from engine.synth.demo import resolve_model
 from engine.synth.model import PRESETS
 
