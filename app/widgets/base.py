@@ -18,6 +18,18 @@ class EventView(Widget):
 
     TITLE: ClassVar[str] = ""
 
+    # every dashboard picture: a titled rule on top, its drawing below
+    DEFAULT_CSS = """
+    EventView {
+        height: auto;
+        min-height: 2;
+        border: none;
+        border-top: solid $primary 40%;
+        border-title-color: $text-primary;
+        padding: 0 1;
+    }
+    """
+
     def on_mount(self) -> None:
         self.border_title = self.TITLE
 

@@ -21,11 +21,7 @@ class ChunkPlan(EventView):
 
     DEFAULT_CSS = """
     ChunkPlan {
-        height: auto;
-        border: none;
-        border-top: solid $primary 40%;
-        border-title-color: $text-primary;
-        padding: 0 1;
+        min-height: 0;
         & > Static { height: auto; text-wrap: nowrap; text-overflow: ellipsis; }
         & > ProgressBar { width: 1fr; }
         & Bar { width: 1fr; }

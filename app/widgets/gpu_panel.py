@@ -18,14 +18,7 @@ class GpuPanel(EventView):
     TITLE = "GPU"
 
     DEFAULT_CSS = """
-    GpuPanel {
-        display: none;
-        height: auto;
-        border: none;
-        border-top: solid $primary 40%;
-        border-title-color: $text-primary;
-        padding: 0 1;
-    }
+    GpuPanel { display: none; }
     GpuPanel.-live { display: block; }
     """
 

@@ -40,12 +40,6 @@ class LoanTimeline(EventView):
 
     DEFAULT_CSS = """
     LoanTimeline {
-        height: auto;
-        min-height: 2;
-        border: none;
-        border-top: solid $primary 40%;
-        border-title-color: $text-primary;
-        padding: 0 1;
         text-wrap: nowrap;
         text-overflow: ellipsis;
     }

@@ -19,17 +19,6 @@ class SegmentMap(EventView):
 
     TITLE = "Segments"
 
-    DEFAULT_CSS = """
-    SegmentMap {
-        height: auto;
-        min-height: 2;
-        border: none;
-        border-top: solid $primary 40%;
-        border-title-color: $text-primary;
-        padding: 0 1;
-    }
-    """
-
     segments: reactive[tuple[str, ...]] = reactive((), layout=True)
     segment_bytes: reactive[int] = reactive(0)
 

@@ -23,17 +23,6 @@ class SlotMap(EventView):
 
     TITLE = "Expert cache"
 
-    DEFAULT_CSS = """
-    SlotMap {
-        height: auto;
-        min-height: 2;
-        border: none;
-        border-top: solid $primary 40%;
-        border-title-color: $text-primary;
-        padding: 0 1;
-    }
-    """
-
     cache: reactive[CacheChanged | None] = reactive(None, layout=True)
 
     def apply_event(self, event: Event) -> None:

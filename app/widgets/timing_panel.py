@@ -16,17 +16,6 @@ class TimingPanel(EventView):
 
     TITLE = "Timing"
 
-    DEFAULT_CSS = """
-    TimingPanel {
-        height: auto;
-        min-height: 2;
-        border: none;
-        border-top: solid $primary 40%;
-        border-title-color: $text-primary;
-        padding: 0 1;
-    }
-    """
-
     done: reactive[RequestDone | None] = reactive(None, layout=True)
 
     def apply_event(self, event: Event) -> None:

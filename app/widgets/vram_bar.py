@@ -34,17 +34,6 @@ class VramBar(EventView):
 
     TITLE = "VRAM"
 
-    DEFAULT_CSS = """
-    VramBar {
-        height: auto;
-        min-height: 2;
-        border: none;
-        border-top: solid $primary 40%;
-        border-title-color: $text-primary;
-        padding: 0 1;
-    }
-    """
-
     ledger: reactive[LedgerChanged | None] = reactive(None, layout=True)
 
     def apply_event(self, event: Event) -> None:
