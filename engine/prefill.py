@@ -56,13 +56,20 @@ class CachedExperts:
     def prepare(self, layer: int, experts: list[int]) -> None:
         pass
 
+    def _resident(self, layer: int, expert: int) -> Any:
+        """The cache slot's device bytes of (layer, expert), counted as a hit; None on a miss."""
+        slot = self.cache.lookup(layer, expert) if self.cache is not None else -1
+        if slot < 0:
+            return None
+        self.counters.hits += 1
+        return self.cache.slot_view(slot)  # type: ignore[union-attr]
+
     def blob(self, layer: int, expert: int) -> Any:
         """Device bytes of (layer, expert): its cache slot, a ring slot (prompt path), or a
         transient upload (the decode-miss policy on CUDA: stream it over PCIe)."""
-        slot = self.cache.lookup(layer, expert) if self.cache is not None else -1
-        if slot >= 0:
-            self.counters.hits += 1
-            return self.cache.slot_view(slot)  # type: ignore[union-attr]
+        view = self._resident(layer, expert)
+        if view is not None:
+            return view
         self.counters.streamed += 1
         self.counters.bytes_streamed += self.host.blob_bytes
         if self.ring is not None:
@@ -77,10 +84,8 @@ class CachedExperts:
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         layout = self.host.layout
-        slot = self.cache.lookup(layer, expert) if self.cache is not None else -1
-        if slot >= 0:
-            self.counters.hits += 1
-            view = self.cache.slot_view(slot)  # type: ignore[union-attr]
+        view = self._resident(layer, expert)
+        if view is not None:
             return self.decoded.get((layer, expert), lambda: layout.decode(self._to_host(view)))
         if self.ring is not None:
             view = self.ring.stage(layer, expert, self.host.blob)  # upload: counted H2D

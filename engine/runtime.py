@@ -182,8 +182,9 @@ class Runtime:
         n = self.plan.n_cache_slots
         if n == 0:
             return None
+        order = self._profile().order()
         cache = ExpertCache(self.ledger, self.model.experts, n, on_trace=self._trace)
-        cache.fill(self._profile().order())
+        cache.fill(order)
         readers = residency_readers(
             profile_present=True, borrow=self.plan.prompt.borrowed,
             chunk_tokens=self.plan.prompt.chunk_tokens,
@@ -205,7 +206,7 @@ class Runtime:
             return None
         cache = ExpertCache(self.ledger, self.model.experts, self.plan.n_cache_slots,
                             on_trace=self._trace)
-        cache.fill(self._profile().order())
+        cache.fill(order)
         return cache
 
     def _token_graph(self) -> bool:
@@ -290,9 +291,6 @@ class Runtime:
             return plan_prompt(lendable, self.costs, opts, self.cache.n_slots)
         owned = sum(a.n_bytes for a in (self.owned_chunk, self.owned_ring) if a is not None)
         return plan_prompt(owned, self.costs, opts, self.cache.n_slots if self.cache else 0)
-
-    def checkpoint(self) -> Checkpoint:
-        return Checkpoint(len(self.session.tokens))
 
     def check_integrity(self) -> None:
         """Ledger, cache, KV and resources agree; 0 slots lent between requests."""
@@ -455,10 +453,4 @@ class Runtime:
             yield from self.spec.decode(self.session, logits, sampler, max_new, stop_ids,
                                         timing, cancel)
             return
-        for _ in range(max_new):
-            tok = sampler.sample(self.to_host(logits[-1]))
-            timing.generated += 1
-            yield tok
-            if tok in stop_ids or cancel.is_set() or len(self.session.tokens) >= self.session.n_ctx:
-                return
-            logits = self.session.forward([tok]).logits
+        yield from self.session.decode(logits, sampler, max_new, stop_ids, timing, cancel)

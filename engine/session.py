@@ -7,6 +7,7 @@ the loan wraps.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -165,15 +166,31 @@ class Session:
         t0 = time.perf_counter()
         logits = self.prefill(fresh, chunk_tokens)
         timing.prefill_s = time.perf_counter() - t0
-        sampler = Sampler(params)
         t1 = time.perf_counter()
-        for i in range(max_new):
-            tok = sampler.sample(np.asarray(logits[-1]))
-            if i == 0:
+        for tok in self.decode(logits, Sampler(params), max_new, stop_ids, timing):
+            if timing.generated == 1:
                 timing.ttft_s = time.perf_counter() - t0
-            timing.generated += 1
             yield tok
-            if tok in stop_ids or i == max_new - 1 or len(self.tokens) >= self.n_ctx:
-                break
-            logits = self.forward([tok]).logits
         timing.decode_s = time.perf_counter() - t1
+
+    def decode(
+        self,
+        logits: Any,
+        sampler: Sampler,
+        max_new: int,
+        stop_ids: frozenset[int] = frozenset(),
+        timing: Timing | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[int]:
+        """Plain decoding from the prompt's last logits [.., V]: one forward per token, until
+        a stop id, `max_new`, a full context or `cancel`."""
+        to_host = getattr(self.xp, "asnumpy", np.asarray)
+        for i in range(max_new):
+            tok = sampler.sample(to_host(logits[-1]))
+            if timing is not None:
+                timing.generated += 1
+            yield tok
+            if (tok in stop_ids or i == max_new - 1 or len(self.tokens) >= self.n_ctx
+                    or (cancel is not None and cancel.is_set())):
+                return  # the last token's K/V is never needed
+            logits = self.forward([tok]).logits

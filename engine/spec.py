@@ -316,16 +316,12 @@ class SpecDecoder:
             timing.decode_s = time.perf_counter() - t1
 
     def _prefill(self, session: Session, ids: list[int], chunk_tokens: int) -> Any:
-        """`Session.prefill`'s chunk loop, handing every chunk's hidden to `collect`."""
-        assert ids, "prefill needs at least one token"
-        res = None
-        for a in range(0, len(ids), chunk_tokens):
-            last = a + chunk_tokens >= len(ids)
-            pos0 = len(session.tokens)
-            res = session.forward(ids[a : a + chunk_tokens], "last" if last else "none")
-            self.collect(pos0, res.hidden)
-        assert res is not None
-        return res.logits  # [1, V]
+        """`Session.prefill`, handing every chunk's hidden to `collect`."""
+        prev, session.on_hidden = session.on_hidden, self.collect
+        try:
+            return session.prefill(ids, chunk_tokens)  # [1, V]
+        finally:
+            session.on_hidden = prev
 
     def _take_hidden(self, session: Session, n_start: int) -> tuple[int, Any]:
         pos0, parts = self._pos0, self._hidden
