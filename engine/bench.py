@@ -40,6 +40,8 @@ class Sample:
     prefill_s: float
     mib_streamed: float
     loan: bool
+    arena_peak_mib: float = 0.0  # CUDA: the prompt temporaries' peak inside the chunk buffer
+    arena_spill_mib: float = 0.0  # CUDA: temporaries that did not fit it
 
 
 @dataclass
@@ -88,8 +90,11 @@ def run_once(cfg: Config, n_tokens: int, max_new: int) -> Sample:
     t = reply.timing
     loop.rt.check_integrity()
     p = plans[-1]
+    arena = loop.rt.model.transformer.arena_stats
     return Sample(f"{p.chunk_tokens:,} / {p.ring_slots}", t.pp_tok_s, t.tg_tok_s, t.prefill_s,
-                  t.bytes_streamed / (1 << 20), p.loan)
+                  t.bytes_streamed / (1 << 20), p.loan,
+                  arena.peak_bytes / (1 << 20) if arena else 0.0,
+                  arena.spilled_bytes / (1 << 20) if arena else 0.0)
 
 
 def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
@@ -106,15 +111,21 @@ def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
 
 
 def markdown(rows: list[Row], title: str) -> str:
+    """The table; on CUDA two more columns: the prompt temporaries' peak and spill (MiB)."""
+    gpu = any(s.arena_peak_mib for r in rows for s in r.samples)
+    extra = " Temporaries peak (MiB) | Spilled (MiB) |" if gpu else ""
     lines = [
         f"### {title}", "",
-        "| Configuration | Prompt plan | PP (tok/s) | TG (tok/s) | Prefill (s) | Streamed (MiB) |",
-        "|---|---|---:|---:|---:|---:|",
+        "| Configuration | Prompt plan | PP (tok/s) | TG (tok/s) | Prefill (s) | Streamed (MiB) |"
+        + extra,
+        "|---|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else ""),
     ]
     for row in rows:
+        cells = (f" {row.cell('arena_peak_mib', '{:.0f}')} | {row.cell('arena_spill_mib', '{:.0f}')} |"
+                 if gpu else "")
         lines.append(
             f"| {row.label} | {row.plans()} | {row.cell('pp')} | {row.cell('tg')} | "
-            f"{row.cell('prefill_s', '{:.2f}')} | {row.cell('mib_streamed', '{:.0f}')} |"
+            f"{row.cell('prefill_s', '{:.2f}')} | {row.cell('mib_streamed', '{:.0f}')} |" + cells
         )
     return "\n".join(lines)
 

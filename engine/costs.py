@@ -94,11 +94,31 @@ def act_bytes_per_token(model: Shapes) -> int:
     return F32 * per_token
 
 
-def model_costs(model: Shapes, options: EngineOptions, wb: int = F32) -> ModelCosts:
+GPU_MOE_SCRATCH_BYTES = 256 << 20  # engine.kernels.moe.DEFAULT_SCRATCH_BYTES (fp16 experts)
+GPU_SCORE_BYTES = 256 << 20  # engine.kernels.attention's fp16 score block
+GPU_MOE_SLICE_TOKENS = 1024  # engine.prefill.MOE_SLICE_TOKENS
+
+
+def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int) -> int:
+    """Prompt-chunk bytes on CUDA that do not grow with the chunk: the MoE kernels' fp16
+    expert scratch and one slice's gathered rows and GEMM outputs, the attention score block,
+    and the keys and values read back from the cache for the whole context (float32 and
+    their fp16 copies)."""
+    hp = model.hp
+    rows = GPU_MOE_SLICE_TOKENS * hp.n_expert_used
+    moe_rows = rows * (2 * hp.n_embd + 3 * hp.n_ff_exp) * 2 + rows * 12
+    kv_read = 2 * n_ctx * hp.kv_dim * (F32 + 2)
+    return GPU_MOE_SCRATCH_BYTES + moe_rows + GPU_SCORE_BYTES + kv_read
+
+
+def model_costs(model: Shapes, options: EngineOptions, wb: int = F32,
+                gpu: bool = False) -> ModelCosts:
     """What each planner item costs for `model` (a Shapes or a loaded Model) under `options`,
-    with dense weights and heads at `wb` bytes per element."""
+    with dense weights and heads at `wb` bytes per element; `gpu`: the prompt chunk also
+    holds the CUDA kernels' fixed scratch (`gpu_chunk_fixed_bytes`)."""
     if not isinstance(model, Shapes):
         model = Shapes.of(model)
+    fixed = gpu_chunk_fixed_bytes(model, options.ctx) if gpu else 0
     use_mtp = options.mtp and model.has_mtp
     return ModelCosts(
         dense_bytes=dense_bytes(model, use_mtp, wb),
@@ -109,7 +129,7 @@ def model_costs(model: Shapes, options: EngineOptions, wb: int = F32) -> ModelCo
         n_expert=model.hp.n_expert,
         n_expert_used=model.hp.n_expert_used,
         act_bytes_per_token=act_bytes_per_token(model),
-        act_bytes_fixed=2 * padded(1),
+        act_bytes_fixed=2 * padded(1) + fixed,
         verifier_bytes=verifier_bytes(model, options.spec) if use_mtp else 0,
         head_bytes=head_bytes(model, wb),
         mtp_expert_bytes=mtp_expert_bytes(model) if use_mtp else 0,

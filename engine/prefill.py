@@ -42,15 +42,16 @@ class CachedExperts:
     """
 
     def __init__(self, cache: ExpertCache | None, host: HostExperts, decoded: DecodedLRU,
-                 to_host: Callable[[Any], Any], xp_asarray: Callable[[Any], Any] = lambda a: a,
-                 on_device_kernels: bool = False):
+                 to_host: Callable[[Any], Any], backend: Backend | None = None):
+        """`backend`: given on CUDA, where experts are computed from their quantized bytes by
+        the MoE kernels and a decode miss is streamed into a transient device buffer."""
         self.cache, self.host, self.decoded = cache, host, decoded
         self.ring: StagingRing | None = None
         self.counters = StreamCounters()
         self._to_host = to_host
         self._host_decoded = DecodedLRU(64 << 20)
-        self._xp_asarray = xp_asarray
-        if on_device_kernels:  # CUDA: experts are computed from their quantized bytes
+        self._backend = backend
+        if backend is not None:
             self.ffn = self.kernel_ffn
 
     def prepare(self, layer: int, experts: list[int]) -> None:
@@ -66,16 +67,20 @@ class CachedExperts:
 
     def blob(self, layer: int, expert: int) -> Any:
         """Device bytes of (layer, expert): its cache slot, a ring slot (prompt path), or a
-        transient upload (the decode-miss policy on CUDA: stream it over PCIe)."""
+        transient buffer the pieces are copied into (the decode-miss policy on CUDA: stream
+        it over PCIe, asynchronously: the kernels that read it wait for the copy, the host
+        does not)."""
         view = self._resident(layer, expert)
         if view is not None:
             return view
         self.counters.streamed += 1
         self.counters.bytes_streamed += self.host.blob_bytes
         if self.ring is not None:
-            return self.ring.stage(layer, expert, self.host.blob)
-        self.counters.host_reads += 1
-        return self._xp_asarray(self.host.blob(layer, expert))
+            return self.ring.stage(layer, expert, self.host.pieces)
+        assert self._backend is not None, "blob() is the CUDA path"
+        buf = self._backend.xp.empty(self.host.blob_bytes, dtype=self._backend.xp.uint8)
+        self._backend.upload(self.host.pieces(layer, expert), buf)  # DMA from the pinned file
+        return buf
 
     def kernel_ffn(self, layer: int, h: Any, ids: Any, w: Any, used: list[int]) -> Any:
         """The routed FFN on CUDA: grouped fp16 GEMMs (prefill) or fused GEMVs (decode),
@@ -88,7 +93,7 @@ class CachedExperts:
         if view is not None:
             return self.decoded.get((layer, expert), lambda: layout.decode(self._to_host(view)))
         if self.ring is not None:
-            view = self.ring.stage(layer, expert, self.host.blob)  # upload: counted H2D
+            view = self.ring.stage(layer, expert, self.host.pieces)  # upload: counted H2D
             self.counters.streamed += 1
             self.counters.bytes_streamed += self.host.blob_bytes
             return layout.decode(self._to_host(view))  # decoded per chunk: this is streaming
@@ -170,6 +175,7 @@ def run_prompt(
         hook("lent", lent)
         provider.ring = StagingRing(backend, ring_slots)
         provider.counters.reset()
+        session.model.transformer.arena_stats = None
         logits = session.prefill(
             fresh, g.chunk_tokens, on_chunk, logits="none", scratch=chunk_buf
         )

@@ -29,7 +29,7 @@ from engine.devices import (
     resolve_device,
     weight_bytes,
 )
-from engine.errors import FlagError, StrataError
+from engine.errors import DeviceError, FlagError, StrataError
 from engine.events import (
     CacheChanged,
     EventBus,
@@ -114,7 +114,7 @@ class Runtime:
         violations = validate(options, flags, device, rt.model.has_mtp, rt.model.hp.has_output)
         if violations:
             raise FlagError(violations)
-        rt.costs = model_costs(rt.model, options, weight_bytes(device))
+        rt.costs = model_costs(rt.model, options, weight_bytes(device), gpu=device.startswith("cuda"))
         reserve = options.vram_reserve_mib * MiB
         if device == "sim":
             device = f"sim:{default_sim_bytes(rt.costs, reserve) // MiB}MiB"
@@ -123,10 +123,6 @@ class Runtime:
         capacity = rt.backend.capacity_bytes
         seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
         rt.plan_options = cls.plan_options_for(options, flags, reserve, seg)
-        ws = getattr(rt.backend, "workspace_bytes", 0)
-        if ws:  # CUDA: a chunk's temporaries live in the workspace; keep them inside it
-            cap = ws // (2 * rt.costs.act_bytes_per_token) // 256 * 256
-            rt.plan_options = replace(rt.plan_options, max_chunk_tokens=max(256, min(cap, 16384)))
         rt.plan = plan_startup(capacity, rt.costs, rt.plan_options)
         rt.ledger = Ledger(rt.backend, capacity, segment_bytes=seg,
                            on_change=lambda s: publish(LedgerChanged.of(s)))
@@ -156,9 +152,11 @@ class Runtime:
         if self.plan_options.reserve_bytes:
             Arena(self.ledger, "reserve", self.plan_options.reserve_bytes)
         self._trace_fn = on_trace
+        if self.on_cuda:
+            self._pin_model_file()
         self.cache = self._make_cache()
         self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), self.to_host,
-                                     self.xp.asarray, on_device_kernels=self.on_cuda)
+                                     self.backend if self.on_cuda else None)
         self.session = Session(m, n_ctx=o.ctx, kv_kind=o.kv, xp=self.xp, experts=self.experts,
                                kv_alloc=kv.alloc)
         self._owned_prompt()
@@ -209,6 +207,23 @@ class Runtime:
         cache.fill(order)
         return cache
 
+    def _pin_model_file(self) -> None:
+        """Page-lock the memory-mapped GGUF so expert uploads are one DMA each at full PCIe
+        speed; where that fails (not enough lockable memory), uploads go through the
+        backend's pinned staging buffer and a warning says so."""
+        data = self.model.mf.data
+        if data is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.backend.pin(data)
+        except DeviceError as e:
+            self.warnings.append(f"{e}; expert uploads go through a staging copy (slower)")
+            self.emit_trace(self.warnings[-1], always=True)
+            return
+        self._trace(f"pinned the model file: {format_mib(data.nbytes)} MiB in "
+                    f"{time.perf_counter() - t0:.1f} s")
+
     def _token_graph(self) -> bool:
         """Decode steps are captured as a CUDA graph unless --no-token-graph (CUDA only)."""
         return self.backend.name.startswith("cuda") and not self.options.no_token_graph
@@ -220,7 +235,7 @@ class Runtime:
             return profile
         # the calibration pass streams every expert it routes to (the cache is not filled yet)
         stream = CachedExperts(None, self.model.experts, DecodedLRU(), self.to_host,
-                               self.xp.asarray, on_device_kernels=self.on_cuda)
+                               self.backend if self.on_cuda else None)
         return default_profile(self.model, stream)
 
     def _owned_prompt(self) -> None:
@@ -418,6 +433,9 @@ class Runtime:
         res = run_prompt(self.session, fresh, g, self.cache, self.experts, self.backend, owned,
                          chunk_done, hook)
         self.active_lent = None
+        arena = self.model.transformer.arena_stats
+        if arena is not None:
+            self._trace(arena.line())
         return res
 
     def refill_pending(self) -> None:

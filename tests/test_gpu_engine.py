@@ -84,3 +84,28 @@ def test_loan_frees_and_restores_device_memory(mid_path: Path) -> None:
     assert abs(used["restore"] - baseline) <= 0.2 * freed
     loop.rt.check_integrity()
     assert loop.rt.cache.n_lent == 0 and loop.rt.resources.all_resident()
+
+
+def test_prompt_temporaries_live_in_the_chunk_buffer(mid_path: Path) -> None:
+    """With the loan, a long prompt's temporaries come from the lent chunk buffer (nothing
+    spills to the workspace), the model file is pinned, and the answer matches a run whose
+    chunk is the same size but whose temporaries may spill (a tiny chunk buffer)."""
+    opts = EngineOptions(model=str(mid_path), device="cuda", ctx=4096, serve=True,
+                         vram_elastic=True, mtp=True, spec=2, vram_limit="4GiB",
+                         vram_segment_mib=64)
+    loop = ServeLoop.create(opts, LOAN)
+    data = loop.rt.model.mf.data
+    assert loop.rt.backend._is_pinned(data.ctypes.data, data.nbytes)
+    ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 300)[:3000]
+    logits, res = loop.rt.prefill(list(ids))
+    stats = loop.rt.model.transformer.arena_stats
+    assert stats is not None and stats.spilled_bytes == 0, stats
+    assert 0 < stats.peak_bytes <= stats.n_bytes
+    assert res.counters.bytes_streamed > 0
+    loop.rt.check_integrity()
+    assert loop.rt.cache.n_lent == 0
+    ref = ServeLoop.create(EngineOptions(model=str(mid_path), device="cuda", ctx=4096,
+                                         vram_limit="4GiB", vram_segment_mib=64, prefill=256))
+    b, _ = ref.rt.prefill(list(ids))
+    a, b = loop.rt.to_host(logits)[-1], ref.rt.to_host(b)[-1]
+    assert float(np.abs(a - b).max() / np.abs(b).max()) < 0.03

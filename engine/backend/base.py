@@ -130,8 +130,9 @@ class Backend(Protocol):
         """Reserve device addresses for a ledger region; no memory is taken until `map`."""
         ...
 
-    def upload(self, host: np.ndarray, out: DeviceArray) -> None:
-        """Copy host bytes into an existing device buffer or view of the same byte size."""
+    def upload(self, host: np.ndarray | list[np.ndarray], out: DeviceArray) -> None:
+        """Copy host bytes (an array, or a list of arrays back to back) into an existing
+        device buffer or view of the same total byte size; counted as one copy."""
         ...
 
     def download(self, dev: DeviceArray) -> np.ndarray:

@@ -1,8 +1,8 @@
 """A CUDA device behind the `Backend` protocol: CuPy arrays, VMM segments, counted copies.
 
 Budget. `limit_bytes` (`--vram-limit`) or, without one, the free memory at start minus a safety
-margin is the process's budget B. Of B, `workspace_bytes` is kept for CuPy's memory pool (model
-temporaries, cuBLAS workspace, kernel scratch); the rest is `capacity_bytes`, what the planner
+margin is the process's budget B. Of B, `workspace_bytes` is kept for CuPy's memory pool (decode
+temporaries, cuBLAS workspace; a prompt chunk's temporaries live in its chunk buffer); the rest is `capacity_bytes`, what the planner
 and the ledger divide into regions. Enforced: mapped segments + `alloc` buffers never exceed
 `capacity_bytes`, and those plus the pool never exceed B (the pool's limit follows every map and
 unmap). Passing either raises `DeviceError` with one line. The CUDA context, cuBLAS handles and
@@ -20,6 +20,7 @@ buffer nothing reads yet; `wait(event)` joins it later.
 from __future__ import annotations
 
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -73,9 +74,10 @@ class CudaBackend:
         if budget <= 0:
             raise DeviceError(f"{self.name}: {format_mib(free)} MiB free, nothing left to plan")
         self.budget_bytes = budget
-        # the compute's temporaries (a prompt chunk's activations, attention score blocks,
-        # cuBLAS workspace) live in CuPy's pool: a quarter of the budget, at least 1 GiB
-        ws = min(budget // 2, max(1024 * MiB, budget // 4)) if workspace_bytes is None else workspace_bytes
+        # decode-time temporaries (and what a prompt chunk's arena spills) live in CuPy's
+        # pool: an eighth of the budget, at least 768 MiB; a prompt chunk's temporaries live
+        # in the chunk buffer the planner sized (engine/backend/cuda_arena.py)
+        ws = min(budget // 2, max(768 * MiB, budget // 8)) if workspace_bytes is None else workspace_bytes
         self.workspace_bytes = ws
         # `elastic` (--vram-elastic) is a policy the guards read; the ledger needs contiguous,
         # stable region addresses either way, so VMM is used wherever the driver has it.
@@ -102,6 +104,7 @@ class CudaBackend:
         for ev in self._staging_free:
             ev.record(self._copy_stream)
         self._pinned: dict[int, tuple[int, Any]] = {}  # host ptr -> (n_bytes, owner or None)
+        self._unpin_at_gc: dict[int, weakref.finalize] = {}
         self._n_copy_threads = min(8, os.cpu_count() or 1)
         self._copy_pool = ThreadPoolExecutor(max_workers=self._n_copy_threads)
         self._telemetry: Any = None
@@ -207,52 +210,76 @@ class CudaBackend:
         return arr
 
     def pin(self, host: np.ndarray) -> None:
-        """Page-lock an existing host array (e.g. a memory-mapped GGUF) for direct DMA."""
+        """Page-lock an existing host array (e.g. a memory-mapped GGUF) for direct DMA.
+
+        Read-only maps are registered read-only. The registration ends with `unpin` or when
+        `host` is garbage-collected (before a memory map goes away with it)."""
         assert host.flags.c_contiguous, "pin() needs a contiguous array"
         flags = 0 if host.flags.writeable else _HOST_REGISTER_READ_ONLY
-        cupy.cuda.runtime.hostRegister(host.ctypes.data, host.nbytes, flags)
-        self._pinned[host.ctypes.data] = (host.nbytes, None)
+        ptr = host.ctypes.data
+        try:
+            cupy.cuda.runtime.hostRegister(ptr, host.nbytes, flags)
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            raise DeviceError(
+                f"{self.name}: cannot page-lock {format_mib(host.nbytes)} MiB of host memory ({e})"
+            ) from None
+        self._pinned[ptr] = (host.nbytes, None)
+        self._unpin_at_gc[ptr] = weakref.finalize(host, self._unregister, ptr)
 
     def unpin(self, host: np.ndarray) -> None:
         """Undo `pin`."""
-        _, owner = self._pinned.pop(host.ctypes.data)
+        self._unpin_at_gc.pop(host.ctypes.data).detach()
+        self._unregister(host.ctypes.data)
+
+    def _unregister(self, ptr: int) -> None:
+        _, owner = self._pinned.pop(ptr)
         assert owner is None, "unpin() of a host_buffer()"
-        cupy.cuda.runtime.hostUnregister(host.ctypes.data)
+        cupy.cuda.runtime.hostUnregister(ptr)
 
     def _is_pinned(self, ptr: int, n_bytes: int) -> bool:
         return any(p <= ptr and ptr + n_bytes <= p + n for p, (n, _) in self._pinned.items())
 
-    def upload_async(self, host: np.ndarray, out: Any, *, after_compute: bool = True) -> Any:
+    def upload_async(self, host: np.ndarray | list[np.ndarray], out: Any, *,
+                     after_compute: bool = True) -> Any:
         """Queue host -> `out` on the copy stream; returns the event that marks it done.
+        `host` is an array or a list of arrays copied back to back (one counted copy).
 
         `after_compute`: order the copy after the compute already queued on the current
         stream (it may still read `out`); pass False only for a buffer nothing reads now.
         """
-        src = np.ascontiguousarray(host).reshape(-1).view(np.uint8)  # [n_bytes]
-        n = src.nbytes
+        pieces = host if isinstance(host, list) else [host]
+        srcs = [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in pieces]  # [n_i]
+        n = sum(s.nbytes for s in srcs)
         assert n == out.nbytes, f"upload of {n} bytes into {out.nbytes}"
         assert out.flags.c_contiguous, "upload into a non-contiguous device array"
         stream = self._copy_stream
         if after_compute:
             stream.wait_event(cupy.cuda.get_current_stream().record())
         dst = out.data.ptr
-        if self._is_pinned(src.ctypes.data, n):
-            cupy.cuda.runtime.memcpyAsync(dst, src.ctypes.data, n, _H2D, stream.ptr)
-        else:
-            half = self._staging_views[0].nbytes
-            for k, off in enumerate(range(0, n, half)):
-                m = min(half, n - off)
-                slot = k % 2
-                self._staging_free[slot].synchronize()  # its previous DMA has finished
-                self._host_copy(self._staging_views[slot][:m], src[off : off + m])
-                cupy.cuda.runtime.memcpyAsync(
-                    dst + off, self._staging_views[slot].ctypes.data, m, _H2D, stream.ptr
-                )
-                self._staging_free[slot].record(stream)
+        for src in srcs:
+            self._copy_in(src, dst, stream)
+            dst += src.nbytes
         self.stats.count_h2d(n)
         return stream.record()
 
-    def upload(self, host: np.ndarray, out: Any) -> None:
+    def _copy_in(self, src: np.ndarray, dst: int, stream: Any) -> None:
+        """Queue one host range -> device address on `stream`: DMA where pinned, else staged."""
+        n = src.nbytes
+        if self._is_pinned(src.ctypes.data, n):
+            cupy.cuda.runtime.memcpyAsync(dst, src.ctypes.data, n, _H2D, stream.ptr)
+            return
+        half = self._staging_views[0].nbytes
+        for k, off in enumerate(range(0, n, half)):
+            m = min(half, n - off)
+            slot = k % 2
+            self._staging_free[slot].synchronize()  # its previous DMA has finished
+            self._host_copy(self._staging_views[slot][:m], src[off : off + m])
+            cupy.cuda.runtime.memcpyAsync(
+                dst + off, self._staging_views[slot].ctypes.data, m, _H2D, stream.ptr
+            )
+            self._staging_free[slot].record(stream)
+
+    def upload(self, host: np.ndarray | list[np.ndarray], out: Any) -> None:
         """Copy host bytes into `out` (same byte size); compute queued afterwards sees them."""
         self.wait(self.upload_async(host, out))
 

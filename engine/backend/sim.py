@@ -81,9 +81,12 @@ class SimBackend:
 
     # -- copies ---------------------------------------------------------------------------------
 
-    def upload(self, host: np.ndarray, out: np.ndarray) -> None:
-        """Copy host bytes into `out` (same byte size; dtypes may differ); counted as H2D."""
+    def upload(self, host: np.ndarray | list[np.ndarray], out: np.ndarray) -> None:
+        """Copy host bytes (an array, or a list copied back to back) into `out` (same byte
+        size; dtypes may differ); counted as one H2D copy."""
         self._maybe_fail("upload")
+        if isinstance(host, list):
+            host = np.concatenate([np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in host])
         src = np.ascontiguousarray(host)
         assert src.nbytes == out.nbytes, f"upload of {src.nbytes} bytes into {out.nbytes}"
         if src.dtype == out.dtype and src.shape == out.shape:

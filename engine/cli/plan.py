@@ -7,7 +7,9 @@ from pathlib import Path
 
 from engine.cli.options import add_engine_args, engine_options, loan_flags
 from engine.costs import Shapes, model_costs
-from engine.devices import default_segment_bytes, default_sim_bytes, deferred_regions
+from engine.devices import (
+    default_segment_bytes, default_sim_bytes, deferred_regions, resolve_device, weight_bytes,
+)
 from engine.memory.planner import format_plan_table, plan_startup
 from engine.memory.sizes import MiB, format_mib, parse_size
 from engine.model.loader import load_model
@@ -26,9 +28,9 @@ def plan_text(args: argparse.Namespace) -> str:
     """The budget table for the model and device in `args`; allocates nothing."""
     options, flags = engine_options(args), loan_flags()
     shapes, name = _shapes(options.model)
-    costs = model_costs(shapes, options)
     reserve = options.vram_reserve_mib * MiB
-    device = options.device if options.device != "auto" else "sim"
+    device = resolve_device(options.device)
+    costs = model_costs(shapes, options, weight_bytes(device), gpu=device.startswith("cuda"))
     if device == "sim":
         capacity = default_sim_bytes(costs, reserve)
     else:

@@ -155,7 +155,7 @@ class ExpertCache:
         self.table.clear()
         self._states.fill(EMPTY)
         for slot, (layer, expert) in enumerate(order[: self.n_slots]):
-            self.backend.upload(self.host.blob(layer, expert), self._slots[slot])
+            self.backend.upload(self.host.pieces(layer, expert), self._slots[slot])
             self.table.assign(slot, layer, expert)
             self._states[slot] = RESIDENT
         self._sync_table()
@@ -226,7 +226,7 @@ class ExpertCache:
             self._states[slot] = REFILLING
             try:
                 if owner is not None:
-                    self.backend.upload(self.host.blob(*owner), self._slots[slot])
+                    self.backend.upload(self.host.pieces(*owner), self._slots[slot])
             except BaseException:
                 self._states[slot] = LENT
                 raise

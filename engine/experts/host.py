@@ -23,6 +23,11 @@ class HostExperts(Protocol):
         """uint8 [blob_bytes] of (layer, expert)."""
         ...
 
+    def pieces(self, layer: int, expert: int) -> list[np.ndarray]:
+        """The blob as uint8 pieces that concatenate to it, without a host copy (what the
+        device uploads: one DMA per piece where the memory is pinned)."""
+        ...
+
 
 class ArrayHostExperts:
     """`HostExperts` over one uint8 array [n_layer, n_expert, blob_bytes]."""
@@ -35,3 +40,6 @@ class ArrayHostExperts:
     def blob(self, layer: int, expert: int) -> np.ndarray:
         """uint8 [blob_bytes] of (layer, expert)."""
         return self.blobs[layer, expert]
+
+    def pieces(self, layer: int, expert: int) -> list[np.ndarray]:
+        return [self.blobs[layer, expert]]

@@ -56,6 +56,7 @@ class ModelFile:
     metadata: dict[str, Any]
     tensors: dict[str, TensorView]
     n_file_bytes: int
+    data: np.ndarray | None = None  # uint8 [n_file_bytes]: the whole memory map
 
     @property
     def arch(self) -> str:
@@ -117,4 +118,5 @@ def open_gguf(path: str | os.PathLike[str]) -> ModelFile:
             )
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         tensors[t.name] = TensorView(t.name, qtype, shape, t.data, int(t.n_bytes))
-    return ModelFile(path=path, metadata=metadata, tensors=tensors, n_file_bytes=n_file_bytes)
+    return ModelFile(path=path, metadata=metadata, tensors=tensors, n_file_bytes=n_file_bytes,
+                     data=reader.data)

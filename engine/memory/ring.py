@@ -71,7 +71,7 @@ class StagingRing:
         return len(self.slots)
 
     def stage(
-        self, layer: int, expert: int, host_blob: Callable[[int, int], np.ndarray]
+        self, layer: int, expert: int, host_blob: Callable[[int, int], np.ndarray | list[np.ndarray]]
     ) -> DeviceArray:
         """Device bytes [slot_bytes] of (layer, expert); uploads `host_blob(layer, expert)`
         into the next slot unless the ring already holds it."""

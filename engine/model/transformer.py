@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import ModelFile
 from engine.kv import KVCache
+from engine.memory.compute_arena import ArenaStats, open_arena
 from engine.model.attention import attention_block
 from engine.model.moe import ExpertProvider, moe_block
 from engine.model.ops import linear, rms_norm
@@ -38,6 +40,7 @@ class Transformer:
         self.blocks: list[BlockWeights] = [load_block(mf, i, to_device) for i in range(hp.n_layer)]
         self.output_norm = to_device(dequantize(mf.tensor(names.OUTPUT_NORM)))
         self.head: Any = None  # [V, d] the output head; `release_head` / `load_head`
+        self.arena_stats: ArenaStats | None = None  # prompt temporaries since reset (CUDA)
         self._head_host: np.ndarray | None = None
         self.load_head(head_to_device or to_device)
 
@@ -76,19 +79,27 @@ class Transformer:
         """
         xp, hp = self.xp, self.hp
         x = self.embed(tokens)  # [T, d]
+        arena = None
         if scratch is not None:
             n = x.nbytes
             stream = scratch[:n].view(xp.float32).reshape(x.shape)  # [T, d] in the chunk buffer
             stream[...] = x
             x = stream
+            arena = open_arena(xp, scratch[-(-n // 4096) * 4096 :])  # the rest: temporaries
         routes = []
         margins = xp.full(len(tokens), xp.inf, dtype=xp.float32)
-        for i, blk in enumerate(self.blocks):
-            x += attention_block(xp, hp, blk.attn, x, pos0, kv, i)
-            ffn, ids, margin = moe_block(xp, hp, blk.ffn_norm, blk.router, x, i, experts)
-            x += ffn
-            routes.append(ids)
-            margins = xp.minimum(margins, margin)
+        with arena or nullcontext():
+            for i, blk in enumerate(self.blocks):
+                x += attention_block(xp, hp, blk.attn, x, pos0, kv, i)
+                ffn, ids, margin = moe_block(xp, hp, blk.ffn_norm, blk.router, x, i, experts)
+                x += ffn
+                routes.append(ids)
+                margins = xp.minimum(margins, margin)
+                del ffn, ids, margin
+        if arena is not None:  # keep nothing in the lent chunk buffer past this call
+            routes, margins = [r.copy() for r in routes], margins.copy()
+            arena.close()
+            self.arena_stats = ArenaStats.of(arena).merge(self.arena_stats)
         kv.n_tokens = pos0 + len(tokens)
         if logits == "none":
             out = xp.zeros((0, hp.n_vocab), dtype=xp.float32)

@@ -74,9 +74,14 @@ class HostExperts:
         self.n_expert = parts[0].shape[0]
         self.blob_bytes = self.layout.blob_bytes
 
+    def pieces(self, layer: int, expert: int) -> list[np.ndarray]:
+        """[gate, up, down] uint8 views into the file: the blob without a host copy (an
+        upload of the list is one DMA per piece where the file is pinned)."""
+        return [p[expert] for p in self._parts[layer]]
+
     def blob(self, layer: int, expert: int) -> np.ndarray:
         """uint8 [blob_bytes]: gate | up | down of `expert` in local layer index `layer`."""
-        return np.concatenate([p[expert] for p in self._parts[layer]])
+        return np.concatenate(self.pieces(layer, expert))
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.layout.decode(self.blob(layer, expert))

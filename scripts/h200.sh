@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# What runs on the lent H200 (see docs/cuda.md): `bash scripts/h200.sh STAGE...`, run from the
+# repository root with the wheels in .whl (carried) and $OUT set. Stages:
+#   tests     the gpu-marked tests                          -> $OUT/gpu-tests.txt
+#   kbench    kernel microbenchmarks                        -> $OUT/bench.md
+#   m8 / m48  make the Qwen3-30B-A3B-shaped model (8 / 48 layers) in models/ (git-ignored)
+#   b8        A/B + automatic planner, 8 layers, 8,192 tokens -> $OUT/b8.md
+#   b31 / b72 automatic planner + A/B, 48 layers, 8 GiB, 31,258 / 72,061 tokens -> $OUT/b31.md, b72.md
+set -euo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:. STRATA_CACHE_DIR=/tmp/sc
+OUT=${OUT:-out}
+RUNS=${RUNS:-2}
+MAX_NEW=${MAX_NEW:-512}
+mkdir -p models "$OUT"
+strata() { python3 -m engine.cli "$@"; }
+for stage in "$@"; do
+  echo "== $stage $(date +%T)"
+  case $stage in
+    tests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu tests/ \
+             2>&1 | tail -60 | tee "$OUT/gpu-tests.txt" ;;
+    kbench) python3 -m engine.kernels.bench --out "$OUT" ;;
+    m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;
+    m48) [ -f models/q48.gguf ] || strata make-model models/q48.gguf --preset qwen3-30b-a3b ;;
+    b8) strata bench --model models/q8.gguf --device cuda --vram-limit 5GiB --vram-segment-mib 64 \
+          --mtp --spec 2 --scenario auto --scenario ab --prefill 1024 --runs "$RUNS" \
+          --prompt-tokens 8192 --max-new 16 --kv q4_0 --ctx 9000 --json "$OUT/b8.json" \
+          2>&1 | tee "$OUT/b8.md" ;;
+    b31|b72)
+      n=$([ "$stage" = b31 ] && echo 31258 || echo 72061)
+      strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB --mtp --spec 2 \
+        --scenario auto --scenario ab --prefill 4096 --runs "$RUNS" --prompt-tokens "$n" \
+        --max-new "$MAX_NEW" --kv q4_0 --ctx $((n + MAX_NEW + 64)) --json "$OUT/$stage.json" \
+        2>&1 | tee "$OUT/$stage.md" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
