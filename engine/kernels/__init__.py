@@ -1,8 +1,10 @@
-"""CUDA kernels (CuPy + NVRTC): GGUF dequantization, fused dequantize-GEMV, grouped MoE prefill.
+"""CUDA kernels (CuPy + NVRTC): GGUF dequantization, fused dequantize-GEMV, grouped MoE prefill,
+causal prompt attention.
 
 Importing this package needs no GPU and no CuPy; CuPy is imported on the first kernel call.
 """
 
+from engine.kernels.attention import causal_attention
 from engine.kernels.dequant import (
     SUPPORTED,
     check_layouts,
@@ -21,6 +23,7 @@ from engine.kernels.moe import (
 
 __all__ = [
     "SUPPORTED",
+    "causal_attention",
     "check_layouts",
     "dequantize",
     "dequantize_many",

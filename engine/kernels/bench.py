@@ -4,9 +4,10 @@
 
 Rows: device-to-device copy (the bandwidth ceiling, bytes read + written), host-to-device
 upload (pageable through the pinned staging buffer, and pinned directly), fused
-dequantize-GEMV per quant type (weight bytes / time, B = 1 and 8), dequantize to fp16, and the
-grouped MoE prefill (GFLOP/s of its three GEMMs). Times are medians of CUDA-event timings after
-warm-up; inputs are random valid blocks (`random_quant_bytes`), never zeros.
+dequantize-GEMV per quant type (weight bytes / time, B = 1 and 8), dequantize to fp16, the
+grouped MoE prefill (GFLOP/s of its three GEMMs) and the prompt-path causal attention (TFLOP/s
+on visible keys). Times are medians of CUDA-event timings after warm-up; inputs are random
+valid blocks (`random_quant_bytes`), never zeros.
 """
 
 from __future__ import annotations
@@ -194,6 +195,37 @@ def bench_moe(
     return rows
 
 
+def bench_attention(
+    cases: tuple[tuple[int, int], ...] = ((4096, 0), (4096, 27162)),
+    n_head: int = 32,
+    n_kv: int = 4,
+    d: int = 128,
+) -> list[tuple[str, str, float, str]]:
+    """`causal_attention` for (T, pos0) prompt chunks with Qwen3-30B-A3B heads; TFLOP/s counts
+    only visible keys (`causal_flops`: 4 * H * D * sum of the keys each query sees). The
+    float32 `causal_gqa` on CuPy (the path it replaces) is timed beside it."""
+    import cupy as cp
+
+    from engine.kernels.attention import causal_attention, causal_flops
+    from engine.model.attention import causal_gqa
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for t, pos0 in cases:
+        s = pos0 + t
+        q = cp.asarray(rng.standard_normal((t, n_head, d), dtype=np.float32))
+        k = cp.asarray(rng.standard_normal((s, n_kv, d), dtype=np.float32))
+        v = cp.asarray(rng.standard_normal((s, n_kv, d), dtype=np.float32))
+        ms = time_ms(functools.partial(causal_attention, q, k, v, pos0), warmup=2, repeat=7)
+        label = f"attention T={t} pos0={pos0}"
+        size = f"H={n_head} Hkv={n_kv} D={d}"
+        rows.append((label, size, causal_flops(t, pos0, n_head, d) / ms / 1e9, "TFLOP/s"))
+        rows.append((label, "time per layer", ms, "ms"))
+        ms = time_ms(functools.partial(causal_gqa, cp, q, k, v, pos0), warmup=1, repeat=3)
+        rows.append((label, "before: causal_gqa float32", ms, "ms"))
+    return rows
+
+
 def format_table(rows: list[tuple[str, str, float, str]], device: str) -> str:
     lines = [f"device: {device}", "", "| what | size | value | unit |", "|---|---|---:|---|"]
     lines += [f"| {a} | {b} | {v:,.1f} | {u} |" for a, b, v, u in rows]
@@ -218,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_moe(512, 32, 8, 2048, 768)
     else:
         rows += bench_moe(2048, 128, 8, 2048, 768)
+    rows += bench_attention()
     table = format_table(rows, device)
     print(table)
     if args.out:

@@ -42,7 +42,12 @@ def attention_block(
     k = rope_neox(xp, k, positions, hp.rope_base)
     kv.write(layer, pos0, k, v)
     k_all, v_all = kv.read(layer, pos0 + t)  # [S, Hkv, D] with S = pos0 + T
-    out = causal_gqa(xp, q, k_all, v_all, pos0)  # [T, H, D]
+    if t > 1 and xp.__name__ == "cupy":  # prompt chunk on the GPU: fp16 GEMMs + fused softmax
+        from engine.kernels.attention import causal_attention
+
+        out = causal_attention(q, k_all, v_all, pos0)  # [T, H, D] float32
+    else:
+        out = causal_gqa(xp, q, k_all, v_all, pos0)  # [T, H, D]
     return linear(xp, out.reshape(t, hp.q_dim), w.wo)  # [T, d]
 
 
