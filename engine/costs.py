@@ -96,19 +96,16 @@ def act_bytes_per_token(model: Shapes) -> int:
 
 GPU_MOE_SCRATCH_BYTES = 256 << 20  # engine.kernels.moe.DEFAULT_SCRATCH_BYTES (fp16 experts)
 GPU_SCORE_BYTES = 256 << 20  # engine.kernels.attention's fp16 score block
-GPU_MOE_SLICE_TOKENS = 1024  # engine.prefill.MOE_SLICE_TOKENS
 
 
 def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int) -> int:
     """Prompt-chunk bytes on CUDA that do not grow with the chunk: the MoE kernels' fp16
-    expert scratch and one slice's gathered rows and GEMM outputs, the attention score block,
-    and the keys and values read back from the cache for the whole context (float32 and
-    their fp16 copies)."""
+    expert scratch, the attention score block, and the keys and values read back from the
+    cache for the whole context (float32 and their fp16 copies). (The MoE kernels' gathered
+    rows and GEMM outputs grow with the chunk: `act_bytes_per_token` counts them.)"""
     hp = model.hp
-    rows = GPU_MOE_SLICE_TOKENS * hp.n_expert_used
-    moe_rows = rows * (2 * hp.n_embd + 3 * hp.n_ff_exp) * 2 + rows * 12
     kv_read = 2 * n_ctx * hp.kv_dim * (F32 + 2)
-    return GPU_MOE_SCRATCH_BYTES + moe_rows + GPU_SCORE_BYTES + kv_read
+    return GPU_MOE_SCRATCH_BYTES + GPU_SCORE_BYTES + kv_read
 
 
 def model_costs(model: Shapes, options: EngineOptions, wb: int = F32,

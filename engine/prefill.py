@@ -47,6 +47,7 @@ class CachedExperts:
         the MoE kernels and a decode miss is streamed into a transient device buffer."""
         self.cache, self.host, self.decoded = cache, host, decoded
         self.ring: StagingRing | None = None
+        self._ahead: list[list[int]] | None = None  # per layer: the experts prefetch stages
         self.counters = StreamCounters()
         self._to_host = to_host
         self._host_decoded = DecodedLRU(64 << 20)
@@ -65,6 +66,36 @@ class CachedExperts:
         self.counters.hits += 1
         return self.cache.slot_view(slot)  # type: ignore[union-attr]
 
+    def attach_ring(self, ring: StagingRing | None) -> None:
+        """The prompt path's staging ring (None after the prompt). On CUDA, when the ring
+        holds two layers of the experts the cache lacks, `prefetch` stages a whole layer
+        ahead; otherwise experts are staged as the MoE kernels reach them."""
+        self.ring, self._ahead = ring, None
+        if ring is None or self._backend is None:
+            return
+        n_layer, n_expert = self.host.n_layer, self.host.n_expert
+        lookup = self.cache.lookup if self.cache is not None else (lambda layer, e: -1)
+        missing = [[e for e in range(n_expert) if lookup(layer, e) < 0] for layer in range(n_layer)]
+        if 2 * max(len(m) for m in missing) <= ring.n_slots:
+            self._ahead = missing
+
+    def prefetch(self, layer: int) -> None:
+        """Queue the uploads of every expert of `layer` the cache lacks (when `attach_ring`
+        enabled it); the compute waits for each only where it reads it."""
+        if self._ahead is not None and layer < len(self._ahead):
+            for e in self._ahead[layer]:
+                self._stage(layer, e, wait=False)
+
+    def _stage(self, layer: int, expert: int, wait: bool = True) -> Any:
+        """The ring slot holding (layer, expert); counted as streamed when it was uploaded."""
+        assert self.ring is not None
+        before = self.ring.n_uploads
+        view = self.ring.stage(layer, expert, self.host.pieces, wait)
+        if self.ring.n_uploads != before:
+            self.counters.streamed += 1
+            self.counters.bytes_streamed += self.host.blob_bytes
+        return view
+
     def blob(self, layer: int, expert: int) -> Any:
         """Device bytes of (layer, expert): its cache slot, a ring slot (prompt path), or a
         transient buffer the pieces are copied into (the decode-miss policy on CUDA: stream
@@ -73,19 +104,26 @@ class CachedExperts:
         view = self._resident(layer, expert)
         if view is not None:
             return view
+        if self.ring is not None:
+            return self._stage(layer, expert)
+        assert self._backend is not None, "blob() is the CUDA path"
         self.counters.streamed += 1
         self.counters.bytes_streamed += self.host.blob_bytes
-        if self.ring is not None:
-            return self.ring.stage(layer, expert, self.host.pieces)
-        assert self._backend is not None, "blob() is the CUDA path"
         buf = self._backend.xp.empty(self.host.blob_bytes, dtype=self._backend.xp.uint8)
         self._backend.upload(self.host.pieces(layer, expert), buf)  # DMA from the pinned file
         return buf
 
     def kernel_ffn(self, layer: int, h: Any, ids: Any, w: Any, used: list[int]) -> Any:
-        """The routed FFN on CUDA: grouped fp16 GEMMs (prefill) or fused GEMVs (decode),
-        reading every expert straight from its device bytes."""
-        return kernel_ffn(self.host.layout, {e: self.blob(layer, e) for e in used}, h, ids, w)
+        """The routed FFN on CUDA, h [T, d], ids/w [T, k] -> [T, d]: fused GEMVs for a few
+        decode tokens, else grouped fp16 GEMMs with experts fetched one group at a time (a
+        group never needs more ring slots than the ring has)."""
+        from engine.kernels.moe import moe_decode, moe_prefill
+
+        layout = self.host.layout
+        if h.shape[0] <= 8 and self.ring is None:
+            return moe_decode(h, ids, w, {e: self.blob(layer, e) for e in used}, layout)
+        group = self.ring.n_slots if self.ring is not None else None
+        return moe_prefill(h, ids, w, lambda e: self.blob(layer, e), layout, max_group=group)
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         layout = self.host.layout
@@ -93,9 +131,7 @@ class CachedExperts:
         if view is not None:
             return self.decoded.get((layer, expert), lambda: layout.decode(self._to_host(view)))
         if self.ring is not None:
-            view = self.ring.stage(layer, expert, self.host.pieces)  # upload: counted H2D
-            self.counters.streamed += 1
-            self.counters.bytes_streamed += self.host.blob_bytes
+            view = self._stage(layer, expert)  # upload: counted H2D
             return layout.decode(self._to_host(view))  # decoded per chunk: this is streaming
         self.counters.host_reads += 1
         return self._host_decoded.get(
@@ -103,23 +139,12 @@ class CachedExperts:
         )
 
 
-MOE_SLICE_TOKENS = 1024  # tokens per grouped-GEMM pass: bounds the gathered rows and outputs
-
-
 def kernel_ffn(layout: Any, blobs: dict[int, Any], h: Any, ids: Any, w: Any) -> Any:
-    """h [T, d], ids/w [T, k] -> [T, d] with the CUDA MoE kernels (engine.kernels.moe)."""
+    """h [T, d], ids/w [T, k] -> [T, d] with the CUDA MoE kernels over resident blobs."""
     from engine.kernels.moe import moe_decode, moe_prefill
 
-    n = h.shape[0]
-    if n <= 8:
-        return moe_decode(h, ids, w, blobs, layout)
-    if n <= MOE_SLICE_TOKENS:
-        return moe_prefill(h, ids, w, blobs, layout)
-    import cupy as xp
-    parts = [moe_prefill(h[a : a + MOE_SLICE_TOKENS], ids[a : a + MOE_SLICE_TOKENS],
-                         w[a : a + MOE_SLICE_TOKENS], blobs, layout)
-             for a in range(0, n, MOE_SLICE_TOKENS)]  # bounded temporaries per launch group
-    return xp.concatenate(parts)
+    run = moe_decode if h.shape[0] <= 8 else moe_prefill
+    return run(h, ids, w, blobs, layout)
 
 
 @dataclass(frozen=True)
@@ -173,14 +198,14 @@ def run_prompt(
     refill_trace = ""
     try:
         hook("lent", lent)
-        provider.ring = StagingRing(backend, ring_slots)
+        provider.attach_ring(StagingRing(backend, ring_slots))
         provider.counters.reset()
         session.model.transformer.arena_stats = None
         logits = session.prefill(
             fresh, g.chunk_tokens, on_chunk, logits="none", scratch=chunk_buf
         )
     finally:
-        provider.ring = None
+        provider.attach_ring(None)
     if lent is not None:
         hook("refill", lent)
         refill_trace = cache.refill(lent).trace  # type: ignore[union-attr]

@@ -122,7 +122,7 @@ class Runtime:
         rt.backend = make_backend(device, limit, elastic=options.vram_elastic)
         capacity = rt.backend.capacity_bytes
         seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
-        rt.plan_options = cls.plan_options_for(options, flags, reserve, seg)
+        rt.plan_options = cls.plan_options_for(options, flags, reserve, seg, device)
         rt.plan = plan_startup(capacity, rt.costs, rt.plan_options)
         rt.ledger = Ledger(rt.backend, capacity, segment_bytes=seg,
                            on_change=lambda s: publish(LedgerChanged.of(s)))
@@ -133,8 +133,11 @@ class Runtime:
 
     @staticmethod
     def plan_options_for(options: EngineOptions, flags: LoanFlags, reserve_bytes: int,
-                         segment_bytes: int) -> PlanOptions:
+                         segment_bytes: int, device: str = "sim") -> PlanOptions:
+        """The planner's options; on CUDA the ring wants two layers of experts (the prompt
+        path uploads the next layer's experts while this one computes)."""
         return PlanOptions(
+            ring_layers=2 if device.startswith("cuda") else 1,
             expert_cache=options.expert_cache, prefill=options.prefill,
             deferred=deferred_regions(flags, options), borrow=not options.no_borrow,
             reserve_bytes=reserve_bytes, segment_bytes=segment_bytes,

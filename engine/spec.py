@@ -228,7 +228,8 @@ class SpecDecoder:
             return
         have = self._pos0 + sum(len(h) for h in self._hidden)
         assert pos0 == have, f"prefill hidden arrives for position {pos0}, expected {have}"
-        self._hidden.append(hidden)
+        # kept in host memory: a long prompt's rows are big (31k x 2048 float32 = 256 MB)
+        self._hidden.append(hidden.get() if hasattr(hidden, "get") else np.asarray(hidden))
 
     def decode(
         self,
@@ -327,7 +328,7 @@ class SpecDecoder:
         pos0, parts = self._pos0, self._hidden
         self._pos0, self._hidden = None, []
         assert pos0 is not None, "SpecDecoder.begin() must come before prefill and decode"
-        hidden = session.xp.concatenate(parts) if parts else None  # [n_start - pos0, d]
+        hidden = np.concatenate(parts) if parts else None  # [n_start - pos0, d] host
         n = 0 if hidden is None else len(hidden)
         assert pos0 + n == n_start and n > 0, (
             f"the draft needs the prefill's hidden for positions {pos0}..{n_start - 1}, got {n} "

@@ -39,7 +39,7 @@ def plan_text(args: argparse.Namespace) -> str:
         limit = parse_size(options.vram_limit, what="--vram-limit") if options.vram_limit else None
         capacity = make_backend(device, limit).capacity_bytes
     seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
-    opts = Runtime.plan_options_for(options, flags, reserve, seg)
+    opts = Runtime.plan_options_for(options, flags, reserve, seg, device)
     plan = plan_startup(capacity, costs, opts)
     hp = shapes.hp
     head = [

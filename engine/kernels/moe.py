@@ -20,7 +20,7 @@ addresses need them); small launch tables (row indices, pointers) go the other w
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,16 +142,19 @@ def moe_prefill(
     h: Any,
     ids: Any,
     weights: Any,
-    blobs: Mapping[int, Any],
+    blobs: Mapping[int, Any] | Callable[[int], Any],
     layout: ExpertLayout,
     *,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+    max_group: int | None = None,
 ) -> Any:
     """Routed-expert FFN of a token chunk on the GPU (see the module docstring).
 
     h: [T, d] fp16/fp32 (normed) activations; ids: [T, k] int expert ids (a token names an
     expert at most once); weights: [T, k] routing weights; blobs: expert id -> uint8 device
-    array of its gate|up|down bytes (`ExpertLayout`), for every id in `ids`.
+    array of its gate|up|down bytes (`ExpertLayout`), for every id in `ids`, as a mapping or
+    a function. A function is called one group at a time, after the previous group's kernels
+    are queued (so a staging ring of `max_group` slots can hold every group in turn).
     Returns float32 [T, d]: sum_j weights[t, j] * down(silu(gate h_t) * up h_t) of expert ids[t, j].
     """
     cp = _cupy()
@@ -171,23 +174,27 @@ def moe_prefill(
     hs[:n_rows] = cp.asarray(h, dtype=cp.float16)[order // k]
     y = cp.empty((n_rows + 1, d), dtype=cp.float16)  # last row: where padding rows land
 
-    group = min(max(1, scratch_bytes // expert_fp16_bytes(layout)), len(used))
+    blob_of = blobs.__getitem__ if isinstance(blobs, Mapping) else blobs
+    group = min(max(1, scratch_bytes // expert_fp16_bytes(layout)), len(used), max_group or len(used))
     wgu = cp.empty((group, 2 * f, d), dtype=cp.float16)  # gate | up of each expert
     wd = cp.empty((group, d, f), dtype=cp.float16)
     by_count = sorted(range(len(used)), key=lambda i: (-n_per[i], used[i]))
-    for g0 in range(0, len(used), group):
-        members = by_count[g0 : g0 + group]
+    groups = [by_count[g0 : g0 + group] for g0 in range(0, len(used), group)]
+    pending = [blob_of(used[u]) for u in groups[0]]
+    for gi, members in enumerate(groups):
         n_g, m = len(members), n_per[members[0]]
         rows = np.full((n_g, m), n_rows, dtype=np.int32)  # [n_g, m] sorted rows, padded
         for i, u in enumerate(members):
             rows[i, : n_per[u]] = np.arange(starts[u], starts[u + 1])
         idx = cp.asarray(rows)
-        _decode_group([blobs[used[u]] for u in members], layout, wgu, wd)
+        _decode_group(pending, layout, wgu, wd)
         gu = gemm_nt(hs[idx], wgu[:n_g], cp.empty((n_g, m, 2 * f), dtype=cp.float16))
         act = cp.empty((n_g, m, f), dtype=cp.float16)
         _swiglu(gu.reshape(n_g * m, 2 * f), act.reshape(n_g * m, f))
         yg = gemm_nt(act, wd[:n_g], cp.empty((n_g, m, d), dtype=cp.float16))  # [n_g, m, d]
         y[idx.reshape(-1)] = yg.reshape(n_g * m, d)
+        if gi + 1 < len(groups):  # this group's blobs are read (queued): the next may reuse slots
+            pending = [blob_of(used[u]) for u in groups[gi + 1]]
     out = cp.empty((n_tok, d), dtype=cp.float32)
     w = cp.ascontiguousarray(weights, dtype=cp.float32)  # [T, k]
     combine((n_tok,), (256,), (y, pos.reshape(n_tok, k), w, out, np.int32(k), np.int32(d)))

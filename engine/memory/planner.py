@@ -100,6 +100,7 @@ class PlanOptions:
     grid_tokens: int = 256
     max_chunk_tokens: int = 16384
     owned_chunk_tokens: int = 2048
+    ring_layers: int = 1  # the ring wants this many layers' experts (2 on CUDA: prefetch)
 
     def __post_init__(self) -> None:
         bad = []
@@ -111,7 +112,8 @@ class PlanOptions:
             bad.append(f"deferred {sorted(self.deferred)} must be among {DECODE_ONLY_REGIONS}")
         if not 0.0 < self.max_lent_share <= 1.0:
             bad.append(f"max lent share {self.max_lent_share} must be in (0, 1]")
-        for name in ("segment_bytes", "grid_tokens", "max_chunk_tokens", "owned_chunk_tokens"):
+        for name in ("segment_bytes", "grid_tokens", "max_chunk_tokens", "owned_chunk_tokens",
+                     "ring_layers"):
             if getattr(self, name) <= 0:
                 bad.append(f"{name} {getattr(self, name)} must be positive")
         if self.reserve_bytes < 0 or (self.min_kept_slots or 0) < 0:
@@ -375,12 +377,14 @@ def _fit(units: int, unit_bytes: int, costs: ModelCosts, opts: PlanOptions, cap_
     chunk_units = ceil_div(chunk_bytes, unit_bytes)
     if tokens <= 0 or chunk_units + ceil_div(ring_min * blob, unit_bytes) > units:
         return None
-    wanted = ring_slots_wanted(tokens, costs.n_expert, costs.n_expert_used)
+    one_layer = ring_slots_wanted(tokens, costs.n_expert, costs.n_expert_used)
+    wanted = opts.ring_layers * one_layer
     ring = min(wanted, (units - chunk_units) * unit_bytes // blob)
     n_lent = ceil_div(chunk_bytes + ring * blob, blob) if borrowed else 0
     how = "--prefill" if opts.prefill != "auto" else f"on the {opts.grid_tokens}-token grid"
     reasons = [why, f"chunk {tokens:,} tokens ({how}, beside a {ring_min}-slot ring)"]
-    reasons.append(f"ring {ring} slots = min(one layer's {wanted} wanted, what is left)")
+    layers = "one layer's" if opts.ring_layers == 1 else f"{opts.ring_layers} layers'"
+    reasons.append(f"ring {ring} slots = min({layers} {wanted} wanted, what is left)")
     if borrowed:
         reasons.append(f"lends {n_lent:,} cache-tail slots = ceil((chunk + ring) / {blob:,} B)")
     return PromptGeometry(tokens, ring, n_lent, chunk_bytes, ring * blob, borrowed, tuple(reasons))

@@ -51,8 +51,10 @@ def split_prompt_buffer(
 class StagingRing:
     """Round-robin upload slots; an expert already in the ring is not uploaded again.
 
-    Before a slot is overwritten on a new lap the backend is synchronized, so no queued kernel
-    still reads the expert it held.
+    Overwriting a slot is safe without a host synchronisation: the backend orders every upload
+    after the compute already queued (which includes every kernel that read the slot's old
+    expert). `stage(..., wait=False)` (prefetch, CUDA) queues the copy without making the
+    compute wait for it; the wait is queued when the expert is first asked for with `wait=True`.
     """
 
     def __init__(self, backend: Backend, slots: DeviceArray):
@@ -62,7 +64,7 @@ class StagingRing:
         self._held: list[tuple[int, int] | None] = [None] * len(slots)
         self._where: dict[tuple[int, int], int] = {}  # (layer, expert) -> ring slot
         self._next = 0
-        self._laps = 0
+        self._pending: dict[int, object] = {}  # slot -> copy event compute has not waited for
         self.n_uploads = 0
         self.n_reused = 0
 
@@ -71,28 +73,35 @@ class StagingRing:
         return len(self.slots)
 
     def stage(
-        self, layer: int, expert: int, host_blob: Callable[[int, int], np.ndarray | list[np.ndarray]]
+        self, layer: int, expert: int,
+        host_blob: Callable[[int, int], np.ndarray | list[np.ndarray]], wait: bool = True,
     ) -> DeviceArray:
         """Device bytes [slot_bytes] of (layer, expert); uploads `host_blob(layer, expert)`
-        into the next slot unless the ring already holds it."""
+        into the next slot unless the ring already holds it. `wait=False` (backends with
+        `upload_async`): compute queued later does not wait for this copy until the expert
+        is staged again with `wait=True`."""
         key = (layer, expert)
         slot = self._where.get(key)
         if slot is not None:
             self.n_reused += 1
-            return self.slots[slot]
-        slot = self._next
-        if slot == 0 and self._laps > 0:
-            self.backend.synchronize()
-        old = self._held[slot]
-        if old is not None:
-            del self._where[old]
-        self._held[slot] = None
-        self.backend.upload(host_blob(layer, expert), self.slots[slot])
-        self._held[slot] = key
-        self._where[key] = slot
-        self._next = (slot + 1) % self.n_slots
-        self._laps += self._next == 0
-        self.n_uploads += 1
+        else:
+            slot = self._next
+            old = self._held[slot]
+            if old is not None:
+                del self._where[old]
+            self._held[slot] = None
+            self._pending.pop(slot, None)  # a later copy on the same stream supersedes it
+            if wait:
+                self.backend.upload(host_blob(layer, expert), self.slots[slot])
+            else:
+                self._pending[slot] = self.backend.upload_async(  # type: ignore[attr-defined]
+                    host_blob(layer, expert), self.slots[slot])
+            self._held[slot] = key
+            self._where[key] = slot
+            self._next = (slot + 1) % self.n_slots
+            self.n_uploads += 1
+        if wait and slot in self._pending:
+            self.backend.wait(self._pending.pop(slot))  # type: ignore[attr-defined]
         return self.slots[slot]
 
     def reset(self) -> None:
@@ -100,4 +109,4 @@ class StagingRing:
         self._held = [None] * self.n_slots
         self._where.clear()
         self._next = 0
-        self._laps = 0
+        self._pending.clear()

@@ -283,8 +283,8 @@ class MTPDraft:
         for a in range(0, n, MTP_CHUNK):
             b = min(n, a + MTP_CHUNK)
             want = "last" if b == n else "none"
-            out = self.block.forward(
-                hidden[a:b], np.asarray(next_ids[a:b]), pos0 + a, self.kv, want
+            out = self.block.forward(  # prompt rows come from host memory, a slice at a time
+                self.block.xp.asarray(hidden[a:b]), np.asarray(next_ids[a:b]), pos0 + a, self.kv, want
             )
         self.n_cells = pos0 + n
         self.seq = [*session.tokens[: pos0 + 1], *next_ids]

@@ -88,8 +88,11 @@ class Transformer:
             arena = open_arena(xp, scratch[-(-n // 4096) * 4096 :])  # the rest: temporaries
         routes = []
         margins = xp.full(len(tokens), xp.inf, dtype=xp.float32)
+        prefetch = getattr(experts, "prefetch", lambda layer: None)
+        prefetch(0)
         with arena or nullcontext():
             for i, blk in enumerate(self.blocks):
+                prefetch(i + 1)  # the next layer's experts upload while this layer computes
                 x += attention_block(xp, hp, blk.attn, x, pos0, kv, i)
                 ffn, ids, margin = moe_block(xp, hp, blk.ffn_norm, blk.router, x, i, experts)
                 x += ffn
