@@ -105,7 +105,10 @@ def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int) -> int:
     rows and GEMM outputs grow with the chunk: `act_bytes_per_token` counts them.)"""
     hp = model.hp
     kv_read = 2 * n_ctx * hp.kv_dim * (F32 + 2)
-    return GPU_MOE_SCRATCH_BYTES + GPU_SCORE_BYTES + kv_read
+    expert_fp16 = 3 * hp.n_embd * hp.n_ff_exp * 2
+    moe = min(GPU_MOE_SCRATCH_BYTES, hp.n_expert * expert_fp16)
+    scores = min(GPU_SCORE_BYTES, 2 * hp.n_head * n_ctx * 1024)  # 1,024-query blocks at most
+    return moe + scores + kv_read
 
 
 def model_costs(model: Shapes, options: EngineOptions, wb: int = F32,

@@ -101,7 +101,6 @@ def test_prompt_temporaries_live_in_the_chunk_buffer(mid_path: Path) -> None:
     stats = loop.rt.model.transformer.arena_stats
     assert stats is not None and stats.spilled_bytes == 0, stats
     assert 0 < stats.peak_bytes <= stats.n_bytes
-    assert res.counters.bytes_streamed > 0
     loop.rt.check_integrity()
     assert loop.rt.cache.n_lent == 0
     ref = ServeLoop.create(EngineOptions(model=str(mid_path), device="cuda", ctx=4096,

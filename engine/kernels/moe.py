@@ -130,6 +130,19 @@ def _decode_group(blobs: list[Any], layout: ExpertLayout, wgu: Any, wd: Any) -> 
     dequantize_ptrs([p[2] for p in parts], down_dst, q_down, d * f, f16=True, device_id=dev)
 
 
+def _groups(by_count: list[int], n_per: list[int], group: int, row_cap: int) -> list[list[int]]:
+    """Experts (sorted by row count, largest first) cut into groups of at most `group`, each
+    group's padded rows (members x its largest count) kept under `row_cap` unless one expert
+    alone exceeds it: skewed routing must not pad every expert to the busiest one."""
+    out: list[list[int]] = []
+    for u in by_count:
+        if out and len(out[-1]) < group and (len(out[-1]) + 1) * n_per[out[-1][0]] <= row_cap:
+            out[-1].append(u)
+        else:
+            out.append([u])
+    return out
+
+
 def _swiglu(gu: Any, act: Any) -> None:
     """act [rows, f] = silu(gu[:, :f]) * gu[:, f:] for gu [rows, 2f] (fp16)."""
     swiglu, _ = _kernels()
@@ -179,7 +192,7 @@ def moe_prefill(
     wgu = cp.empty((group, 2 * f, d), dtype=cp.float16)  # gate | up of each expert
     wd = cp.empty((group, d, f), dtype=cp.float16)
     by_count = sorted(range(len(used)), key=lambda i: (-n_per[i], used[i]))
-    groups = [by_count[g0 : g0 + group] for g0 in range(0, len(used), group)]
+    groups = _groups(by_count, n_per, group, max(n_rows // 2, 1))
     pending = [blob_of(used[u]) for u in groups[0]]
     for gi, members in enumerate(groups):
         n_g, m = len(members), n_per[members[0]]
