@@ -105,7 +105,9 @@ def _function(name_expression: str) -> Any:
 def _device_table(qtype: Q, device_id: int) -> tuple[Any, int]:
     cp = _cupy()
     host = lookup_table(qtype)
-    with cp.cuda.Device(device_id):
+    # cached for the process: from CuPy's default pool even when first asked for inside a
+    # prompt chunk's arena (engine/backend/cuda_arena.py), whose memory is lent
+    with cp.cuda.Device(device_id), cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
         table = cp.asarray(host if host.size else np.zeros(1, dtype=np.uint32))
     return table, int(host.size)
 
