@@ -5,6 +5,7 @@
 #   kbench    kernel microbenchmarks                        -> $OUT/bench.md
 #   m8 / m48  make the Qwen3-30B-A3B-shaped model (8 / 48 layers) in models/ (git-ignored)
 #   b8        A/B + automatic planner, 8 layers, 8,192 tokens -> $OUT/b8.md
+#   prof      cProfile of `strata run` on the 48-layer model     -> $OUT/prof.txt
 #   b31 / b72 automatic planner + A/B, 48 layers, 8 GiB, 31,258 / 72,061 tokens -> $OUT/b31.md, b72.md
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -33,6 +34,11 @@ for stage in "$@"; do
         --scenario auto --scenario ab --prefill 4096 --runs "$RUNS" --prompt-tokens "$n" \
         --max-new "$MAX_NEW" --kv q4_0 --ctx $((n + MAX_NEW + 64)) --json "$OUT/$stage.json" \
         2>&1 | tee "$OUT/$stage.md" ;;
+    prof) python3 -m cProfile -o "$OUT/prof.out" -m engine.cli run --model models/q48.gguf \
+            --device cuda --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --ctx 4096 \
+            --prompt "Tell me about rivers." --max-new 48 > "$OUT/prof-run.txt" 2>&1 || true
+          python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(45)" \
+            "$OUT/prof.out" > "$OUT/prof.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
