@@ -31,6 +31,12 @@ class Shapes:
         return self.hp.n_nextn > 0
 
     @classmethod
+    def of_spec(cls, spec) -> Shapes:  # type: ignore[no-untyped-def]
+        """From a synthetic preset's `SynthSpec` (no file needed)."""
+        blob = spec.expert_blob_bytes()
+        return cls(spec.hparams(), blob, blob if spec.n_nextn else 0)
+
+    @classmethod
     def of(cls, model) -> Shapes:  # type: ignore[no-untyped-def]
         mtp = model.mtp_experts
         return cls(model.hp, model.experts.blob_bytes, mtp.blob_bytes if mtp is not None else 0)

@@ -64,9 +64,7 @@ def plan_text(args: argparse.Namespace) -> str:
 def _shapes(model: str) -> tuple[Shapes, str]:
     """Shapes of a preset straight from its spec (no 17 GB file needed), else of the file."""
     if model in PRESETS and not Path(model).exists():
-        spec = PRESETS[model]
-        blob = spec.expert_blob_bytes()
-        return Shapes(spec.hparams(), blob, blob if spec.n_nextn else 0), f"preset {model}"
+        return Shapes.of_spec(PRESETS[model]), f"preset {model}"
     m = load_model(resolve_model(model), build=False)
     return Shapes.of(m), m.path.name
 

@@ -1,0 +1,92 @@
+"""CPU-side checks of the CUDA prompt path's host logic: MoE grouping, arena accounting,
+the two-layer ring, the GPU chunk's fixed bytes, expert pieces and piecewise uploads."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from engine.backend import SimBackend
+from engine.config import EngineOptions
+from engine.costs import Shapes, gpu_chunk_fixed_bytes, model_costs
+from engine.kernels.moe import _groups
+from engine.memory.compute_arena import ArenaStats, open_arena
+from engine.memory.planner import PlanOptions, plan_startup
+from engine.memory.sizes import MiB
+from engine.synth.model import PRESETS
+from tests.test_planner import COSTS, OPTS
+
+
+def test_groups_cap_padding_under_skewed_routing() -> None:
+    n_per = [6000, 900, 800, 700, 50, 40, 30, 20, 10, 5]  # rows per used expert
+    by_count = sorted(range(len(n_per)), key=lambda i: -n_per[i])
+    groups = _groups(by_count, n_per, group=4, row_cap=4000)
+    assert [u for g in groups for u in g] == by_count  # every expert once, in order
+    assert groups[0] == [0]  # the busiest expert alone: nothing padded to 6,000 rows
+    for g in groups:
+        assert len(g) <= 4
+        assert len(g) == 1 or len(g) * n_per[g[0]] <= 4000
+    padded = sum(len(g) * n_per[g[0]] for g in groups)
+    assert padded < 2 * sum(n_per)  # the old fixed groups of 4 padded to 24,000 + ...
+
+
+def test_groups_of_even_routing_fill_up() -> None:
+    n_per = [64] * 10
+    assert [len(g) for g in _groups(list(range(10)), n_per, group=4, row_cap=320)] == [4, 4, 2]
+
+
+def test_arena_stats_merge_over_chunks() -> None:
+    a = ArenaStats(100 * MiB, 60 * MiB, 0)
+    b = ArenaStats(80 * MiB, 70 * MiB, 3 * MiB)
+    m = b.merge(a)
+    assert (m.n_bytes, m.peak_bytes, m.spilled_bytes) == (100 * MiB, 70 * MiB, 3 * MiB)
+    assert a.merge(None) == a
+    assert "peak 70 MiB of the 100 MiB chunk buffer, spilled 3 MiB" in m.line()
+
+
+def test_no_arena_for_numpy() -> None:
+    assert open_arena(np, np.zeros(16, dtype=np.uint8)) is None
+
+
+def test_a_two_layer_ring_takes_what_is_left() -> None:
+    one = plan_startup(256 * MiB, COSTS, OPTS).prompt
+    two = plan_startup(256 * MiB, COSTS, replace(OPTS, ring_layers=2)).prompt
+    assert two.chunk_tokens == one.chunk_tokens  # chunk first: the ring only gets the rest
+    assert two.ring_slots >= one.ring_slots
+    assert any("2 layers'" in r for r in two.reasons)
+    with pytest.raises(Exception, match="ring_layers"):
+        PlanOptions(ring_layers=0)
+
+
+def test_gpu_fixed_chunk_bytes_scale_with_the_model() -> None:
+    fixed = gpu_chunk_fixed_bytes(_shapes("qwen3-30b-a3b"), 32768)
+    assert 512 * MiB <= fixed < 1024 * MiB  # 256 MiB experts + 256 MiB scores + the KV read
+    tiny = _shapes("tiny")
+    assert gpu_chunk_fixed_bytes(tiny, 2048) < 64 * MiB  # a tiny model asks for little
+    gpu = model_costs(tiny, EngineOptions(ctx=2048), 2, gpu=True)
+    cpu = model_costs(tiny, EngineOptions(ctx=2048), 4)
+    assert gpu.act_bytes_fixed - cpu.act_bytes_fixed == gpu_chunk_fixed_bytes(tiny, 2048)
+
+
+def _shapes(preset: str) -> Shapes:
+    return Shapes.of_spec(PRESETS[preset])
+
+
+def test_pieces_concatenate_to_the_blob(tiny_path) -> None:  # type: ignore[no-untyped-def]
+    from engine.model.loader import load_model
+
+    host = load_model(tiny_path, build=False).experts
+    for layer, expert in [(0, 0), (host.n_layer - 1, host.n_expert - 1)]:
+        pieces = host.pieces(layer, expert)
+        assert len(pieces) == 3 and all(p.base is not None for p in pieces)  # file views
+        assert np.array_equal(np.concatenate(pieces), host.blob(layer, expert))
+
+
+def test_a_list_upload_is_one_counted_copy() -> None:
+    backend = SimBackend(1 * MiB)
+    out = np.zeros(10, dtype=np.uint8)
+    backend.upload([np.arange(4, dtype=np.uint8), np.arange(6, dtype=np.uint8)], out)
+    assert out.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+    assert (backend.stats.h2d_copies, backend.stats.h2d_bytes) == (1, 10)
