@@ -100,6 +100,18 @@ def act_bytes_per_token(model: Shapes) -> int:
     return F32 * per_token
 
 
+def prefill_flops(model: Shapes, n_tokens: int, pos0: int = 0) -> int:
+    """Multiply-add FLOPs (2 per MAC) of prefilling tokens pos0..pos0+n-1 through the main
+    blocks: q/k/v/o projections, causal attention (4 * H * D per visible key), the router and
+    k SwiGLU experts per token. The prompt computes no logits (the first token's come after)."""
+    hp = model.hp
+    d, f, k = hp.n_embd, hp.n_ff_exp, hp.n_expert_used
+    per_token = (2 * d * (hp.q_dim + 2 * hp.kv_dim) + 2 * hp.q_dim * d  # projections
+                 + 2 * d * hp.n_expert + 6 * k * d * f)  # router, gate + up + down
+    visible = n_tokens * pos0 + n_tokens * (n_tokens + 1) // 2  # sum of keys each query sees
+    return hp.n_layer * (n_tokens * per_token + 4 * hp.n_head * hp.head_dim * visible)
+
+
 GPU_MOE_SCRATCH_BYTES = 256 << 20  # engine.kernels.moe.DEFAULT_SCRATCH_BYTES (fp16 experts)
 GPU_SCORE_BYTES = 256 << 20  # engine.kernels.attention's fp16 score block
 

@@ -67,7 +67,13 @@ class KVCache:
         """Store k, v: [T, n_head_kv, head_dim] at cells pos0..pos0+T-1."""
         t = k.shape[0]
         assert pos0 + t <= self.n_ctx, f"KV overflow: {pos0 + t} cells > n_ctx {self.n_ctx}"
+        fused = self.kind == "q4_0" and self.xp.__name__ == "cupy"
         for j, x in enumerate((k, v)):
+            if fused:  # encode straight into the cells: one launch
+                from engine.kernels.fused import kv_q4_encode
+
+                kv_q4_encode(x, self.data[layer, j, pos0 : pos0 + t], self.scale[layer, j, pos0 : pos0 + t])
+                continue
             q, s = self._encode(x)
             self.data[layer, j, pos0 : pos0 + t] = q
             if s is not None:
@@ -109,6 +115,10 @@ class KVCache:
         if self.kind == "f16":
             return q.astype(xp.float32)
         s = self.scale[layer, j, :n]
+        if self.kind == "q4_0" and xp.__name__ == "cupy":  # one fused launch
+            from engine.kernels.fused import kv_q4_decode
+
+            return kv_q4_decode(q, s)
         if self.kind == "int8":
             return q.astype(xp.float32) * s
         t, h, _ = q.shape

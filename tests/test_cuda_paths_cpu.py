@@ -90,3 +90,17 @@ def test_a_list_upload_is_one_counted_copy() -> None:
     backend.upload([np.arange(4, dtype=np.uint8), np.arange(6, dtype=np.uint8)], out)
     assert out.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
     assert (backend.stats.h2d_copies, backend.stats.h2d_bytes) == (1, 10)
+
+
+def test_prefill_flops_by_hand() -> None:
+    from engine.costs import prefill_flops
+
+    s = _shapes("qwen3-30b-a3b")
+    hp = s.hp
+    one = prefill_flops(s, 1)  # one token sees one key
+    per_layer = (2 * hp.n_embd * (hp.q_dim + 2 * hp.kv_dim) + 2 * hp.q_dim * hp.n_embd
+                 + 2 * hp.n_embd * hp.n_expert + 6 * hp.n_expert_used * hp.n_embd * hp.n_ff_exp
+                 + 4 * hp.n_head * hp.head_dim)
+    assert one == hp.n_layer * per_layer
+    # two chunks cost what one pass does (the second chunk's queries see the first's keys)
+    assert prefill_flops(s, 1000) + prefill_flops(s, 500, pos0=1000) == prefill_flops(s, 1500)

@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.gguf.hparams import HParams
 from engine.kv import KVCache
-from engine.model.ops import linear, rms_norm, rope_neox
+from engine.model.ops import linear, rms_norm, rope_at
 
 QUERY_BLOCK = 512  # queries per score block at most
 SCORE_BUDGET_BYTES = 64 << 20  # the [H, Tq, S] float32 score block stays under this
@@ -37,9 +37,8 @@ def attention_block(
     v = linear(xp, h, w.wv).reshape(t, hp.n_head_kv, hp.head_dim)  # [T, Hkv, D]
     q = rms_norm(xp, q, w.q_norm, hp.rms_eps)
     k = rms_norm(xp, k, w.k_norm, hp.rms_eps)
-    positions = xp.arange(pos0, pos0 + t)
-    q = rope_neox(xp, q, positions, hp.rope_base)
-    k = rope_neox(xp, k, positions, hp.rope_base)
+    q = rope_at(xp, q, pos0, hp.rope_base)  # q, k: fresh arrays from rms_norm
+    k = rope_at(xp, k, pos0, hp.rope_base)
     kv.write(layer, pos0, k, v)
     k_all, v_all = kv.read(layer, pos0 + t)  # [S, Hkv, D] with S = pos0 + T
     if t > 1 and xp.__name__ == "cupy":  # prompt chunk on the GPU: fp16 GEMMs + fused softmax

@@ -33,8 +33,12 @@ def route(xp: Any, hp: HParams, router: Any, h: Any) -> tuple[Any, Any, Any]:
     `margin` is the probability gap between the k-th and (k+1)-th expert: how far the
     routing decision is from a tie (a perturbation larger than it can change the top-k).
     """
-    probs = softmax(xp, linear(xp, h, router))  # [T, E]
     k = hp.n_expert_used
+    if xp.__name__ == "cupy":  # softmax, top-k, renormalisation and margin in one launch
+        from engine.kernels.fused import route_topk
+
+        return route_topk(linear(xp, h, router), k)
+    probs = softmax(xp, linear(xp, h, router))  # [T, E]
     stable = {"kind": "stable"} if xp.__name__ == "numpy" else {}  # CuPy sorts stably anyway
     order = xp.argsort(-probs, axis=-1, **stable)  # [T, E]
     ids = order[:, :k]  # [T, k]
@@ -52,7 +56,11 @@ def moe_block(
     """x: [T, d] -> ([T, d] FFN output, ids [T, k] routing used, margin [T])."""
     h = rms_norm(xp, x, norm, hp.rms_eps)  # [T, d]
     ids, w, margin = route(xp, hp, router, h)
-    used = sorted(int(e) for e in xp.unique(ids).tolist())
+    if xp.__name__ == "cupy" and len(ids) <= 8:  # decode: the ids come to the host once
+        ids = ids.get()
+        used = sorted(set(ids.reshape(-1).tolist()))
+    else:
+        used = sorted(int(e) for e in xp.unique(ids).tolist())
     experts.prepare(layer, used)
     ffn = getattr(experts, "ffn", None)
     if ffn is not None:

@@ -13,7 +13,12 @@ def linear(xp: Any, x: Any, w: Any) -> Any:
 
 
 def rms_norm(xp: Any, x: Any, weight: Any, eps: float) -> Any:
-    """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight."""
+    """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight (one fused launch on
+    CUDA, engine/kernels/fused.py)."""
+    if xp.__name__ == "cupy" and x.dtype == xp.float32:
+        from engine.kernels.fused import rms_norm as fused
+
+        return fused(x, weight, eps)
     ms = xp.mean(x * x, axis=-1, keepdims=True)
     return x * (1.0 / xp.sqrt(ms + eps)) * weight
 
@@ -26,6 +31,16 @@ def softmax(xp: Any, x: Any, axis: int = -1) -> Any:
     m = xp.max(x, axis=axis, keepdims=True)
     e = xp.exp(x - m)
     return e / xp.sum(e, axis=axis, keepdims=True)
+
+
+def rope_at(xp: Any, x: Any, pos0: int, base: float) -> Any:
+    """`rope_neox` at positions pos0..pos0+T-1; on CUDA one fused launch, in place when x is a
+    contiguous float32 array (callers pass a fresh one)."""
+    if xp.__name__ == "cupy":
+        from engine.kernels.fused import rope_neox_
+
+        return rope_neox_(xp.ascontiguousarray(x, dtype=xp.float32), pos0, base)
+    return rope_neox(xp, x, xp.arange(pos0, pos0 + x.shape[0]), base)
 
 
 def rope_neox(xp: Any, x: Any, positions: Any, base: float) -> Any:

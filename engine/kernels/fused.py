@@ -1,0 +1,130 @@
+"""Fused small ops for CuPy arrays (engine/kernels/fused.cu): one launch where the NumPy-style
+code takes 5-12. They matter in the decode step, where every layer runs a handful of tiny ops
+and CuPy's per-launch cost (~10-20 us of Python and driver time each) is the step's cost.
+
+- `rms_norm(x [.., n], w [n], eps)` -> float32, one block per row;
+- `rope_neox_(x [T, H, D], pos0, base)`: NEOX rotary embedding in place, positions pos0..;
+- `kv_q4_encode(x [T, H, D]) -> (packed [T, H, D/2] uint8, scale [T, H, D/32] fp16)` and
+  `kv_q4_decode(packed, scale) -> float32 [n, H, D]`: the q4_0 KV codec of engine/kv.py;
+- `route_topk(logits [T, E], k) -> (ids [T, k] int64, w [T, k], margin [T])`: softmax, top-k
+  (ties: lower index first, as a stable argsort), renormalised weights and the tie margin.
+
+Each matches its NumPy reference (engine/model/ops.py, engine/kv.py, engine/model/moe.py) to
+float32 rounding (tests/test_gpu_fused.py); the q4 codec's rounding steps are the reference's.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_SOURCE = Path(__file__).with_name("fused.cu")
+_THREADS = 256
+_RMS_NAMES = ("rms_norm_rows<float>", "rms_norm_rows<unsigned short>")
+_PLAIN = ("rope_neox_inplace", "kv_q4_encode", "kv_q4_decode", "route_topk")
+
+
+def kernel_source() -> str:
+    return _SOURCE.read_text()
+
+
+@functools.cache
+def _module() -> Any:
+    import cupy
+
+    return cupy.RawModule(code=kernel_source(), options=("-std=c++17",),
+                          name_expressions=_RMS_NAMES + _PLAIN)
+
+
+def _fn(name: str) -> Any:
+    return _module().get_function(name)
+
+
+def _blocks(n: int) -> tuple[int]:
+    return (int(-(-n // _THREADS)),)
+
+
+def rms_norm(x: Any, w: Any, eps: float) -> Any:
+    """x [.., n] float32 -> x / sqrt(mean(x^2) + eps) * w (w float32 or float16 [n])."""
+    import cupy
+
+    x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+    n = x.shape[-1]
+    assert w.shape == (n,) and w.dtype in (cupy.float32, cupy.float16), (w.shape, w.dtype)
+    y = cupy.empty_like(x)
+    rows = x.size // n
+    if rows:
+        name = _RMS_NAMES[0] if w.dtype == cupy.float32 else _RMS_NAMES[1]
+        threads = min(_THREADS, max(32, -(-n // 32) * 32))
+        _fn(name)((rows,), (threads,), (x, cupy.ascontiguousarray(w), y, np.int32(n), np.float32(eps)))
+    return y
+
+
+@functools.cache
+def _inv_freq(d: int, base: float, device_id: int) -> Any:
+    """float32 [d/2]: base^(-2i/d), computed as engine.model.ops.rope_neox does (host numpy,
+    float32), kept for the process (from the default pool, never from a chunk arena)."""
+    import cupy
+
+    host = base ** (-np.arange(0, d // 2, dtype=np.float32) * 2.0 / d)
+    with cupy.cuda.Device(device_id), cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+        return cupy.asarray(host.astype(np.float32))
+
+
+def rope_neox_(x: Any, pos0: int, base: float) -> Any:
+    """Rotate x [T, H, D] (float32, contiguous) in place; query t at position pos0 + t."""
+    t, h, d = x.shape
+    assert x.flags.c_contiguous and x.dtype == np.float32 and d % 2 == 0, (x.shape, x.dtype)
+    n_pairs = t * h * (d // 2)
+    if n_pairs:
+        inv = _inv_freq(d, float(base), x.device.id)
+        _fn("rope_neox_inplace")(_blocks(n_pairs), (_THREADS,),
+                                 (x, inv, np.int64(n_pairs), np.int32(h), np.int32(d // 2), np.int64(pos0)))
+    return x
+
+
+def kv_q4_encode(x: Any, q_out: Any = None, s_out: Any = None) -> tuple[Any, Any]:
+    """x [T, H, D] float32 -> (packed uint8 [T, H, D/2], scale float16 [T, H, D/32]); writes
+    into `q_out` / `s_out` (contiguous, e.g. the KV cache's cells) when given."""
+    import cupy
+
+    x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+    t, h, d = x.shape
+    q = q_out if q_out is not None else cupy.empty((t, h, d // 2), dtype=cupy.uint8)
+    s = s_out if s_out is not None else cupy.empty((t, h, d // 32), dtype=cupy.float16)
+    assert q.flags.c_contiguous and s.flags.c_contiguous and q.size * 2 == x.size == s.size * 32
+    n_blocks = x.size // 32
+    if n_blocks:
+        _fn("kv_q4_encode")(_blocks(n_blocks), (_THREADS,), (x, q, s, np.int64(n_blocks)))
+    return q, s
+
+
+def kv_q4_decode(q: Any, s: Any) -> Any:
+    """packed uint8 [n, H, D/2] and scale float16 [n, H, D/32] -> float32 [n, H, D]."""
+    import cupy
+
+    n, h, half = q.shape
+    out = cupy.empty((n, h, 2 * half), dtype=cupy.float32)
+    assert q.flags.c_contiguous and s.flags.c_contiguous
+    if q.size:
+        _fn("kv_q4_decode")(_blocks(q.size), (_THREADS,), (q, s, out, np.int64(q.size)))
+    return out
+
+
+def route_topk(logits: Any, k: int) -> tuple[Any, Any, Any]:
+    """logits [T, E] float32 -> (ids [T, k] int64, weights [T, k] float32, margin [T])."""
+    import cupy
+
+    logits = cupy.ascontiguousarray(logits, dtype=cupy.float32)
+    t, e = logits.shape
+    assert 0 < k <= e <= 1024, (k, e)
+    ids = cupy.empty((t, k), dtype=cupy.int64)
+    w = cupy.empty((t, k), dtype=cupy.float32)
+    margin = cupy.empty(t, dtype=cupy.float32)
+    if t:
+        threads = min(_THREADS, max(32, -(-e // 32) * 32))
+        _fn("route_topk")((t,), (threads,), (logits, ids, w, margin, np.int32(e), np.int32(k)))
+    return ids, w, margin
