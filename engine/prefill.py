@@ -47,7 +47,8 @@ class CachedExperts:
         the MoE kernels and a decode miss is streamed into a transient device buffer."""
         self.cache, self.host, self.decoded = cache, host, decoded
         self.ring: StagingRing | None = None
-        self._ahead: list[list[int]] | None = None  # per layer: the experts prefetch stages
+        self._ahead: list[list[int]] | None = None  # per layer: the experts the cache lacks
+        self._seen: dict[int, set[int]] = {}  # per layer: what the last chunk routed to
         self.counters = StreamCounters()
         self._to_host = to_host
         self._host_decoded = DecodedLRU(64 << 20)
@@ -68,9 +69,13 @@ class CachedExperts:
 
     def attach_ring(self, ring: StagingRing | None) -> None:
         """The prompt path's staging ring (None after the prompt). On CUDA, when the ring
-        holds two layers of the experts the cache lacks, `prefetch` stages a whole layer
-        ahead; otherwise experts are staged as the MoE kernels reach them."""
-        self.ring, self._ahead = ring, None
+        holds two layers of the experts the cache lacks, `prefetch` stages a layer ahead;
+        otherwise experts are staged as the MoE kernels reach them.
+
+        Two layers of misses is what makes prefetching safe: between the start of layer L
+        and its MoE the ring takes at most L's misses and L+1's, so no slot of an expert L is
+        about to read is overwritten."""
+        self.ring, self._ahead, self._seen = ring, None, {}
         if ring is None or self._backend is None:
             return
         n_layer, n_expert = self.host.n_layer, self.host.n_expert
@@ -80,10 +85,16 @@ class CachedExperts:
             self._ahead = missing
 
     def prefetch(self, layer: int) -> None:
-        """Queue the uploads of every expert of `layer` the cache lacks (when `attach_ring`
-        enabled it); the compute waits for each only where it reads it."""
-        if self._ahead is not None and layer < len(self._ahead):
-            for e in self._ahead[layer]:
+        """Queue the uploads of the experts of `layer` the cache lacks (when `attach_ring`
+        enabled it): on the first chunk all of them, later only those the previous chunk
+        routed to at this layer (routing is similar chunk to chunk; an expert not
+        prefetched is staged when the MoE reaches it). The compute waits for each copy only
+        where it reads it."""
+        if self._ahead is None or layer >= len(self._ahead):
+            return
+        seen = self._seen.get(layer)
+        for e in self._ahead[layer]:
+            if seen is None or e in seen:
                 self._stage(layer, e, wait=False)
 
     def _stage(self, layer: int, expert: int, wait: bool = True) -> Any:
@@ -113,6 +124,25 @@ class CachedExperts:
         self._backend.upload(self.host.pieces(layer, expert), buf)  # DMA from the pinned file
         return buf
 
+    def blobs(self, layer: int, experts: list[int]) -> list[Any]:
+        """`blob` of each expert, as one group: on the ring, no expert of the group evicts
+        another (at most `ring.n_slots` experts)."""
+        if self.ring is None:
+            return [self.blob(layer, e) for e in experts]
+        views: list[Any] = [self._resident(layer, e) for e in experts]
+        missing = [e for e, v in zip(experts, views) if v is None]
+        staged = iter(self._stage_group(layer, missing))
+        return [v if v is not None else next(staged) for v in views]
+
+    def _stage_group(self, layer: int, experts: list[int]) -> list[Any]:
+        assert self.ring is not None
+        before = self.ring.n_uploads
+        views = self.ring.stage_group(layer, experts, self.host.pieces)
+        n = self.ring.n_uploads - before
+        self.counters.streamed += n
+        self.counters.bytes_streamed += n * self.host.blob_bytes
+        return views
+
     def kernel_ffn(self, layer: int, h: Any, ids: Any, w: Any, used: list[int]) -> Any:
         """The routed FFN on CUDA, h [T, d], ids/w [T, k] -> [T, d]: fused GEMVs for a few
         decode tokens, else grouped fp16 GEMMs with experts fetched one group at a time (a
@@ -120,10 +150,12 @@ class CachedExperts:
         from engine.kernels.moe import moe_decode, moe_prefill
 
         layout = self.host.layout
+        if self._ahead is not None:
+            self._seen[layer] = set(used)
         if h.shape[0] <= 8 and self.ring is None:
             return moe_decode(h, ids, w, {e: self.blob(layer, e) for e in used}, layout)
         group = self.ring.n_slots if self.ring is not None else None
-        return moe_prefill(h, ids, w, lambda e: self.blob(layer, e), layout, max_group=group)
+        return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, max_group=group)
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         layout = self.host.layout

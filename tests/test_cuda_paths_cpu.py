@@ -104,3 +104,19 @@ def test_prefill_flops_by_hand() -> None:
     assert one == hp.n_layer * per_layer
     # two chunks cost what one pass does (the second chunk's queries see the first's keys)
     assert prefill_flops(s, 1000) + prefill_flops(s, 500, pos0=1000) == prefill_flops(s, 1500)
+
+
+def test_a_group_never_evicts_its_own_members() -> None:
+    from engine.experts.host import ArrayHostExperts
+    from engine.memory.ring import StagingRing
+
+    rng = np.random.default_rng(3)
+    host = ArrayHostExperts(rng.integers(0, 256, (1, 8, 16), dtype=np.uint8))
+    backend = SimBackend(1 * MiB)
+    ring = StagingRing(backend, np.zeros((4, 16), dtype=np.uint8))
+    for e in range(4):  # a, b, c, d fill the ring; the next slot to take is slot 0 (a's)
+        ring.stage(0, e, host.pieces)
+    views = ring.stage_group(0, [0, 4, 5, 6], host.pieces)  # a is a hit, then three uploads
+    for e, view in zip([0, 4, 5, 6], views):
+        assert np.array_equal(view, host.blob(0, e)), e  # a's slot was skipped, not reused
+    assert (ring.n_uploads, ring.n_reused) == (7, 1)

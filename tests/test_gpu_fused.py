@@ -88,3 +88,18 @@ def test_route_topk(cp, n_expert: int, k: int) -> None:  # type: ignore[no-untyp
     ids, w, m = (cp.asnumpy(a) for a in route(cp, hp, cp.asarray(router), cp.asarray(h)))
     assert ids.dtype == np.int64 and np.array_equal(ids, ids_r)
     assert np.abs(w - w_r).max() < 1e-6 and np.abs(m - m_r).max() < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_linear_few_rows_take_the_fp16_gemv(cp, rows: int) -> None:  # type: ignore[no-untyped-def]
+    from engine.model.ops import linear
+
+    x = RNG.standard_normal((rows, 256)).astype(np.float32)
+    w = RNG.standard_normal((300, 256)).astype(np.float16)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    out = cp.asnumpy(linear(cp, cp.asarray(x), cp.asarray(w)))
+    assert out.dtype == np.float32 and out.shape == (rows, 300)
+    # <= 8 rows: float32 products of the exact fp16 weights; 9 rows: x rounded to fp16 first
+    bound = 1e-5 if rows <= 8 else 2e-3
+    assert np.abs(out - ref).max() <= bound * np.abs(ref).max()

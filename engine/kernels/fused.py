@@ -24,7 +24,6 @@ import numpy as np
 _SOURCE = Path(__file__).with_name("fused.cu")
 _THREADS = 256
 _RMS_NAMES = ("rms_norm_rows<float>", "rms_norm_rows<unsigned short>")
-_PLAIN = ("rope_neox_inplace", "kv_q4_encode", "kv_q4_decode", "route_topk")
 
 
 def kernel_source() -> str:
@@ -35,8 +34,9 @@ def kernel_source() -> str:
 def _module() -> Any:
     import cupy
 
+    # the template instantiations by name expression; the extern "C" kernels by their names
     return cupy.RawModule(code=kernel_source(), options=("-std=c++17",),
-                          name_expressions=_RMS_NAMES + _PLAIN)
+                          name_expressions=_RMS_NAMES)
 
 
 def _fn(name: str) -> Any:

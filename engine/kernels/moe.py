@@ -155,7 +155,7 @@ def moe_prefill(
     h: Any,
     ids: Any,
     weights: Any,
-    blobs: Mapping[int, Any] | Callable[[int], Any],
+    blobs: Mapping[int, Any] | Callable[[list[int]], list[Any]],
     layout: ExpertLayout,
     *,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
@@ -166,8 +166,9 @@ def moe_prefill(
     h: [T, d] fp16/fp32 (normed) activations; ids: [T, k] int expert ids (a token names an
     expert at most once); weights: [T, k] routing weights; blobs: expert id -> uint8 device
     array of its gate|up|down bytes (`ExpertLayout`), for every id in `ids`, as a mapping or
-    a function. A function is called one group at a time, after the previous group's kernels
-    are queued (so a staging ring of `max_group` slots can hold every group in turn).
+    a function of a list of ids (-> their arrays). A function is called once per group of at
+    most `max_group` experts, after the previous group's kernels are queued (so a staging
+    ring of `max_group` slots can hold every group in turn).
     Returns float32 [T, d]: sum_j weights[t, j] * down(silu(gate h_t) * up h_t) of expert ids[t, j].
     """
     cp = _cupy()
@@ -187,13 +188,13 @@ def moe_prefill(
     hs[:n_rows] = cp.asarray(h, dtype=cp.float16)[order // k]
     y = cp.empty((n_rows + 1, d), dtype=cp.float16)  # last row: where padding rows land
 
-    blob_of = blobs.__getitem__ if isinstance(blobs, Mapping) else blobs
+    fetch = (lambda es: [blobs[e] for e in es]) if isinstance(blobs, Mapping) else blobs
     group = min(max(1, scratch_bytes // expert_fp16_bytes(layout)), len(used), max_group or len(used))
     wgu = cp.empty((group, 2 * f, d), dtype=cp.float16)  # gate | up of each expert
     wd = cp.empty((group, d, f), dtype=cp.float16)
     by_count = sorted(range(len(used)), key=lambda i: (-n_per[i], used[i]))
     groups = _groups(by_count, n_per, group, max(n_rows // 2, 1))
-    pending = [blob_of(used[u]) for u in groups[0]]
+    pending = fetch([used[u] for u in groups[0]])
     for gi, members in enumerate(groups):
         n_g, m = len(members), n_per[members[0]]
         rows = np.full((n_g, m), n_rows, dtype=np.int32)  # [n_g, m] sorted rows, padded
@@ -207,7 +208,7 @@ def moe_prefill(
         yg = gemm_nt(act, wd[:n_g], cp.empty((n_g, m, d), dtype=cp.float16))  # [n_g, m, d]
         y[idx.reshape(-1)] = yg.reshape(n_g * m, d)
         if gi + 1 < len(groups):  # this group's blobs are read (queued): the next may reuse slots
-            pending = [blob_of(used[u]) for u in groups[gi + 1]]
+            pending = fetch([used[u] for u in groups[gi + 1]])
     out = cp.empty((n_tok, d), dtype=cp.float32)
     w = cp.ascontiguousarray(weights, dtype=cp.float32)  # [T, k]
     combine((n_tok,), (256,), (y, pos.reshape(n_tok, k), w, out, np.int32(k), np.int32(d)))

@@ -104,6 +104,24 @@ class StagingRing:
             self.backend.wait(self._pending.pop(slot))  # type: ignore[attr-defined]
         return self.slots[slot]
 
+    def stage_group(
+        self, layer: int, experts: list[int],
+        host_blob: Callable[[int, int], np.ndarray | list[np.ndarray]],
+    ) -> list[DeviceArray]:
+        """`stage` for several experts that are read together: none of them is evicted to make
+        room for another (so at most `n_slots` of them)."""
+        assert len(experts) <= self.n_slots, (len(experts), self.n_slots)
+        keep = {self._where[(layer, e)] for e in experts if (layer, e) in self._where}
+        views = []
+        for e in experts:
+            if (layer, e) not in self._where:
+                while self._next in keep:  # skip the group's own slots
+                    self._next = (self._next + 1) % self.n_slots
+            view = self.stage(layer, e, host_blob)
+            keep.add(self._where[(layer, e)])
+            views.append(view)
+        return views
+
     def reset(self) -> None:
         """Forget what the ring holds (its memory is about to be reused or refilled)."""
         self._held = [None] * self.n_slots

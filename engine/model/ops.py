@@ -5,8 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 
+GEMV_ROWS = 8  # on CUDA, up to this many rows go through the fused fp16 GEMV (one launch)
+
+
 def linear(xp: Any, x: Any, w: Any) -> Any:
-    """x [.., n_in] @ w[n_out, n_in]^T in the weight's dtype (fp16 on CUDA), float32 out."""
+    """x [.., n_in] @ w[n_out, n_in]^T in the weight's dtype (fp16 on CUDA), float32 out.
+
+    On CUDA a few rows (decode steps) take the fused GEMV kernel: fp16 weights read once,
+    float32 products and output, one launch instead of cast + cuBLAS + cast."""
+    if (xp.__name__ == "cupy" and x.ndim == 2 and x.shape[0] <= GEMV_ROWS
+            and w.dtype == xp.float16 and w.flags.c_contiguous):
+        from gguf import GGMLQuantizationType
+
+        from engine.kernels.dequant import gemv
+
+        return gemv(w.reshape(-1).view(xp.uint8), GGMLQuantizationType.F16, w.shape, x)
     if x.dtype != w.dtype:
         return (x.astype(w.dtype) @ w.T).astype(xp.float32)
     return x @ w.T
