@@ -104,7 +104,8 @@ class KVCache:
         idx = xp.argmax(xp.abs(blocks), axis=-1)[..., None]
         signed_max = xp.take_along_axis(blocks, idx, axis=-1)  # [T, H, B, 1]
         scale = (signed_max / -8.0).astype(xp.float16)
-        inv = xp.where(scale == 0, 0.0, 1.0 / scale.astype(xp.float32))
+        s32 = scale.astype(xp.float32)
+        inv = xp.where(s32 == 0, 0.0, 1.0 / xp.where(s32 == 0, 1.0, s32))  # no 1/0 for empty blocks
         q = xp.clip(xp.floor(blocks * inv + 8.5), 0, 15).astype(xp.uint8)  # [T, H, B, 32]
         packed = q[..., : Q4_BLOCK // 2] | (q[..., Q4_BLOCK // 2 :] << 4)  # [T, H, B, 16]
         return packed.reshape(t, h, d // 2), scale[..., 0]
