@@ -20,6 +20,7 @@ import numpy as np
 
 from engine.backend import make_backend
 from engine.backend.base import Backend
+from engine.cache_setup import make_cache, pin_model_file
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import model_costs
 from engine.devices import (
@@ -29,7 +30,7 @@ from engine.devices import (
     resolve_device,
     weight_bytes,
 )
-from engine.errors import DeviceError, FlagError, StrataError
+from engine.errors import FlagError, StrataError
 from engine.events import (
     CacheChanged,
     EventBus,
@@ -40,8 +41,6 @@ from engine.events import (
     TraceLine,
 )
 from engine.experts.cache import LENT, ExpertCache
-from engine.experts.profile import ExpertProfile
-from engine.experts.residency import residency_readers
 from engine.guards import validate
 from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
 from engine.memory.arena import Arena
@@ -58,7 +57,6 @@ from engine.memory.sizes import MiB, format_mib, parse_size
 from engine.model.loader import Model, load_model
 from engine.model.weights import DecodedLRU
 from engine.prefill import CachedExperts, PrefillResult, run_prompt, shrink_geometry
-from engine.profile_record import default_profile
 from engine.resources import DecodeResource, NativeHead, ResourceSet
 from engine.sampler import Sampler
 from engine.session import Session, Timing
@@ -156,8 +154,8 @@ class Runtime:
             Arena(self.ledger, "reserve", self.plan_options.reserve_bytes)
         self._trace_fn = on_trace
         if self.on_cuda:
-            self._pin_model_file()
-        self.cache = self._make_cache()
+            pin_model_file(self)
+        self.cache = make_cache(self)
         self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), self.to_host,
                                      self.backend if self.on_cuda else None)
         self.session = Session(m, n_ctx=o.ctx, kv_kind=o.kv, xp=self.xp, experts=self.experts,
@@ -172,74 +170,6 @@ class Runtime:
             r.release()
         self.startup_loan_pending = bool(self.flags.elastic_loan)
         self.publish_cache()
-
-    def _make_cache(self) -> ExpertCache | None:
-        """Fill the cache in profile order and stage the residency table for its readers.
-
-        Seed 003: the table is staged whenever borrowing is possible, token graph or not. If
-        staging fails and only borrowing needed it, warn, re-plan with owned prompt buffers
-        and continue; if the token graph needs it, the error stands.
-        """
-        n = self.plan.n_cache_slots
-        if n == 0:
-            return None
-        order = self._profile().order()
-        cache = ExpertCache(self.ledger, self.model.experts, n, on_trace=self._trace)
-        cache.fill(order)
-        readers = residency_readers(
-            profile_present=True, borrow=self.plan.prompt.borrowed,
-            chunk_tokens=self.plan.prompt.chunk_tokens,
-            token_graph=self._token_graph(),
-        )
-        if "stage" in self.faults.armed:  # test hook: a real device fault on the table upload
-            self.faults.armed.discard("stage")
-            self.backend.inject_fault("upload")
-        warning = cache.stage_residency(readers)
-        if warning is None:
-            return cache
-        self.warnings.append(warning)
-        self._trace(warning)
-        self.emit_trace(warning, always=True)
-        cache.release()
-        self.plan_options = replace(self.plan_options, borrow=False)
-        self.plan = plan_startup(self.ledger.capacity_bytes, self.costs, self.plan_options)
-        if self.plan.n_cache_slots == 0:
-            return None
-        cache = ExpertCache(self.ledger, self.model.experts, self.plan.n_cache_slots,
-                            on_trace=self._trace)
-        cache.fill(order)
-        return cache
-
-    def _pin_model_file(self) -> None:
-        """Page-lock the memory-mapped GGUF so expert uploads are one DMA each at full PCIe
-        speed; where that fails (not enough lockable memory), uploads go through the
-        backend's pinned staging buffer and a warning says so."""
-        data = self.model.mf.data
-        if data is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            self.backend.pin(data)
-        except DeviceError as e:
-            self.warnings.append(f"{e}; expert uploads go through a staging copy (slower)")
-            self.emit_trace(self.warnings[-1], always=True)
-            return
-        self._trace(f"pinned the model file: {format_mib(data.nbytes)} MiB in "
-                    f"{time.perf_counter() - t0:.1f} s")
-
-    def _token_graph(self) -> bool:
-        """Decode steps are captured as a CUDA graph unless --no-token-graph (CUDA only)."""
-        return self.backend.name.startswith("cuda") and not self.options.no_token_graph
-
-    def _profile(self) -> ExpertProfile:
-        if self.options.expert_profile:
-            profile = ExpertProfile.load(self.options.expert_profile)
-            profile.check_model(self.model.hp.n_layer, self.model.hp.n_expert)
-            return profile
-        # the calibration pass streams every expert it routes to (the cache is not filled yet)
-        stream = CachedExperts(None, self.model.experts, DecodedLRU(), self.to_host,
-                               self.backend if self.on_cuda else None)
-        return default_profile(self.model, stream)
 
     def _owned_prompt(self) -> None:
         g = self.plan.prompt

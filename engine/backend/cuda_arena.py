@@ -21,7 +21,7 @@ pool still has bytes in use (the caller must copy what it keeps out of the arena
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import Any, Self
 
 import cupy
 
@@ -56,16 +56,15 @@ class ChunkArena:
         """The allocator CuPy calls inside the arena."""
         ptr = self._pool.malloc(size)
         used = self._pool.used_bytes()
-        if used > self.peak_bytes:
-            self.peak_bytes = used
+        self.peak_bytes = max(self.peak_bytes, used)
         return ptr
 
-    def __enter__(self) -> ChunkArena:
+    def __enter__(self) -> Self:
         self._ctx = cupy.cuda.using_allocator(self.malloc)
         self._ctx.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         ctx, self._ctx = self._ctx, None
         ctx.__exit__(*exc)
 

@@ -8,7 +8,11 @@ from pathlib import Path
 from engine.cli.options import add_engine_args, engine_options, loan_flags
 from engine.costs import Shapes, model_costs
 from engine.devices import (
-    default_segment_bytes, default_sim_bytes, deferred_regions, resolve_device, weight_bytes,
+    default_segment_bytes,
+    default_sim_bytes,
+    deferred_regions,
+    resolve_device,
+    weight_bytes,
 )
 from engine.memory.planner import format_plan_table, plan_startup
 from engine.memory.sizes import MiB, format_mib, parse_size

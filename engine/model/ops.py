@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 GEMV_ROWS = 8  # on CUDA, up to this many rows go through the fused fp16 GEMV (one launch)
 
 
