@@ -36,9 +36,10 @@ class StreamCounters:
 class CachedExperts:
     """ExpertProvider over the expert cache.
 
-    Resident experts are decoded from their slot (and kept decoded: the bytes of a resident
-    (layer, expert) never change). Misses go to the staging ring when one is attached (the
-    prompt path) or are computed from host memory (the decode-miss policy on this backend).
+    Resident experts are read from their slot (on the CPU decoded once and kept: the bytes
+    of a resident (layer, expert) never change). Misses go to the staging ring when one is
+    attached (the prompt path); otherwise (decode) the CPU decodes them from host memory and
+    CUDA copies them into a transient device buffer.
     """
 
     def __init__(self, cache: ExpertCache | None, host: HostExperts, decoded: DecodedLRU,
@@ -70,11 +71,9 @@ class CachedExperts:
     def attach_ring(self, ring: StagingRing | None) -> None:
         """The prompt path's staging ring (None after the prompt). On CUDA, when the ring
         holds two layers of the experts the cache lacks, `prefetch` stages a layer ahead;
-        otherwise experts are staged as the MoE kernels reach them.
-
-        Two layers of misses is what makes prefetching safe: between the start of layer L
-        and its MoE the ring takes at most L's misses and L+1's, so no slot of an expert L is
-        about to read is overwritten."""
+        otherwise experts are staged as the MoE kernels reach them. (Correctness never
+        depends on the size: an evicted prefetch is staged again; two layers is what keeps
+        layer L+1's prefetch from evicting layer L's before L reads them.)"""
         self.ring, self._ahead, self._seen = ring, None, {}
         if ring is None or self._backend is None:
             return
@@ -98,26 +97,29 @@ class CachedExperts:
                 self._stage(layer, e, wait=False)
 
     def _stage(self, layer: int, expert: int, wait: bool = True) -> Any:
-        """The ring slot holding (layer, expert); counted as streamed when it was uploaded."""
+        """The ring slot holding (layer, expert), counted as streamed when uploaded."""
+        assert self.ring is not None
+        return self._counted(lambda: self.ring.stage(layer, expert, self.host.pieces, wait))
+
+    def _counted(self, staging: Callable[[], Any]) -> Any:
+        """Run a ring staging call; what it uploaded counts as streamed."""
         assert self.ring is not None
         before = self.ring.n_uploads
-        view = self.ring.stage(layer, expert, self.host.pieces, wait)
-        if self.ring.n_uploads != before:
-            self.counters.streamed += 1
-            self.counters.bytes_streamed += self.host.blob_bytes
-        return view
+        out = staging()
+        n = self.ring.n_uploads - before
+        self.counters.streamed += n
+        self.counters.bytes_streamed += n * self.host.blob_bytes
+        return out
 
     def blob(self, layer: int, expert: int) -> Any:
-        """Device bytes of (layer, expert): its cache slot, a ring slot (prompt path), or a
-        transient buffer the pieces are copied into (the decode-miss policy on CUDA: stream
-        it over PCIe, asynchronously: the kernels that read it wait for the copy, the host
-        does not)."""
+        """Device bytes of (layer, expert) on CUDA outside the prompt path: its cache slot, or
+        a transient buffer its pieces are copied into (the decode-miss policy: stream it
+        over PCIe asynchronously; the kernels that read it wait for the copy, the host does
+        not)."""
         view = self._resident(layer, expert)
         if view is not None:
             return view
-        if self.ring is not None:
-            return self._stage(layer, expert)
-        assert self._backend is not None, "blob() is the CUDA path"
+        assert self._backend is not None and self.ring is None, "blob() is CUDA's decode path"
         self.counters.streamed += 1
         self.counters.bytes_streamed += self.host.blob_bytes
         buf = self._backend.xp.empty(self.host.blob_bytes, dtype=self._backend.xp.uint8)
@@ -131,17 +133,9 @@ class CachedExperts:
             return [self.blob(layer, e) for e in experts]
         views: list[Any] = [self._resident(layer, e) for e in experts]
         missing = [e for e, v in zip(experts, views) if v is None]
-        staged = iter(self._stage_group(layer, missing))
+        ring = self.ring
+        staged = iter(self._counted(lambda: ring.stage_group(layer, missing, self.host.pieces)))
         return [v if v is not None else next(staged) for v in views]
-
-    def _stage_group(self, layer: int, experts: list[int]) -> list[Any]:
-        assert self.ring is not None
-        before = self.ring.n_uploads
-        views = self.ring.stage_group(layer, experts, self.host.pieces)
-        n = self.ring.n_uploads - before
-        self.counters.streamed += n
-        self.counters.bytes_streamed += n * self.host.blob_bytes
-        return views
 
     def kernel_ffn(self, layer: int, h: Any, ids: Any, w: Any, used: list[int]) -> Any:
         """The routed FFN on CUDA, h [T, d], ids/w [T, k] -> [T, d]: fused GEMVs for a few
