@@ -54,6 +54,7 @@ from engine.errors import GGUFError
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 16  # ggml has 4; more than this is a corrupt tensor table, not a tensor
 
 # GGUF metadata value types (numbering of gguf.GGUFValueType).
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL = range(8)
@@ -186,8 +187,7 @@ class _Parser:
         if itype == T_STRING:
             return self.strings(count)
         if itype == T_ARRAY:
-            types, leaves = self.nested(T_ARRAY, count)
-            return _flatten(types, leaves)
+            return _flatten(*self.items(itype, count))
         raise _Corrupt(f"{self.where} is an array of unknown value type {itype}")
 
     def strings(self, count: int) -> list[str]:
@@ -216,24 +216,24 @@ class _Parser:
             f"({self.size:,} bytes); it is truncated"
         )
 
-    def nested(self, vtype: int, count: int = 0) -> tuple[list[int], list[tuple[int, bytes]]]:
-        """Mirror of GGUFReader._get_field_parts for arrays of arrays (rare; not fast).
+    def items(self, itype: int, count: int) -> tuple[list[int], list[tuple[int, bytes]]]:
+        """Mirror of GGUFReader._get_field_parts for an array of arrays (rare; not fast).
 
-        Returns the type chain (the value's type, then the first item's chain) and the
-        flattened leaves as (value type, raw bytes).
+        Returns the type chain (ARRAY, then the first item's chain) and the leaves of all
+        items flattened, as (value type, raw bytes).
         """
+        types, leaves = [T_ARRAY], []
+        for i in range(count):
+            sub_types, sub_leaves = self.item(itype)
+            if i == 0:
+                types += sub_types
+            leaves += sub_leaves
+        return types, leaves
+
+    def item(self, vtype: int) -> tuple[list[int], list[tuple[int, bytes]]]:
         if vtype == T_ARRAY:
-            if count == 0:  # called for an item: read its own header
-                itype, count = self.u32(), self.u64()
-            else:  # the top-level array, whose header array() has read
-                itype = vtype
-            types, leaves = [T_ARRAY], []
-            for i in range(count):
-                sub_types, sub_leaves = self.nested(itype)
-                if i == 0:
-                    types += sub_types
-                leaves += sub_leaves
-            return types, leaves
+            itype = self.u32()
+            return self.items(itype, self.u64())
         scalar = _SCALARS.get(vtype)
         if scalar is not None:
             self.need(scalar.size)
@@ -327,6 +327,8 @@ def _parse(p: _Parser, path: Path, data: np.memmap) -> GGUFContainer:
         name = p.name("tensor name")
         p.where = f"the info of tensor '{name}'"
         n_dims = p.u32()
+        if n_dims > MAX_DIMS:
+            raise _Corrupt(f"tensor '{name}' has {n_dims:,} dimensions")
         p.need(8 * n_dims)
         dims = struct.unpack_from(f"<{n_dims}Q", p.buf, p.off)
         p.off += 8 * n_dims

@@ -39,8 +39,7 @@ def route(xp: Any, hp: HParams, router: Any, h: Any) -> tuple[Any, Any, Any]:
 
         return route_topk(linear(xp, h, router), k)
     probs = softmax(xp, linear(xp, h, router))  # [T, E]
-    stable = {"kind": "stable"} if xp.__name__ == "numpy" else {}  # CuPy sorts stably anyway
-    order = xp.argsort(-probs, axis=-1, **stable)  # [T, E]
+    order = xp.argsort(-probs, axis=-1, kind="stable")  # [T, E]; ties: lower index first
     ids = order[:, :k]  # [T, k]
     w = xp.take_along_axis(probs, ids, axis=-1)  # [T, k]
     if k < hp.n_expert:
