@@ -128,8 +128,8 @@ class _Parser:
     def need(self, n: int) -> None:
         if self.off + n > self.size:
             raise _Corrupt(
-                f"{self.where} needs {n:,} bytes at byte {self.off:,} but the file has "
-                f"{self.size:,}; it is truncated"
+                f"{self.where} needs {n:,} bytes at byte {self.off:,} but the file ends at "
+                f"byte {self.size:,}"
             )
 
     def u32(self) -> int:
@@ -213,7 +213,7 @@ class _Parser:
             pass
         raise _Corrupt(
             f"{self.where} (an array of {count:,} strings) runs past the end of the file "
-            f"({self.size:,} bytes); it is truncated"
+            f"at byte {self.size:,}"
         )
 
     def items(self, itype: int, count: int) -> tuple[list[int], list[tuple[int, bytes]]]:
@@ -295,7 +295,7 @@ def _parse(p: _Parser, path: Path, data: np.memmap) -> GGUFContainer:
     p.off = 4
     version = p.u32()
     if version not in SUPPORTED_VERSIONS:
-        if version & 0xFFFF == 0:
+        if version and version & 0xFFFF == 0:  # a small version number, byte-swapped
             raise GGUFError(f"{path.name}: a big-endian GGUF file; only little-endian is supported")
         raise GGUFError(
             f"{path.name}: GGUF version {version} is not supported (versions 2 and 3 are); "
