@@ -5,6 +5,11 @@ serialized; each cell is the median of the runs with the range beside it. Scenar
 seed 000's tables: the fixed-planner A/B (same plan, loan off and on), the automatic planner,
 and a repeat prefill (a short first message, then a long one with the repeat loan); plus a
 sweep of chunk sizes (prefill tok/s and bytes streamed against the chunk).
+
+Before the measured runs one short request warms what a process does once (kernel
+compilation, the calibration profile, the model file in the page cache), so the first row is
+not charged for it. Given the machine's host-to-device bandwidth and peak FLOP/s, each row
+also shows its prefill time over the lower bound max(streamed bytes / H2D, FLOPs / peak).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from engine.config import EngineOptions, LoanFlags
+from engine.costs import Shapes, prefill_flops
 from engine.events import EventBus, PlanChosen
 from engine.profile_record import calibration_text
 from engine.serve import ServeLoop
@@ -42,6 +48,18 @@ class Sample:
     loan: bool
     arena_peak_mib: float = 0.0  # CUDA: the prompt temporaries' peak inside the chunk buffer
     arena_spill_mib: float = 0.0  # CUDA: temporaries that did not fit it
+    bound_ratio: float = 0.0  # prefill time / lower bound (0: no `Hardware` given)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the prefill lower bound divides by: host-to-device bytes/s and peak FLOP/s."""
+
+    h2d_bytes_per_s: float
+    peak_flops: float
+
+    def bound_s(self, streamed_bytes: float, flops: float) -> float:
+        return max(streamed_bytes / self.h2d_bytes_per_s, flops / self.peak_flops)
 
 
 @dataclass
@@ -75,7 +93,7 @@ def prompt_tokens(loop: ServeLoop, n: int, salt: int = 0) -> list[int]:
     return ids[:n]
 
 
-def run_once(cfg: Config, n_tokens: int, max_new: int) -> Sample:
+def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = None) -> Sample:
     """A fresh engine, one measured request (after the warmup message, if any)."""
     bus = EventBus()
     plans: list[PlanChosen] = []
@@ -91,20 +109,31 @@ def run_once(cfg: Config, n_tokens: int, max_new: int) -> Sample:
     loop.rt.check_integrity()
     p = plans[-1]
     arena = loop.rt.model.transformer.arena_stats
+    ratio = 0.0
+    if hw is not None:
+        flops = prefill_flops(Shapes.of(loop.rt.model), n_tokens, pos0=len(ids) - n_tokens)
+        ratio = t.prefill_s / hw.bound_s(t.bytes_streamed, flops)
     return Sample(f"{p.chunk_tokens:,} / {p.ring_slots}", t.pp_tok_s, t.tg_tok_s, t.prefill_s,
                   t.bytes_streamed / (1 << 20), p.loan,
                   arena.peak_bytes / (1 << 20) if arena else 0.0,
-                  arena.spilled_bytes / (1 << 20) if arena else 0.0)
+                  arena.spilled_bytes / (1 << 20) if arena else 0.0, ratio)
 
 
 def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
-              progress: Callable[[str], None] | None = None) -> list[Row]:
-    """Interleave configs run by run; returns one row per config."""
+              progress: Callable[[str], None] | None = None, warmup: bool = True,
+              hw: Hardware | None = None) -> list[Row]:
+    """Interleave configs run by run (after one short unmeasured request with the first
+    config, unless `warmup` is off); returns one row per config."""
     rows = [Row(c.label) for c in configs]
+    if warmup:
+        t0 = time.perf_counter()
+        run_once(replace(configs[0], warmup_tokens=0), min(n_tokens, 256), 2)
+        if progress:
+            progress(f"warm-up: {time.perf_counter() - t0:.1f} s")
     for r in range(runs):
         for cfg, row in zip(configs, rows):
             t0 = time.perf_counter()
-            row.samples.append(run_once(cfg, n_tokens, max_new))
+            row.samples.append(run_once(cfg, n_tokens, max_new, hw))
             if progress:
                 progress(f"run {r + 1}/{runs} {cfg.label}: {time.perf_counter() - t0:.1f} s")
     return rows
@@ -113,16 +142,18 @@ def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
 def markdown(rows: list[Row], title: str) -> str:
     """The table; on CUDA two more columns: the prompt temporaries' peak and spill (MiB)."""
     gpu = any(s.arena_peak_mib for r in rows for s in r.samples)
-    extra = " Temporaries peak (MiB) | Spilled (MiB) |" if gpu else ""
+    bound = any(s.bound_ratio for r in rows for s in r.samples)
+    extra = (" Temporaries peak (MiB) | Spilled (MiB) |" if gpu else "") + (
+        " Prefill / lower bound |" if bound else "")
     lines = [
         f"### {title}", "",
         "| Configuration | Prompt plan | PP (tok/s) | TG (tok/s) | Prefill (s) | Streamed (MiB) |"
         + extra,
-        "|---|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else ""),
+        "|---|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "") + ("---:|" if bound else ""),
     ]
     for row in rows:
         cells = (f" {row.cell('arena_peak_mib', '{:.0f}')} | {row.cell('arena_spill_mib', '{:.0f}')} |"
-                 if gpu else "")
+                 if gpu else "") + (f" {row.cell('bound_ratio', '{:.1f}x')} |" if bound else "")
         lines.append(
             f"| {row.label} | {row.plans()} | {row.cell('pp')} | {row.cell('tg')} | "
             f"{row.cell('prefill_s', '{:.2f}')} | {row.cell('mib_streamed', '{:.0f}')} |" + cells

@@ -32,6 +32,7 @@ for stage in "$@"; do
       n=$([ "$stage" = b31 ] && echo 31258 || echo 72061)
       ab=$([ "$stage" = b31 ] && echo "--scenario ab --prefill 4096" || echo "")
       strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB --mtp --spec 2 \
+        --h2d-gbs 55.3 --peak-tflops 989 \
         --scenario auto $ab --runs "$RUNS" --prompt-tokens "$n" \
         --max-new "$MAX_NEW" --kv q4_0 --ctx $((n + MAX_NEW + 64)) --json "$OUT/$stage.json" \
         2>&1 | tee "$OUT/$stage.md" ;;

@@ -1,0 +1,50 @@
+"""`strata bench`: the lower-bound column, the warm-up, and its flag errors (a real run on the
+tiny model; the figures themselves are never asserted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.bench import LOAN_ON, Config, Hardware, Row, Sample, markdown, run_bench
+from engine.config import EngineOptions
+from engine.costs import Shapes, prefill_flops
+from engine.model.loader import load_model
+from tests.test_cli import run
+
+
+def test_the_bound_is_the_slower_of_pcie_and_compute() -> None:
+    hw = Hardware(h2d_bytes_per_s=50e9, peak_flops=1e15)
+    assert hw.bound_s(100e9, 1e15) == 2.0  # PCIe-bound
+    assert hw.bound_s(1e9, 3e15) == 3.0  # compute-bound
+
+
+def test_markdown_adds_columns_only_when_there_is_data() -> None:
+    plain = Row("off", [Sample("256 / 8", 100.0, 10.0, 1.0, 5.0, False)])
+    assert "lower bound" not in markdown([plain], "t") and "Temporaries" not in markdown([plain], "t")
+    rich = Row("on", [Sample("512 / 8", 200.0, 10.0, 0.5, 5.0, True, 300.0, 0.0, 4.0),
+                      Sample("512 / 8", 180.0, 10.0, 0.6, 5.0, True, 310.0, 0.0, 5.0)])
+    table = markdown([rich], "t")
+    assert "| Prefill / lower bound |" in table and "| 4.5x (4.0x-5.0x) |" in table
+    assert "| 305 (300-310) | 0 (0-0) |" in table
+
+
+def test_a_run_reports_its_ratio_to_the_bound(tiny_path: Path) -> None:
+    hw = Hardware(h2d_bytes_per_s=1e9, peak_flops=1e11)
+    opts = EngineOptions(model=str(tiny_path), ctx=1024, serve=True, vram_elastic=True,
+                         mtp=True, spec=2, prefill=128)
+    rows = run_bench([Config("on", opts, LOAN_ON)], 300, 2, 1, hw=hw)
+    s = rows[0].samples[0]
+    flops = prefill_flops(Shapes.of(load_model(tiny_path, build=False)), 300)
+    expected = s.prefill_s / hw.bound_s(s.mib_streamed * (1 << 20), flops)
+    assert s.bound_ratio == pytest.approx(expected, rel=1e-6)
+    assert "Prefill / lower bound" in markdown(rows, "t")
+
+
+def test_the_bound_flags_go_together(capsys: pytest.CaptureFixture[str], tiny_path: Path) -> None:
+    code, _, err = run(capsys, "bench", "--model", str(tiny_path), "--h2d-gbs", "50")
+    assert code == 2 and "--h2d-gbs and --peak-tflops go together" in err
+    code, _, err = run(capsys, "bench", "--model", str(tiny_path), "--h2d-gbs", "0",
+                       "--peak-tflops", "1")
+    assert code == 2 and "must be positive" in err
