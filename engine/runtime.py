@@ -56,6 +56,7 @@ from engine.memory.planner import (
 from engine.memory.sizes import MiB, format_mib, parse_size
 from engine.model.loader import Model, load_model
 from engine.model.weights import DecodedLRU
+from engine.phases import PhaseClock
 from engine.prefill import CachedExperts, PrefillResult, run_prompt, shrink_geometry
 from engine.resources import DecodeResource, NativeHead, ResourceSet
 from engine.sampler import Sampler
@@ -363,12 +364,21 @@ class Runtime:
             assert self.owned_chunk.region is not None and self.owned_ring.region is not None
             owned = (self.owned_chunk.region.view(0, g.chunk_bytes),
                      self.owned_ring.region.view(0, g.ring_bytes))
-        res = run_prompt(self.session, fresh, g, self.cache, self.experts, self.backend, owned,
-                         chunk_done, hook)
+        tr = self.model.transformer
+        tr.phase_clock = PhaseClock(self.xp) if self.trace else None
+        if tr.phase_clock is not None:
+            tr.phase_clock.start()
+        t0 = time.perf_counter()
+        try:
+            res = run_prompt(self.session, fresh, g, self.cache, self.experts, self.backend,
+                             owned, chunk_done, hook)
+            if tr.phase_clock is not None:
+                self._trace(tr.phase_clock.line(time.perf_counter() - t0))
+        finally:
+            tr.phase_clock = None
         self.active_lent = None
-        arena = self.model.transformer.arena_stats
-        if arena is not None:
-            self._trace(arena.line())
+        if tr.arena_stats is not None:
+            self._trace(tr.arena_stats.line())
         return res
 
     def refill_pending(self) -> None:

@@ -120,3 +120,30 @@ def test_a_group_never_evicts_its_own_members() -> None:
     for e, view in zip([0, 4, 5, 6], views):
         assert np.array_equal(view, host.blob(0, e)), e  # a's slot was skipped, not reused
     assert (ring.n_uploads, ring.n_reused) == (7, 1)
+
+
+def test_phase_clock_sums_laps_per_phase() -> None:
+    from engine.phases import PhaseClock
+
+    clock = PhaseClock(np)
+    clock.lap("ignored")  # no mark yet: nothing to close
+    clock.start()
+    for _ in range(3):
+        clock.lap("attention")
+        clock.lap("moe")
+    totals = clock.totals()
+    assert set(totals) == {"attention", "moe"} and all(v >= 0 for v in totals.values())
+    assert clock.line(1.0).startswith("prefill phases: attention ")
+
+
+def test_trace_prints_the_prefill_phases(tiny_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from engine.serve import ServeLoop
+
+    monkeypatch.setenv("STRATA_TRACE", "1")
+    lines: list[str] = []
+    loop = ServeLoop.create(EngineOptions(model=str(tiny_path), ctx=1024, prefill=128),
+                            on_trace=lines.append)
+    loop.rt.prefill(list(range(5, 400)))
+    phase = [ln for ln in lines if ln.startswith("prefill phases:")]
+    assert len(phase) == 1 and "attention" in phase[0] and "moe" in phase[0]
+    assert loop.rt.model.transformer.phase_clock is None  # only while a prompt runs

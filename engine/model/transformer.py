@@ -17,6 +17,7 @@ from engine.model.attention import attention_block
 from engine.model.moe import ExpertProvider, moe_block
 from engine.model.ops import linear, rms_norm
 from engine.model.weights import BlockWeights, TokenEmbedding, load_block
+from engine.phases import PhaseClock
 from engine.quant import dequantize
 
 
@@ -41,6 +42,7 @@ class Transformer:
         self.output_norm = to_device(dequantize(mf.tensor(names.OUTPUT_NORM)))
         self.head: Any = None  # [V, d] the output head; `release_head` / `load_head`
         self.arena_stats: ArenaStats | None = None  # prompt temporaries since reset (CUDA)
+        self.phase_clock: PhaseClock | None = None  # the prompt path's phases (STRATA_TRACE)
         self._head_host: np.ndarray | None = None
         self.load_head(head_to_device or to_device)
 
@@ -90,12 +92,17 @@ class Transformer:
         margins = xp.full(len(tokens), xp.inf, dtype=xp.float32)
         prefetch = getattr(experts, "prefetch", lambda layer: None)
         prefetch(0)
+        clock = self.phase_clock if scratch is not None else None
+        lap = clock.lap if clock is not None else (lambda phase: None)
+        lap("embed+setup")  # since the previous chunk's last layer (or the prompt's start)
         with arena or nullcontext():
             for i, blk in enumerate(self.blocks):
                 prefetch(i + 1)  # the next layer's experts upload while this layer computes
                 x += attention_block(xp, hp, blk.attn, x, pos0, kv, i)
+                lap("attention")
                 ffn, ids, margin = moe_block(xp, hp, blk.ffn_norm, blk.router, x, i, experts)
                 x += ffn
+                lap("moe")
                 routes.append(ids)
                 margins = xp.minimum(margins, margin)
                 del ffn, ids, margin
