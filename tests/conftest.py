@@ -47,3 +47,16 @@ def demo_path(_cache_dir: None) -> Path:
     from engine.synth.demo import ensure_preset
 
     return ensure_preset("demo")
+
+
+@pytest.fixture(scope="module")
+def cp():  # type: ignore[no-untyped-def]
+    """The cupy module for gpu-marked tests, or a skip where CuPy is missing or finds no GPU."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        n = 0
+    if n == 0:
+        pytest.skip("CuPy finds no CUDA device")
+    return cupy

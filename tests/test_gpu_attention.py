@@ -16,23 +16,6 @@ import pytest
 from engine.kernels import attention as attn
 from engine.model.attention import causal_gqa
 
-
-def _cupy_device():  # -> the cupy module, or skip
-    cp = pytest.importorskip("cupy")
-    try:
-        n = cp.cuda.runtime.getDeviceCount()
-    except cp.cuda.runtime.CUDARuntimeError:
-        n = 0
-    if n == 0:
-        pytest.skip("CuPy finds no CUDA device")
-    return cp
-
-
-@pytest.fixture(scope="module")
-def cp():
-    return _cupy_device()
-
-
 # -- everywhere -----------------------------------------------------------------------------------
 
 

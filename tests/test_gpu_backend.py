@@ -14,18 +14,6 @@ from engine.memory.sizes import GiB, MiB
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    cp = pytest.importorskip("cupy")
-    try:
-        n = cp.cuda.runtime.getDeviceCount()
-    except cp.cuda.runtime.CUDARuntimeError:
-        n = 0
-    if n == 0:
-        pytest.skip("CuPy finds no CUDA device")
-    return cp
-
-
 @pytest.fixture
 def backend(cp):
     from engine.backend.cuda import CudaBackend

@@ -20,13 +20,6 @@ from engine.model.ops import rms_norm, rope_neox
 RNG = np.random.default_rng(7)
 
 
-@pytest.fixture(scope="module")
-def cp():
-    from tests.test_gpu_kernels import _cupy_device
-
-    return _cupy_device()
-
-
 def test_imports_without_cupy_and_finds_its_source() -> None:
     code = "import sys, engine.kernels.fused; assert 'cupy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -20,22 +20,6 @@ from engine.model.weights import ExpertLayout
 from engine.quant import dequantize_bytes
 
 
-def _cupy_device():  # -> the cupy module, or skip
-    cp = pytest.importorskip("cupy")
-    try:
-        n = cp.cuda.runtime.getDeviceCount()
-    except cp.cuda.runtime.CUDARuntimeError:
-        n = 0
-    if n == 0:
-        pytest.skip("CuPy finds no CUDA device")
-    return cp
-
-
-@pytest.fixture(scope="module")
-def cp():
-    return _cupy_device()
-
-
 def _ref(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> np.ndarray:
     return dequantize_bytes(raw, qtype, shape).astype(np.float64)
 

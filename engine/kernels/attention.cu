@@ -2,24 +2,11 @@
 // GEMMs around it (Q K^T and P V) are cuBLAS. fp16 storage, fp32 arithmetic. No CUDA headers:
 // fp16 conversions are `cvt` PTX.
 
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef long long i64;
+// (u16, u32, i64, h2f, f2h: common.cuh)
 
 #define SOFTMAX_THREADS 256  // must match _SOFTMAX_THREADS in attention.py
 #define LOG2E 1.4426950408889634f
 #define NEG_BIG -1.0e30f  // "minus infinity" that keeps exp2f(a - b) free of inf - inf
-
-__device__ __forceinline__ float h2f(u16 h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-  u16 h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
 
 // (m, l) <- the running max and sum of 2^(x - m) of the union of two partial rows.
 __device__ __forceinline__ void merge(float& m, float& l, float m2, float l2) {

@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-_DIR = Path(__file__).parent
+from engine.kernels.source import cuda_source
+
 DEFAULT_SCORE_BYTES = 256 << 20  # the fp16 score block of one query block stays under this
 MIN_ROWS = 16  # queries per block at least (even past the budget)
 ROW_ALIGN = 16  # queries per block: a multiple of this, except the last block
@@ -67,7 +67,7 @@ def _cupy() -> Any:
 
 def kernel_source() -> str:
     """The CUDA C of the softmax kernel, as compiled."""
-    return (_DIR / "attention.cu").read_text()
+    return cuda_source("attention.cu")
 
 
 @functools.cache

@@ -1,19 +1,5 @@
 // Fused small ops of the decode step (and the prompt path): each replaces 5-12 CuPy launches.
-// No CUDA headers: fp16 conversions are PTX `cvt`, compiled by NVRTC through cupy.RawModule.
-
-typedef unsigned short half_bits;
-
-__device__ __forceinline__ float f16_to_f32(half_bits h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
-__device__ __forceinline__ half_bits f32_to_f16(float f) {
-  half_bits h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
+// Compiled by NVRTC through cupy.RawModule after common.cuh (u16, h2f, f2h).
 
 // Block-wide sum of one float per thread (blockDim.x a multiple of 32, <= 1024).
 __device__ __forceinline__ float block_sum(float v, float* shared) {
@@ -33,14 +19,14 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
 }
 
 // RMSNorm of rows: y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w[:]. One block per row.
-// W is float or half_bits (the weight's dtype on the device).
+// W is float or u16 (the weight's dtype on the device).
 template <typename W>
 __device__ __forceinline__ float load_w(const W* w, int i);
 template <>
 __device__ __forceinline__ float load_w<float>(const float* w, int i) { return w[i]; }
 template <>
-__device__ __forceinline__ float load_w<half_bits>(const half_bits* w, int i) {
-  return f16_to_f32(w[i]);
+__device__ __forceinline__ float load_w<u16>(const u16* w, int i) {
+  return h2f(w[i]);
 }
 
 template <typename W>
@@ -78,15 +64,15 @@ extern "C" __global__ void rope_neox_inplace(float* __restrict__ x,
 // q = clamp(floor(x / scale + 8.5), 0, 15), low nibbles = values 0..15, high = 16..31.
 // One thread per block (the rounding steps as the numpy codec does them, no FMA contraction).
 extern "C" __global__ void kv_q4_encode(const float* __restrict__ x, unsigned char* __restrict__ q,
-                                        half_bits* __restrict__ scale, long long n_blocks) {
+                                        u16* __restrict__ scale, long long n_blocks) {
   const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= n_blocks) return;
   const float* v = x + b * 32;
   float m = v[0];
   for (int i = 1; i < 32; ++i)
     if (fabsf(v[i]) > fabsf(m)) m = v[i];  // the first of equal magnitudes, as argmax
-  const half_bits s16 = f32_to_f16(m / -8.0f);
-  const float s = f16_to_f32(s16);
+  const u16 s16 = f2h(m / -8.0f);
+  const float s = h2f(s16);
   const float inv = s == 0.0f ? 0.0f : 1.0f / s;
   scale[b] = s16;
   for (int i = 0; i < 16; ++i) {
@@ -98,13 +84,13 @@ extern "C" __global__ void kv_q4_encode(const float* __restrict__ x, unsigned ch
 
 // q4_0 KV decoding: one thread per packed byte -> two floats (value i and i + 16 of its block).
 extern "C" __global__ void kv_q4_decode(const unsigned char* __restrict__ q,
-                                        const half_bits* __restrict__ scale,
+                                        const u16* __restrict__ scale,
                                         float* __restrict__ out, long long n_bytes) {
   const long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (k >= n_bytes) return;
   const long long b = k / 16;
   const int i = (int)(k % 16);
-  const float s = f16_to_f32(scale[b]);
+  const float s = h2f(scale[b]);
   const unsigned char byte = q[k];
   out[b * 32 + i] = (float)((int)(byte & 0x0F) - 8) * s;
   out[b * 32 + i + 16] = (float)((int)(byte >> 4) - 8) * s;

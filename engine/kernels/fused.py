@@ -16,18 +16,18 @@ float32 rounding (tests/test_gpu_fused.py); the q4 codec's rounding steps are th
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-_SOURCE = Path(__file__).with_name("fused.cu")
+from engine.kernels.source import cuda_source
+
 _THREADS = 256
 _RMS_NAMES = ("rms_norm_rows<float>", "rms_norm_rows<unsigned short>")
 
 
 def kernel_source() -> str:
-    return _SOURCE.read_text()
+    return cuda_source("fused.cu")
 
 
 @functools.cache

@@ -1,19 +1,7 @@
 // Element-wise steps of the grouped MoE prefill (engine/kernels/moe.py); the GEMMs are cuBLAS.
 // Rows are token-expert pairs sorted by expert. fp16 storage, fp32 arithmetic.
 
-typedef unsigned short u16;
-typedef long long i64;
-
-__device__ __forceinline__ float h2f(u16 h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-  u16 h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
+// (u16, i64, h2f, f2h: common.cuh)
 
 // a[r, i] = silu(gu[r, i]) * gu[r, f + i]; gu: [n_rows, 2f] (gate | up), a: [n_rows, f]
 extern "C" __global__ void swiglu(const u16* __restrict__ gu, u16* __restrict__ a, i64 n_rows,

@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine.kernels.dequant import dequantize_ptrs, gemv_ptrs
+from engine.kernels.source import cuda_source
 
 if TYPE_CHECKING:
     from engine.model.weights import ExpertLayout
 
-_DIR = Path(__file__).parent
 DEFAULT_SCRATCH_BYTES = 256 << 20
 _ONE, _ZERO = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)  # cuBLAS alpha, beta
 
@@ -45,7 +44,7 @@ def _cupy() -> Any:
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
     cp = _cupy()
-    module = cp.RawModule(code=(_DIR / "moe.cu").read_text(), options=("-std=c++17",))
+    module = cp.RawModule(code=cuda_source("moe.cu"), options=("-std=c++17",))
     return module.get_function("swiglu"), module.get_function("combine")
 
 
