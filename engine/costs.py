@@ -12,7 +12,7 @@ from engine.config import EngineOptions
 from engine.gguf.hparams import HParams
 from engine.kv import kv_bytes_per_cell
 from engine.memory.arena import padded
-from engine.memory.planner import ModelCosts
+from engine.memory.plan_types import ModelCosts
 
 F32 = 4
 

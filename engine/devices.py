@@ -4,7 +4,7 @@ and segment, the bytes of a dense weight, and which decode-only regions a loan d
 from __future__ import annotations
 
 from engine.config import EngineOptions, LoanFlags
-from engine.memory.planner import ModelCosts
+from engine.memory.plan_types import ModelCosts
 from engine.memory.sizes import MiB
 
 

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Self
 from engine.devices import deferred_regions
 from engine.errors import StrataError
 from engine.events import LoanStep, TraceLine
-from engine.memory.planner import PromptGeometry, plan_loan
+from engine.memory.plan_types import PromptGeometry
+from engine.memory.planner import plan_loan
 from engine.memory.sizes import MiB
 from engine.resources import LABELS, DecodeResource
 

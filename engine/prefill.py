@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.backend.base import Backend
 from engine.experts.cache import ExpertCache
-from engine.memory.planner import PromptGeometry
+from engine.memory.plan_types import PromptGeometry
 from engine.memory.ring import StagingRing, split_prompt_buffer
 from engine.model.weights import DecodedLRU, HostExperts
 from engine.session import Session

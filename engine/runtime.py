@@ -45,14 +45,8 @@ from engine.guards import validate
 from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
 from engine.memory.arena import Arena
 from engine.memory.ledger import Ledger
-from engine.memory.planner import (
-    ModelCosts,
-    PlanOptions,
-    PromptGeometry,
-    StartupPlan,
-    plan_prompt,
-    plan_startup,
-)
+from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
+from engine.memory.planner import plan_prompt, plan_startup
 from engine.memory.sizes import MiB, format_mib, parse_size
 from engine.model.loader import Model, load_model
 from engine.model.weights import DecodedLRU

@@ -29,7 +29,7 @@ from engine.events import (
     TraceLine,
 )
 from engine.loan import Faults
-from engine.memory.planner import PromptGeometry
+from engine.memory.plan_types import PromptGeometry
 from engine.runtime import Checkpoint, Runtime
 from engine.sampler import Sampler, SamplingParams
 from engine.session import Timing
