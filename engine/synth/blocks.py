@@ -33,25 +33,59 @@ FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 _PROBE_ROWS = 64
 
 
-def _blocks(rng: np.random.Generator, qtype: Q, n_rows: int, n_cols: int, d: float) -> np.ndarray:
+def _blocks(rng: np.random.Generator, qtype: Q, n_rows: int, n_cols: int, d: float,
+            centered: bool = False) -> np.ndarray:
     block, type_bytes = GGML_QUANT_SIZES[qtype]
     n_blocks = n_rows * (n_cols // block)
     raw = rng.integers(0, 256, size=(n_blocks, type_bytes), dtype=np.uint8)
     for offset, mult in SCALE_FIELDS[qtype]:
         raw[:, offset : offset + 2] = np.array([d * mult], dtype=np.float16).view(np.uint8)
+    if centered:
+        _center(raw, qtype)
     return raw.reshape(n_rows, -1)  # [rows, row_bytes]
 
 
+def _center(raw: np.ndarray, qtype: Q) -> None:
+    """Make random blocks [n_blocks, type_bytes] decode to values symmetric around zero.
+
+    Uniform random codes are only nearly centered: Q4_0's d * (q - 8) for q in 0..15 has mean
+    -d/2, Q8_0's int8 codes mean -1/2, and a Q4_K/Q5_K sub-block's mean is d * 7.5 * (scale -
+    min) for random 6-bit scale and min. Those biases are the same sign in every row, so an
+    expert's outputs share a direction that builds up through the residual stream and the
+    router follows it: deep synthetic models sent most tokens to a few experts (3 layers of
+    Qwen3-30B-A3B shapes: 37% of tokens to one of 128 experts at the third). Centered: Q4_0
+    codes 1..15 (values -7..7), Q8_0 codes -127..127, Q4_K/Q5_K min = scale per sub-block.
+    Other types keep their small biases.
+    """
+    if qtype == Q.Q4_0:  # 16 bytes of nibbles after the f16 scale
+        nib = raw[:, 2:]
+        lo, hi = nib & 0x0F, nib >> 4
+        lo, hi = np.where(lo == 0, 8, lo), np.where(hi == 0, 8, hi)  # q = 0 -> value 0
+        raw[:, 2:] = lo | (hi << 4)
+    elif qtype == Q.Q8_0:  # 32 int8 codes after the f16 scale
+        codes = raw[:, 2:].view(np.int8)
+        codes[codes == -128] = 0
+    elif qtype in (Q.Q4_K, Q.Q5_K):  # 12 bytes at offset 4: 8 six-bit scales and 8 mins
+        # ggml's get_scale_min_k4: sub-block j < 4 has scale b[j] & 63, min b[j+4] & 63;
+        # j >= 4 has scale b[j+4] & 15 | (b[j-4] >> 6) << 4, min b[j+4] >> 4 | (b[j] >> 6) << 4
+        packed = raw[:, 4:16]
+        packed[:, 4:8] = packed[:, 0:4]
+        low = packed[:, 8:12] & 0x0F
+        packed[:, 8:12] = low | (low << 4)
+
+
 @cache
-def _unit_std(qtype: Q) -> float:
+def _unit_std(qtype: Q, centered: bool = False) -> float:
     """Standard deviation of decoded values when the base scale d is 1."""
     block = GGML_QUANT_SIZES[qtype][0]
-    raw = _blocks(np.random.default_rng(1234), qtype, _PROBE_ROWS, 4 * block, 1.0)
+    raw = _blocks(np.random.default_rng(1234), qtype, _PROBE_ROWS, 4 * block, 1.0, centered)
     return float(gq.dequantize(raw, qtype).std())
 
 
-def random_tensor(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...], std: float) -> np.ndarray:
-    """A tensor of logical `shape` (numpy order) stored as `qtype`, values with std ~ `std`.
+def random_tensor(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...], std: float,
+                  centered: bool = False) -> np.ndarray:
+    """A tensor of logical `shape` (numpy order) stored as `qtype`, values with std ~ `std`
+    (`centered`: symmetric around zero, see `_center`).
 
     Returns float arrays for F32/F16, uint8 `[..., row_bytes]` for BF16 and quantized types.
     """
@@ -66,5 +100,5 @@ def random_tensor(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...], st
         raise ValueError(f"synthetic weights do not support quant type {qtype.name}")
     n_cols = shape[-1]
     n_rows = int(np.prod(shape[:-1], dtype=np.int64))
-    raw = _blocks(rng, qtype, n_rows, n_cols, std / _unit_std(qtype))
+    raw = _blocks(rng, qtype, n_rows, n_cols, std / _unit_std(qtype, centered), centered)
     return raw.reshape(*shape[:-1], raw.shape[-1])

@@ -43,6 +43,7 @@ class SynthSpec:
     rms_eps: float = 1e-6
     tied_output: bool = False
     readable_head: bool = True  # see head_row_scale
+    centered: bool = False  # random quantized blocks symmetric around zero (blocks._center)
     seed: int = 0
     qtypes: dict[str, str] = field(
         default_factory=lambda: {
@@ -103,6 +104,7 @@ PRESETS: dict[str, SynthSpec] = {
         n_expert=128, n_expert_used=8, n_ff_exp=768, n_ctx=131072,
         qtypes={"embd": "Q8_0", "attn": "Q8_0", "router": "F32", "experts": "Q4_0",
                 "output": "Q8_0", "norm": "F32", "nextn": "Q8_0"},
+        centered=True,  # balanced routing through 48 layers, as a trained model's
     ),
 }
 
@@ -156,7 +158,7 @@ def make_tensor(name: str, shape: tuple[int, ...], qtype: Q, spec: SynthSpec) ->
         x = rng.standard_normal(shape, dtype=np.float32) * np.float32(_std(name, spec))
         x *= head_row_scale(spec)[:, None]  # [V, d]
         return x if qtype == Q.F32 else gq.quantize(x, qtype)
-    return random_tensor(rng, qtype, shape, _std(name, spec))
+    return random_tensor(rng, qtype, shape, _std(name, spec), spec.centered)
 
 
 # Types gguf.quants can quantize from floats (the others get random blocks).
