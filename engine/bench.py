@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes, prefill_flops
-from engine.events import EventBus, PlanChosen
+from engine.events import EventBus, PlanChosen, TraceLine
 from engine.profile_record import calibration_text
 from engine.serve import ServeLoop
 
@@ -93,11 +93,19 @@ def prompt_tokens(loop: ServeLoop, n: int, salt: int = 0) -> list[int]:
     return ids[:n]
 
 
-def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = None) -> Sample:
-    """A fresh engine, one measured request (after the warmup message, if any)."""
+PROMPT_LINES = ("prefill phases", "prompt temporaries")  # trace lines a bench run passes on
+
+
+def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = None,
+             log: Callable[[str], None] | None = None) -> Sample:
+    """A fresh engine, one measured request (after the warmup message, if any); `log` gets
+    the prompt path's trace lines (its phases with STRATA_TRACE=1, the CUDA temporaries)."""
     bus = EventBus()
     plans: list[PlanChosen] = []
     bus.subscribe(lambda e: plans.append(e) if isinstance(e, PlanChosen) else None)
+    if log is not None:
+        bus.subscribe(lambda e: log(e.text)
+                      if isinstance(e, TraceLine) and e.text.startswith(PROMPT_LINES) else None)
     loop = ServeLoop.create(cfg.options, cfg.flags, bus)
     if cfg.warmup_tokens:
         loop.complete(prompt_tokens(loop, cfg.warmup_tokens, salt=99), max_new=2)
@@ -133,7 +141,7 @@ def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
     for r in range(runs):
         for cfg, row in zip(configs, rows):
             t0 = time.perf_counter()
-            row.samples.append(run_once(cfg, n_tokens, max_new, hw))
+            row.samples.append(run_once(cfg, n_tokens, max_new, hw, progress))
             if progress:
                 progress(f"run {r + 1}/{runs} {cfg.label}: {time.perf_counter() - t0:.1f} s")
     return rows

@@ -48,3 +48,11 @@ def test_the_bound_flags_go_together(capsys: pytest.CaptureFixture[str], tiny_pa
     code, _, err = run(capsys, "bench", "--model", str(tiny_path), "--h2d-gbs", "0",
                        "--peak-tflops", "1")
     assert code == 2 and "must be positive" in err
+
+
+def test_a_traced_run_passes_on_its_prefill_phases(tiny_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("STRATA_TRACE", "1")
+    lines: list[str] = []
+    opts = EngineOptions(model=str(tiny_path), ctx=1024, prefill=128)
+    run_bench([Config("off", opts)], 300, 2, 1, progress=lines.append, warmup=False)
+    assert any(ln.startswith("prefill phases: ") for ln in lines), lines

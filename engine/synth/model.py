@@ -86,7 +86,12 @@ class SynthSpec:
         return 3 * self.n_ff_exp * self.n_embd // block * type_bytes
 
     def digest(self) -> str:
-        return f"{zlib.crc32(repr(sorted(asdict(self).items())).encode()):08x}"
+        """The spec's identity (in cached file names). `centered` counts only when set, so the
+        models made before it existed keep their names and caches."""
+        fields = asdict(self)
+        if not fields["centered"]:
+            del fields["centered"]
+        return f"{zlib.crc32(repr(sorted(fields.items())).encode()):08x}"
 
 
 PRESETS: dict[str, SynthSpec] = {
