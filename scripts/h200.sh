@@ -6,7 +6,8 @@
 #   m8 / m48  make the Qwen3-30B-A3B-shaped model (8 / 48 layers) in models/ (git-ignored)
 #   b8        A/B + automatic planner, 8 layers, 8,192 tokens -> $OUT/b8.md
 #   prof      cProfile of `strata run` on the 48-layer model     -> $OUT/prof.txt
-#   b31 / b72 automatic planner + A/B, 48 layers, 8 GiB, 31,258 / 72,061 tokens -> $OUT/b31.md, b72.md
+#   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
+#             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1)
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
@@ -31,8 +32,8 @@ for stage in "$@"; do
     b31|b72)  # at 72k a fixed 4,096-token chunk does not fit 8 GiB without the loan: auto only
       n=$([ "$stage" = b31 ] && echo 31258 || echo 72061)
       ab=$([ "$stage" = b31 ] && echo "--scenario ab --prefill 4096" || echo "")
-      strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB --mtp --spec 2 \
-        --h2d-gbs 55.3 --peak-tflops 989 \
+      STRATA_TRACE=1 strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB \
+        --mtp --spec 2 --h2d-gbs 55.3 --peak-tflops 989 \
         --scenario auto $ab --runs "$RUNS" --prompt-tokens "$n" \
         --max-new "$MAX_NEW" --kv q4_0 --ctx $((n + MAX_NEW + 64)) --json "$OUT/$stage.json" \
         2>&1 | tee "$OUT/$stage.md" ;;
