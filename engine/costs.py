@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from engine.config import EngineOptions
 from engine.gguf.hparams import HParams
+from engine.kernels.attention import DEFAULT_SCORE_BYTES as SCORE_BYTES
+from engine.kernels.moe import DEFAULT_SCRATCH_BYTES as MOE_SCRATCH_BYTES
 from engine.kv import kv_bytes_per_cell
 from engine.memory.arena import padded
 from engine.memory.plan_types import ModelCosts
@@ -112,8 +114,6 @@ def prefill_flops(model: Shapes, n_tokens: int, pos0: int = 0) -> int:
     return hp.n_layer * (n_tokens * per_token + 4 * hp.n_head * hp.head_dim * visible)
 
 
-GPU_MOE_SCRATCH_BYTES = 256 << 20  # engine.kernels.moe.DEFAULT_SCRATCH_BYTES (fp16 experts)
-GPU_SCORE_BYTES = 256 << 20  # engine.kernels.attention's fp16 score block
 
 
 def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int) -> int:
@@ -124,8 +124,8 @@ def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int) -> int:
     hp = model.hp
     kv_read = 2 * n_ctx * hp.kv_dim * (F32 + 2)
     expert_fp16 = 3 * hp.n_embd * hp.n_ff_exp * 2
-    moe = min(GPU_MOE_SCRATCH_BYTES, hp.n_expert * expert_fp16)
-    scores = min(GPU_SCORE_BYTES, 2 * hp.n_head * n_ctx * 1024)  # 1,024-query blocks at most
+    moe = min(MOE_SCRATCH_BYTES, hp.n_expert * expert_fp16)
+    scores = min(SCORE_BYTES, 2 * hp.n_head * n_ctx * 1024)  # 1,024-query blocks at most
     return moe + scores + kv_read
 
 

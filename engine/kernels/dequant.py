@@ -105,9 +105,10 @@ def _function(name_expression: str) -> Any:
 def _device_table(qtype: Q, device_id: int) -> tuple[Any, int]:
     cp = _cupy()
     host = lookup_table(qtype)
-    # cached for the process: from CuPy's default pool even when first asked for inside a
-    # prompt chunk's arena (engine/backend/cuda_arena.py), whose memory is lent
-    with cp.cuda.Device(device_id), cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+    from engine.backend.cuda_arena import process_lifetime
+
+    # cached for the process: never from a prompt chunk's arena, whose memory is lent
+    with cp.cuda.Device(device_id), process_lifetime():
         table = cp.asarray(host if host.size else np.zeros(1, dtype=np.uint32))
     return table, int(host.size)
 

@@ -70,7 +70,9 @@ def _inv_freq(d: int, base: float, device_id: int) -> Any:
     import cupy
 
     host = base ** (-np.arange(0, d // 2, dtype=np.float32) * 2.0 / d)
-    with cupy.cuda.Device(device_id), cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+    from engine.backend.cuda_arena import process_lifetime
+
+    with cupy.cuda.Device(device_id), process_lifetime():
         return cupy.asarray(host.astype(np.float32))
 
 
