@@ -77,6 +77,28 @@ def pin_model_file(rt: Runtime) -> None:
               f"{time.perf_counter() - t0:.1f} s")
 
 
+def attach_token_graph(rt: Runtime) -> None:
+    """On CUDA (unless --no-token-graph) decode steps replay captured CUDA graphs
+    (engine/token_graph.py); where that cannot work here, a warning says why and steps run
+    eagerly."""
+    if not token_graph(rt):
+        return
+    from engine.token_graph import TokenGraph
+
+    tr = rt.model.transformer
+    tr.on_warning = lambda line: _warn(rt, line)
+    why = TokenGraph.unavailable(rt.session.kv, rt.experts, rt.backend)
+    if why is not None:
+        _warn(rt, f"strata: warning: no token graph: {why}; decode steps run eagerly")
+        return
+    tr.token_graph = TokenGraph(tr, rt.session.kv, rt.experts, rt.cache, rt.backend)
+
+
+def _warn(rt: Runtime, line: str) -> None:
+    rt.warnings.append(line)
+    rt.emit_trace(line, always=True)
+
+
 def token_graph(rt: Runtime) -> bool:
     """Decode steps are captured as a CUDA graph unless --no-token-graph (CUDA only)."""
     return rt.backend.name.startswith("cuda") and not rt.options.no_token_graph

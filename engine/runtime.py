@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.backend import make_backend
 from engine.backend.base import Backend
-from engine.cache_setup import make_cache, pin_model_file
+from engine.cache_setup import attach_token_graph, make_cache, pin_model_file
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import model_costs
 from engine.devices import (
@@ -155,6 +155,7 @@ class Runtime:
                                      self.backend if self.on_cuda else None)
         self.session = Session(m, n_ctx=o.ctx, kv_kind=o.kv, xp=self.xp, experts=self.experts,
                                kv_alloc=kv.alloc)
+        attach_token_graph(self)
         self._owned_prompt()
         items = [DecodeResource("head.native", head, NativeHead(m.transformer, head))]
         if o.mtp:

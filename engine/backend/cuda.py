@@ -33,7 +33,9 @@ from engine.errors import DeviceError
 from engine.memory.sizes import MiB, format_mib
 
 _H2D = 1  # cudaMemcpyHostToDevice
+_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 _HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
+_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 DEFAULT_MARGIN_BYTES = 512 * MiB
 DEFAULT_STAGING_BYTES = 64 * MiB
 _PARALLEL_COPY_BYTES = 4 * MiB  # host copies larger than this are split over threads
@@ -212,10 +214,11 @@ class CudaBackend:
     def pin(self, host: np.ndarray) -> None:
         """Page-lock an existing host array (e.g. a memory-mapped GGUF) for direct DMA.
 
-        Read-only maps are registered read-only. The registration ends with `unpin` or when
+        The pages are also mapped into the device's address space (`mapped_address`). Read-only
+        maps are registered read-only. The registration ends with `unpin` or when
         `host` is garbage-collected (before a memory map goes away with it)."""
         assert host.flags.c_contiguous, "pin() needs a contiguous array"
-        flags = 0 if host.flags.writeable else _HOST_REGISTER_READ_ONLY
+        flags = _HOST_REGISTER_MAPPED | (0 if host.flags.writeable else _HOST_REGISTER_READ_ONLY)
         ptr = host.ctypes.data
         try:
             cupy.cuda.runtime.hostRegister(ptr, host.nbytes, flags)
@@ -235,6 +238,16 @@ class CudaBackend:
         _, owner = self._pinned.pop(ptr)
         assert owner is None, "unpin() of a host_buffer()"
         cupy.cuda.runtime.hostUnregister(ptr)
+
+    def mapped_address(self, host: np.ndarray) -> int | None:
+        """The device address kernels read `host` at (over PCIe, no copy), or None when the
+        bytes are not page-locked by `pin` or the device cannot use the host address for them
+        (cudaDevAttrCanUseHostPointerForRegisteredMem: true on 64-bit Linux with UVA)."""
+        ptr = host.ctypes.data
+        if not self._is_pinned(ptr, host.nbytes):
+            return None
+        attr = cupy.cuda.runtime.deviceGetAttribute(_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, self.device)
+        return ptr if attr else None
 
     def _is_pinned(self, ptr: int, n_bytes: int) -> bool:
         return any(p <= ptr and ptr + n_bytes <= p + n for p, (n, _) in self._pinned.items())

@@ -141,6 +141,12 @@ class ExpertCache:
         assert self._states[slot] != LENT, f"slot {slot} is lent to the prompt path"
         return self._slots[slot]
 
+    @property
+    def slots_address(self) -> int:
+        """Device address of slot 0; slot i is `blob_bytes * i` after it (the token graph
+        computes slot addresses from the staged table on the device). CUDA only."""
+        return int(self._slots.data.ptr)
+
     def table_view(self) -> DeviceArray:
         """The staged residency table on the device: int32 [n_layer, n_expert]."""
         n_bytes = self.table.slot_of.nbytes

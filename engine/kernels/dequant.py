@@ -285,3 +285,20 @@ def gemv_ptrs(
     null = np.uint64(0)  # w, x, y come from the job table
     args = (null, null, null, np.int32(n_out), np.int32(n_in), table, np.int32(n_tab), dev_jobs)
     kernel((grid, len(jobs)), (_THREADS,), args)
+
+
+def gemv_jobs(dev_jobs: Any, qtype: Q, shape: Sequence[int], n_batch: int = 1) -> None:
+    """`gemv_ptrs` with the job rows already on the device (uint64 [J, 3]: weights, x, y), as
+    the token graph builds them from routed ids: no host copy, so the launch can be captured.
+    The job builder vouches for the sizes and the decoder alignment of the weight addresses."""
+    n_out, n_in = (int(s) for s in shape)
+    kernel, grid = _gemv_kernel(qtype, [], n_out, n_in, n_batch)
+    table, n_tab = _device_table(qtype, dev_jobs.device.id)
+    null = np.uint64(0)
+    args = (null, null, null, np.int32(n_out), np.int32(n_in), table, np.int32(n_tab), dev_jobs)
+    kernel((grid, dev_jobs.shape[0]), (_THREADS,), args)
+
+
+def decoder_align(qtype: Q) -> int:
+    """Byte alignment the GEMV's block decoder needs for a weight address."""
+    return _decoder_align(qtype)

@@ -42,13 +42,16 @@ __global__ void rms_norm_rows(const float* __restrict__ x, const W* __restrict__
   for (int i = threadIdx.x; i < n; i += blockDim.x) y[row * n + i] = xr[i] * scale * load_w<W>(w, i);
 }
 
-// NEOX rotary embedding in place: x [T, H, D]; query t sits at position pos0 + t; inv_freq [D/2].
+// NEOX rotary embedding in place: x [T, H, D]; query t sits at position pos0 + t (plus pos[0]
+// when `pos` is given: the token graph's device-side position); inv_freq [D/2].
 // One thread per (t, h, i < D/2) rotates the pair (i, i + D/2).
 extern "C" __global__ void rope_neox_inplace(float* __restrict__ x,
                                              const float* __restrict__ inv_freq, long long n_pairs,
-                                             int n_head, int half, long long pos0) {
+                                             int n_head, int half, long long pos0,
+                                             const int* __restrict__ pos) {
   const long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (k >= n_pairs) return;
+  if (pos) pos0 += pos[0];
   const int i = (int)(k % half);
   const long long th = k / half;  // t * H + h
   const long long t = th / n_head;
@@ -63,10 +66,17 @@ extern "C" __global__ void rope_neox_inplace(float* __restrict__ x,
 // q4_0 KV encoding of n_blocks blocks of 32 floats: scale = fp16(signed max |x| / -8),
 // q = clamp(floor(x / scale + 8.5), 0, 15), low nibbles = values 0..15, high = 16..31.
 // One thread per block (the rounding steps as the numpy codec does them, no FMA contraction).
+// With `pos` (the token graph), q and scale start at cell 0 and the output starts at cell pos[0]
+// of `blocks_per_cell` blocks each.
 extern "C" __global__ void kv_q4_encode(const float* __restrict__ x, unsigned char* __restrict__ q,
-                                        u16* __restrict__ scale, long long n_blocks) {
+                                        u16* __restrict__ scale, long long n_blocks,
+                                        const int* __restrict__ pos, long long blocks_per_cell) {
   const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= n_blocks) return;
+  if (pos) {
+    q += (long long)pos[0] * blocks_per_cell * 16;
+    scale += (long long)pos[0] * blocks_per_cell;
+  }
   const float* v = x + b * 32;
   float m = v[0];
   for (int i = 1; i < 32; ++i)

@@ -43,6 +43,11 @@ def _fn(name: str) -> Any:
     return _module().get_function(name)
 
 
+def _ptr(a: Any) -> np.uint64:
+    """A kernel's optional pointer argument: the array's address, or 0."""
+    return np.uint64(0 if a is None else a.data.ptr)
+
+
 def _blocks(n: int) -> tuple[int]:
     return (int(-(-n // _THREADS)),)
 
@@ -76,31 +81,37 @@ def _inv_freq(d: int, base: float, device_id: int) -> Any:
         return cupy.asarray(host.astype(np.float32))
 
 
-def rope_neox_(x: Any, pos0: int, base: float) -> Any:
-    """Rotate x [T, H, D] (float32, contiguous) in place; query t at position pos0 + t."""
+def rope_neox_(x: Any, pos0: int, base: float, pos: Any = None) -> Any:
+    """Rotate x [T, H, D] (float32, contiguous) in place; query t at position pos0 + t, plus
+    pos[0] when `pos` (int32 device array) is given: the token graph's step position."""
     t, h, d = x.shape
     assert x.flags.c_contiguous and x.dtype == np.float32 and d % 2 == 0, (x.shape, x.dtype)
     n_pairs = t * h * (d // 2)
     if n_pairs:
         inv = _inv_freq(d, float(base), x.device.id)
         _fn("rope_neox_inplace")(_blocks(n_pairs), (_THREADS,),
-                                 (x, inv, np.int64(n_pairs), np.int32(h), np.int32(d // 2), np.int64(pos0)))
+                                 (x, inv, np.int64(n_pairs), np.int32(h), np.int32(d // 2), np.int64(pos0),
+                                  _ptr(pos)))
     return x
 
 
-def kv_q4_encode(x: Any, q_out: Any = None, s_out: Any = None) -> tuple[Any, Any]:
+def kv_q4_encode(x: Any, q_out: Any = None, s_out: Any = None, pos: Any = None) -> tuple[Any, Any]:
     """x [T, H, D] float32 -> (packed uint8 [T, H, D/2], scale float16 [T, H, D/32]); writes
-    into `q_out` / `s_out` (contiguous, e.g. the KV cache's cells) when given."""
+    into `q_out` / `s_out` (contiguous, e.g. the KV cache's cells) when given. With `pos`
+    (int32 device array), `q_out` / `s_out` are a layer's cells from 0 and the rows land at
+    cells pos[0].. (the token graph)."""
     import cupy
 
     x = cupy.ascontiguousarray(x, dtype=cupy.float32)
     t, h, d = x.shape
     q = q_out if q_out is not None else cupy.empty((t, h, d // 2), dtype=cupy.uint8)
     s = s_out if s_out is not None else cupy.empty((t, h, d // 32), dtype=cupy.float16)
-    assert q.flags.c_contiguous and s.flags.c_contiguous and q.size * 2 == x.size == s.size * 32
+    assert q.flags.c_contiguous and s.flags.c_contiguous
+    assert q.size * 2 == s.size * 32 and (q.size * 2 == x.size or pos is not None), (q.shape, x.shape)
     n_blocks = x.size // 32
     if n_blocks:
-        _fn("kv_q4_encode")(_blocks(n_blocks), (_THREADS,), (x, q, s, np.int64(n_blocks)))
+        _fn("kv_q4_encode")(_blocks(n_blocks), (_THREADS,),
+                            (x, q, s, np.int64(n_blocks), _ptr(pos), np.int64(h * d // 32)))
     return q, s
 
 

@@ -43,6 +43,8 @@ class Transformer:
         self.head: Any = None  # [V, d] the output head; `release_head` / `load_head`
         self.arena_stats: ArenaStats | None = None  # prompt temporaries since reset (CUDA)
         self.phase_clock: PhaseClock | None = None  # the prompt path's phases (STRATA_TRACE)
+        self.token_graph: Any = None  # engine.token_graph.TokenGraph on CUDA (decode steps)
+        self.on_warning: Any = None  # (line) -> None: the token graph gave up (runtime's trace)
         self._head_host: np.ndarray | None = None
         self.load_head(head_to_device or to_device)
 
@@ -79,6 +81,17 @@ class Transformer:
         `scratch` (uint8 device bytes, optional) holds the residual stream [T, d] float32: the
         prompt path passes the chunk buffer it carved from lent cache slots.
         """
+        graph = self.token_graph
+        if graph is not None and kv is graph.kv and graph.handles(len(tokens), experts, scratch):
+            from engine.token_graph import TokenGraphError
+
+            try:
+                return graph.forward(tokens, pos0, logits)
+            except TokenGraphError as e:  # e.g. a weight that needs cuBLAS: run eagerly from now on
+                self.token_graph = None
+                graph.release()
+                if self.on_warning is not None:
+                    self.on_warning(f"strata: warning: {e}; decode steps run eagerly")
         xp, hp = self.xp, self.hp
         x = self.embed(tokens)  # [T, d]
         arena = None

@@ -79,6 +79,11 @@ class HostExperts:
         upload of the list is one DMA per piece where the file is pinned)."""
         return [p[expert] for p in self._parts[layer]]
 
+    def parts(self, layer: int) -> list[np.ndarray]:
+        """The layer's gate, up and down expert tensors: uint8 [E, part bytes] views into the
+        file (the token graph reads a missed expert from them in place, over PCIe)."""
+        return list(self._parts[layer])
+
     def blob(self, layer: int, expert: int) -> np.ndarray:
         """uint8 [blob_bytes]: gate | up | down of `expert` in local layer index `layer`."""
         return np.concatenate(self.pieces(layer, expert))

@@ -1,0 +1,166 @@
+"""Kernels of the token graph (engine/kernels/decode.cu): decode-step attention straight from the
+KV cache's cells, the KV write and the MoE job table, all reading the step's position and the
+expert residency from device memory, so a captured CUDA graph replays unchanged every step.
+
+- `attention_at(q [T, H, D], kv, layer, pos, ws)` -> [T, H, D]: causal attention of rows at
+  positions pos[0].. over cells 0..pos[0]+t (q4_0 or f16 cells, no decoded copy);
+- `kv_write_at(kv, layer, k, v, pos)`: k, v [T, Hkv, D] into cells pos[0]..;
+- `moe_at(...)`: the routed FFN of a few tokens with weights read from the cache slot the staged
+  residency table names, or over PCIe from the page-locked GGUF on a miss.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.kernels.source import cuda_source
+
+if TYPE_CHECKING:
+    from engine.kv import KVCache
+
+KEYS = 128  # keys per attention tile (threads per block); as in decode.cu
+GRAPH_KV_KINDS = ("q4_0", "f16")
+
+
+def _kv_struct(kind: str, d: int) -> str:
+    return {"q4_0": f"KvQ4<{d}>", "f16": f"KvF16<{d}>"}[kind]
+
+
+@functools.cache
+def _module(kind: str, group: int, d: int) -> Any:
+    import cupy
+
+    names = (f"attn_tiles<{_kv_struct(kind, d)}, {group}, {d}>", f"attn_merge<{d}>")
+    module = cupy.RawModule(code=cuda_source("decode.cu"), options=("-std=c++17",),
+                            name_expressions=names)
+    return module, names
+
+
+@functools.cache
+def _plain() -> Any:
+    import cupy
+
+    return cupy.RawModule(code=cuda_source("decode.cu"), options=("-std=c++17",))
+
+
+def _fn(name: str) -> Any:
+    return _plain().get_function(name)
+
+
+def n_tiles(n_ctx: int) -> int:
+    return -(-n_ctx // KEYS)
+
+
+def attention_workspace(t: int, n_head: int, d: int, n_ctx: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the tile partials: (max, sum) [T, H, tiles, 2] and weighted V [T, H, tiles, D]."""
+    n = n_tiles(n_ctx)
+    return (t, n_head, n, 2), (t, n_head, n, d)
+
+
+def _layer_cells(kv: KVCache, layer: int, j: int) -> tuple[Any, Any]:
+    """(values, scales or None) of every cell of one layer's K (j=0) or V (j=1)."""
+    return kv.data[layer, j], (kv.scale[layer, j] if kv.scale is not None else None)
+
+
+def attention_at(q: Any, kv: KVCache, layer: int, pos: Any, ml: Any, acc: Any) -> Any:
+    """q [T, H, D] float32 (normed, rotated) -> [T, H, D] over the layer's cells 0..pos[0]+t.
+
+    `ml`, `acc`: float32 workspaces of `attention_workspace` shapes (tiles cover all n_ctx cells;
+    tiles past a row's position return at once)."""
+    import cupy
+
+    t, n_head, d = q.shape
+    assert kv.kind in GRAPH_KV_KINDS and q.dtype == cupy.float32 and q.flags.c_contiguous
+    group = n_head // kv.n_head_kv
+    module, (tiles_name, merge_name) = _module(kv.kind, group, d)
+    k_cells, k_scale = _layer_cells(kv, layer, 0)
+    v_cells, v_scale = _layer_cells(kv, layer, 1)
+    nt = n_tiles(kv.n_ctx)
+    assert ml.shape == (t, n_head, nt, 2) and acc.shape == (t, n_head, nt, d)
+    k_arg = _kv_arg(k_cells, k_scale)
+    v_arg = _kv_arg(v_cells, v_scale)
+    scale = np.float32(1.0 / float(d) ** 0.5)
+    module.get_function(tiles_name)(
+        (nt, kv.n_head_kv, t), (KEYS,),
+        (q, *k_arg, *v_arg, pos, np.int32(kv.n_head_kv), scale, np.int32(nt), ml, acc))
+    out = cupy.empty_like(q)
+    module.get_function(merge_name)((n_head, t), (d,), (ml, acc, pos, np.int32(n_head), np.int32(nt), out))
+    return out
+
+
+def _kv_arg(cells: Any, scale: Any) -> tuple[np.uint64, np.uint64]:
+    """A KV operand as the kernel takes it: cells and scales addresses (0: none)."""
+    return np.uint64(cells.data.ptr), np.uint64(0 if scale is None else scale.data.ptr)
+
+
+def kv_write_at(kv: KVCache, layer: int, k: Any, v: Any, pos: Any) -> None:
+    """Store k, v [T, Hkv, D] float32 at cells pos[0].. of `layer` (q4_0 or f16 cells)."""
+    from engine.kernels.fused import kv_q4_encode
+
+    for j, x in enumerate((k, v)):
+        cells, scale = _layer_cells(kv, layer, j)
+        if kv.kind == "q4_0":
+            kv_q4_encode(x, cells, scale, pos=pos)
+            continue
+        n = x.size
+        per_cell = kv.n_head_kv * kv.head_dim
+        _fn("kv_f16_write")((-(-n // 256),), (256,), (x, cells, np.int64(n), np.int64(per_cell), pos))
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """Where a layer's experts are on the device: cache slots and the mapped GGUF.
+
+    `table`: int32 [E] slot or -1 (a row of the staged residency table); `slot_base`: address
+    of slot 0, `blob_bytes` apart, gate | up | down at `offsets`; `host`: uint64 [3] device
+    addresses of the layer's gate/up/down expert tensors in the page-locked file, `part_bytes`
+    int64 [3] apart per expert."""
+
+    table: Any
+    slot_base: int
+    blob_bytes: int
+    offsets: tuple[int, int]
+    host: Any
+    part_bytes: Any
+
+
+def moe_at(h: Any, ids: Any, w: Any, src: ExpertSource, layout: Any, counts: Any) -> Any:
+    """h [T, d] float32, ids [T, k] int64, w [T, k] -> [T, d]: the routed FFN through the fused
+    GEMV kernels, with job rows built on the device (`moe_jobs`); counts (uint64 [2]) gains the
+    hits and misses."""
+    import cupy
+
+    from engine.kernels.dequant import gemv_jobs
+    from engine.kernels.moe import _dims, _silu_mul
+
+    f, d = _dims(layout)
+    n_tok, k = ids.shape
+    n_pairs = n_tok * k
+    gu = cupy.empty((2, n_pairs, f), dtype=cupy.float32)  # gate, up
+    act = cupy.empty((n_pairs, f), dtype=cupy.float32)
+    y = cupy.empty((n_pairs, d), dtype=cupy.float32)
+    jobs_gu = cupy.empty((2 * n_pairs, 3), dtype=cupy.uint64)
+    jobs_down = cupy.empty((n_pairs, 3), dtype=cupy.uint64)
+    _fn("moe_jobs")(
+        (-(-n_pairs // 128),), (128,),
+        (ids, np.int32(n_pairs), np.int32(k), src.table, np.uint64(src.slot_base),
+         np.int64(src.blob_bytes), np.int64(src.offsets[0]), np.int64(src.offsets[1]),
+         src.host, src.part_bytes, np.uint64(h.data.ptr), np.uint64(gu.data.ptr),
+         np.uint64(act.data.ptr), np.uint64(y.data.ptr), np.int32(d), np.int32(f),
+         jobs_gu, jobs_down, counts))  # fmt: skip
+    q_gate, q_up, q_down = layout.qtypes
+    if q_gate == q_up:
+        gemv_jobs(jobs_gu, q_gate, (f, d))
+    else:
+        gemv_jobs(jobs_gu[:n_pairs], q_gate, (f, d))
+        gemv_jobs(jobs_gu[n_pairs:], q_up, (f, d))
+    _silu_mul()(gu[0], gu[1], act)
+    gemv_jobs(jobs_down, q_down, (d, f))
+    out = cupy.empty((n_tok, d), dtype=cupy.float32)
+    wc = cupy.ascontiguousarray(w, dtype=cupy.float32)
+    _fn("moe_weighted_sum")((n_tok,), (256,), (y, wc, out, np.int32(k), np.int32(d)))
+    return out

@@ -1,0 +1,279 @@
+"""The token graph: a decode step (a few token rows through every block and the output head)
+captured once as a CUDA graph and replayed every step; `--no-token-graph` turns it off.
+
+Why. A decode step is ~15 launches per layer; from Python each costs 10-20 us of host time, and
+the eager path brings the routed expert ids to the host once per layer (a wait for the GPU).
+Replaying a graph queues the whole step in one call and the host never waits inside it.
+
+What makes the step capturable (engine/kernels/decode.py):
+- every position-dependent kernel (RoPE, the KV write, attention) reads the step's position
+  from device memory (`pos`), and attention reads the KV cells in place over the whole context
+  (tiles past the position return at once), so the same launches serve every step;
+- the MoE builds its GEMV job rows on the device from the routed ids and the staged residency
+  table: a hit reads the cache slot, a miss reads the expert in place from the page-locked GGUF
+  over PCIe (the decode-miss policy under the graph: nothing is copied, nothing waits);
+- every linear is the fp16 GEMV kernel (cuBLAS calls cannot be captured).
+
+Graphs are keyed by (rows, logits wanted): plain decoding replays the 1-row graph, speculative
+decoding also the n_window + 1 row one. Their temporaries come from a private memory pool fed
+by the backend's workspace pool; after capture the pool hands those blocks to nobody else (a
+graph's addresses are baked in), and graphs share them since they never run at once. A graph
+is captured again when an address it baked in changes (the output head after a loan's restore,
+the KV cache or the expert-cache region).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.errors import DeviceError
+from engine.kernels.decode import (
+    GRAPH_KV_KINDS,
+    ExpertSource,
+    attention_at,
+    attention_workspace,
+    kv_write_at,
+    moe_at,
+)
+from engine.model.ops import GEMV_ROWS, linear, rms_norm
+
+if TYPE_CHECKING:
+    from engine.experts.cache import ExpertCache
+    from engine.kv import KVCache
+    from engine.model.transformer import ForwardResult, Transformer
+    from engine.prefill import CachedExperts
+
+
+class TokenGraphError(DeviceError):
+    """The decode step could not be captured; the engine runs it eagerly instead."""
+
+
+@dataclass
+class _Graph:
+    """One captured step and the device buffers its addresses point at."""
+
+    graph: Any
+    x_in: Any  # [T, d] float32 token embeddings, written before each replay
+    logits: Any  # [T or 1, V] float32
+    hidden: Any  # [T, d] residual stream before the final norm
+    routes: Any  # [L, T, k] int64
+    margins: Any  # [T] float32
+
+
+class TokenGraph:
+    """Captured decode steps of one transformer over one KV cache and expert cache."""
+
+    def __init__(self, transformer: Transformer, kv: KVCache, experts: CachedExperts,
+                 cache: ExpertCache | None, backend: Any):
+        import cupy
+
+        self.tr, self.kv, self.experts, self.cache, self.backend = transformer, kv, experts, cache, backend
+        self._cp = cupy
+        self._pool = cupy.cuda.MemoryPool(allocator=cupy.get_default_memory_pool().malloc)
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._fingerprint: tuple[int, ...] | None = None
+        self.n_captures = 0
+        self.n_replays = 0
+        with cupy.cuda.using_allocator(self._pool.malloc):
+            self.pos = cupy.zeros(1, dtype=cupy.int32)  # position of row 0 of the step
+            self.counts = cupy.zeros(2, dtype=cupy.uint64)  # expert hits, misses (cumulative)
+            self._sources = self._expert_sources()
+        self._counted = np.zeros(2, dtype=np.uint64)
+
+    @staticmethod
+    def unavailable(kv: KVCache, experts: CachedExperts, backend: Any) -> str | None:
+        """Why the step cannot be captured here (a line), or None when it can."""
+        if kv.kind not in GRAPH_KV_KINDS:
+            return f"--kv {kv.kind} is not in the token graph's KV kinds {GRAPH_KV_KINDS}"
+        host = experts.host
+        if any(backend.mapped_address(p) is None for p in host.parts(0)):
+            return "the model file is not page-locked (the graph reads missed experts from it)"
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the graphs' buffers and temporaries hold (from the workspace pool)."""
+        return int(self._pool.total_bytes())
+
+    def handles(self, n_rows: int, experts: Any, scratch: Any) -> bool:
+        """Whether `Transformer.forward` should replay a graph for this call."""
+        staged = self.cache is None or self.cache.staged
+        return scratch is None and experts is self.experts and 1 <= n_rows <= GEMV_ROWS and staged
+
+    def release(self) -> None:
+        """Drop every graph and give the pool's memory back to the workspace."""
+        self._graphs.clear()
+        self._fingerprint = None
+
+    # -- the step --------------------------------------------------------------------------------
+    def forward(self, tokens: np.ndarray, pos0: int, logits: str) -> ForwardResult:
+        """`Transformer.forward` for a decode step: rows `tokens` [T] at positions pos0.."""
+        from engine.model.transformer import ForwardResult
+
+        cp, t = self._cp, len(tokens)
+        fingerprint = self._addresses()
+        if fingerprint != self._fingerprint:
+            self.release()
+            self._fingerprint = fingerprint
+        rows = np.ascontiguousarray(self.tr.embd.rows(np.asarray(tokens, dtype=np.int64)), np.float32)
+        self.pos.set(np.array([pos0], dtype=np.int32))
+        key = (t, logits == "all")
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._capture(rows, key[1])
+        else:
+            g.x_in.set(rows)
+        g.graph.launch(stream=cp.cuda.get_current_stream())
+        self.n_replays += 1
+        self._count()
+        self.kv.n_tokens = pos0 + t
+        if logits == "none":
+            out = cp.zeros((0, self.tr.hp.n_vocab), dtype=cp.float32)
+        else:
+            out = g.logits.copy()
+        return ForwardResult(logits=out, hidden=g.hidden.copy(), routes=list(g.routes),
+                             margins=g.margins.copy())
+
+    def _count(self) -> None:
+        """Expert hits and misses of the step, into the provider's and the cache's counters."""
+        now = self.counts.get()  # waits for the step (the sampler would next)
+        hits, misses = (int(v) for v in now - self._counted)
+        self._counted = now
+        c = self.experts.counters
+        c.hits += hits
+        c.streamed += misses
+        c.bytes_streamed += misses * self.experts.host.blob_bytes
+        if self.cache is not None:
+            self.cache.n_hits += hits
+            self.cache.n_misses += misses
+
+    def _capture(self, rows: np.ndarray, all_logits: bool) -> _Graph:
+        """Run the step once (compiles kernels, sizes the pool; its KV writes are the ones the
+        replay repeats) and capture it on a side stream."""
+        cp, hp = self._cp, self.tr.hp
+        t = rows.shape[0]
+        cur = cp.cuda.get_current_stream()
+        with cp.cuda.using_allocator(self._pool.malloc):
+            g = _Graph(
+                graph=None, x_in=cp.asarray(rows),
+                logits=cp.empty((t if all_logits else 1, hp.n_vocab), dtype=cp.float32),
+                hidden=cp.empty((t, hp.n_embd), dtype=cp.float32),
+                routes=cp.empty((hp.n_layer, t, hp.n_expert_used), dtype=cp.int64),
+                margins=cp.empty(t, dtype=cp.float32),
+            )
+            s = self._stream
+            s.wait_event(cur.record())
+            with s:
+                self._step(g, all_logits)
+                self._counted = self.counts.get()  # the warm-up's experts are not the step's
+                # relaxed: the pool may still cudaMalloc a block while capturing
+                s.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
+                try:
+                    self._step(g, all_logits)
+                except Exception as e:
+                    _end_quietly(s)
+                    raise TokenGraphError(f"token graph: the decode step cannot be captured ({e})") from e
+                g.graph = s.end_capture()
+            cur.wait_event(s.record())
+        self.n_captures += 1
+        return g
+
+    def _step(self, g: _Graph, all_logits: bool) -> None:
+        """The decode step on the graph's buffers (what is captured)."""
+        cp, tr, hp = self._cp, self.tr, self.tr.hp
+        from engine.kernels.fused import route_topk
+
+        layout = self.experts.host.layout
+        x = g.x_in.copy()  # [T, d] residual stream
+        g.margins.fill(np.inf)
+        for i, blk in enumerate(tr.blocks):
+            x += self._attention(blk.attn, x, i)
+            h = rms_norm(cp, x, blk.ffn_norm, hp.rms_eps)  # [T, d]
+            ids, w, margin = route_topk(_gemv(h, blk.router), hp.n_expert_used)
+            g.routes[i] = ids
+            x += moe_at(h, ids, w, self._sources[i], layout, self.counts)
+            cp.minimum(g.margins, margin, out=g.margins)
+        g.hidden[...] = x
+        tail = x if all_logits else x[-1:]
+        g.logits[...] = _gemv(rms_norm(cp, tail, tr.output_norm, hp.rms_eps), tr.head)
+
+    def _attention(self, w: Any, x: Any, layer: int) -> Any:
+        """`attention_block` with the position on the device: x [T, d] -> [T, d]."""
+        from engine.kernels.fused import rope_neox_
+
+        cp, hp, t = self._cp, self.tr.hp, x.shape[0]
+        h = rms_norm(cp, x, w.norm, hp.rms_eps)
+        q = rms_norm(cp, _gemv(h, w.wq).reshape(t, hp.n_head, hp.head_dim), w.q_norm, hp.rms_eps)
+        k = rms_norm(cp, _gemv(h, w.wk).reshape(t, hp.n_head_kv, hp.head_dim), w.k_norm, hp.rms_eps)
+        v = _gemv(h, w.wv).reshape(t, hp.n_head_kv, hp.head_dim)
+        rope_neox_(q, 0, hp.rope_base, pos=self.pos)
+        rope_neox_(k, 0, hp.rope_base, pos=self.pos)
+        kv_write_at(self.kv, layer, k, cp.ascontiguousarray(v), self.pos)
+        ml_shape, acc_shape = attention_workspace(t, hp.n_head, hp.head_dim, self.kv.n_ctx)
+        ml, acc = cp.empty(ml_shape, dtype=cp.float32), cp.empty(acc_shape, dtype=cp.float32)
+        out = attention_at(q, self.kv, layer, self.pos, ml, acc)  # [T, H, D]
+        return _gemv(out.reshape(t, hp.q_dim), w.wo)
+
+    # -- addresses -------------------------------------------------------------------------------
+    def _expert_sources(self) -> list[ExpertSource]:
+        """Per layer: the residency row, slot addresses and the mapped file's expert tensors."""
+        from engine.kernels.dequant import decoder_align
+
+        cp, host = self._cp, self.experts.host
+        layout = host.layout
+        n_gate, n_up, _ = layout.part_bytes
+        if self.cache is not None:
+            table, slot_base = self.cache.table_view(), self.cache.slots_address
+        else:  # no cache: every expert is a miss
+            table = cp.full((host.n_layer, host.n_expert), -1, dtype=cp.int32)
+            slot_base = 0
+        out = []
+        for layer in range(host.n_layer):
+            parts = host.parts(layer)
+            addrs = [self.backend.mapped_address(p) for p in parts]
+            if any(a is None for a in addrs):
+                raise TokenGraphError("token graph: the model file is not page-locked")
+            strides = [p.strides[0] for p in parts]
+            offsets = (0, n_gate, n_gate + n_up)
+            for q, addr, stride, off in zip(layout.qtypes, addrs, strides, offsets):
+                align = decoder_align(q)
+                if any(v % align for v in (addr, stride, slot_base, host.blob_bytes, off)):
+                    raise TokenGraphError(f"token graph: {q.name} expert bytes are not "
+                                          f"{align}-byte aligned")
+            out.append(ExpertSource(
+                table=table[layer], slot_base=slot_base, blob_bytes=host.blob_bytes,
+                offsets=(n_gate, n_gate + n_up), host=cp.asarray(np.array(addrs, np.uint64)),
+                part_bytes=cp.asarray(np.array(strides, np.int64)),
+            ))
+        return out
+
+    def _addresses(self) -> tuple[int, ...]:
+        """The addresses a captured graph baked in besides its own buffers."""
+        head = self.tr.head
+        cache = (self.cache.table_view().data.ptr, self.cache.slots_address) if self.cache else ()
+        return (0 if head is None else head.data.ptr, self.kv.data.data.ptr, *cache)
+
+
+def _gemv(x: Any, w: Any) -> Any:
+    """`linear` that must take the fp16 GEMV kernel (a cuBLAS call would end the capture)."""
+    if not (w.dtype == np.float16 and w.flags.c_contiguous and x.ndim == 2 and x.shape[0] <= GEMV_ROWS):
+        raise TokenGraphError(f"token graph: a {w.dtype} [{w.shape}] weight would need cuBLAS")
+    return linear(_cupy(), x, w)
+
+
+def _cupy() -> Any:
+    import cupy
+
+    return cupy
+
+
+def _end_quietly(stream: Any) -> None:
+    """End a failed capture; the capture error already says what went wrong."""
+    try:
+        stream.end_capture()
+    except Exception:  # noqa: BLE001, S110 - invalidated capture
+        pass

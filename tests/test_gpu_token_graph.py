@@ -1,0 +1,108 @@
+"""The token graph on CUDA (gpu marker): its kernels against the eager references, and decode
+steps replayed from captured graphs against eager decoding (--no-token-graph), with cache
+misses read from the page-locked file, speculative windows and a loan in between."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.config import EngineOptions, LoanFlags
+from engine.conversation import Conversation
+from engine.serve import ServeLoop
+from engine.synth.model import PRESETS, write_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def mid_path(tmp_path_factory: pytest.TempPathFactory, cp) -> Path:  # type: ignore[no-untyped-def]
+    """Qwen3-30B-A3B shapes, 2 blocks + MTP."""
+    spec = replace(PRESETS["qwen3-30b-a3b"], n_layer=2, n_ctx=8192)
+    return write_model(tmp_path_factory.mktemp("graph") / "mid.gguf", spec)
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "f16"])
+def test_attention_and_kv_write_match_the_eager_path(cp, kind: str) -> None:  # type: ignore[no-untyped-def]
+    from engine.kernels.decode import attention_at, attention_workspace, kv_write_at
+    from engine.kv import KVCache
+    from engine.model.attention import causal_gqa
+
+    rng = np.random.default_rng(0)
+    n_ctx, h, hkv, d, t, pos0 = 700, 32, 4, 128, 3, 517  # rows span a tile boundary (512)
+    kv = KVCache(cp, 2, n_ctx, hkv, d, kind)
+    ref = KVCache(cp, 2, n_ctx, hkv, d, kind)
+    past = cp.asarray(rng.standard_normal((2, pos0, hkv, d)), dtype=cp.float32)
+    for c in (kv, ref):
+        c.write(1, 0, past[0], past[1])
+    k, v = (cp.asarray(rng.standard_normal((t, hkv, d)), dtype=cp.float32) for _ in range(2))
+    q = cp.asarray(rng.standard_normal((t, h, d)), dtype=cp.float32)
+    pos = cp.asarray([pos0], dtype=cp.int32)
+    kv_write_at(kv, 1, k, v, pos)
+    ref.write(1, pos0, k, v)
+    assert bool((kv.data == ref.data).all())
+    ml, acc = (cp.empty(s, dtype=cp.float32) for s in attention_workspace(t, h, d, n_ctx))
+    out = attention_at(q, kv, 1, pos, ml, acc)
+    k_all, v_all = ref.read(1, pos0 + t)
+    want = causal_gqa(cp, q, k_all, v_all, pos0)
+    assert float(cp.abs(out - want).max()) < 1e-4 * float(cp.abs(want).max()) + 1e-5
+
+
+def _decode(loop: ServeLoop, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """Greedy steps after prefilling `ids`: the tokens and every step's logits [n, V]."""
+    rt = loop.rt
+    logits, _ = rt.prefill(list(ids))
+    rows, toks = [], []
+    row = rt.to_host(logits)[-1]
+    for _ in range(n):
+        tok = int(np.argmax(row))
+        toks.append(tok)
+        row = rt.to_host(rt.session.forward([tok]).logits)[-1]
+        rows.append(row)
+    return toks, np.stack(rows)
+
+
+def test_graph_steps_match_eager_steps_with_misses(mid_path: Path) -> None:
+    """A cache of 40 of the 256 experts: most routed experts are read over PCIe in place."""
+    base = EngineOptions(model=str(mid_path), device="cuda", ctx=4096, vram_limit="4GiB",
+                         vram_segment_mib=64, expert_cache=40, kv="q4_0")
+    graph = ServeLoop.create(base)
+    eager = ServeLoop.create(replace(base, no_token_graph=True))
+    tg = graph.rt.model.transformer.token_graph
+    assert tg is not None and eager.rt.model.transformer.token_graph is None
+    ids = graph.rt.model.tokenizer.encode("the river runs through the old city " * 30)
+    ta, la = _decode(graph, ids, 12)
+    tb, lb = _decode(eager, ids, 12)
+    assert ta == tb
+    assert float(np.abs(la - lb).max() / np.abs(lb).max()) < 1e-3
+    assert tg.n_captures == 1 and tg.n_replays == 12
+    c = graph.rt.experts.counters
+    k = graph.rt.model.hp.n_expert_used
+    assert c.hits > 0 and c.streamed > 0  # both paths of the job table ran
+    assert graph.rt.cache.n_hits + graph.rt.cache.n_misses >= 12 * 2 * k
+    graph.rt.check_integrity()
+
+
+def test_speculative_decoding_and_a_loan_replay_graphs(mid_path: Path) -> None:
+    """MTP drafts + 3-token windows: the same text as eager decoding, also after a repeat loan
+    released and restored the output head (the graphs are captured again)."""
+    loan = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
+                          retain_startup_chunk=True, repeat_loan=True, repeat_min_tokens=256)
+    base = EngineOptions(model=str(mid_path), device="cuda", ctx=4096, serve=True,
+                         vram_elastic=True, mtp=True, spec=2, vram_limit="4GiB",
+                         vram_segment_mib=64, kv="q4_0")
+    texts = []
+    for opts in (base, replace(base, no_token_graph=True)):
+        loop = ServeLoop.create(opts, loan)
+        conv = Conversation()
+        a = loop.chat(conv, "hello", max_new=12).text
+        b = loop.chat(conv, "the river runs through the old city " * 80, max_new=12).text
+        texts.append((a, b))
+        loop.rt.check_integrity()
+        tg = loop.rt.model.transformer.token_graph
+        if tg is not None:
+            assert tg.n_captures >= 2 and tg.n_replays > 0
+    assert texts[0] == texts[1]
