@@ -5,6 +5,8 @@
 #   kbench    kernel microbenchmarks                        -> $OUT/bench.md
 #   m8 / m48  make the Qwen3-30B-A3B-shaped model (8 / 48 layers) in models/ (git-ignored)
 #   b8        A/B + automatic planner, 8 layers, 8,192 tokens -> $OUT/b8.md
+#   tg        decode speed: 48 layers, 8 GiB, 2,048-token prompt, 128 new tokens, with and
+#             without MTP speculation (token graph on)                -> $OUT/tg.md
 #   prof      cProfile of `strata run` on the 48-layer model     -> $OUT/prof.txt
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1)
@@ -37,6 +39,11 @@ for stage in "$@"; do
         --scenario auto $ab --runs "$RUNS" --prompt-tokens "$n" \
         --max-new "$MAX_NEW" --kv q4_0 --ctx $((n + MAX_NEW + 64)) --json "$OUT/$stage.json" \
         2>&1 | tee "$OUT/$stage.md" ;;
+    tg) for spec in "--mtp --spec 2" ""; do
+          STRATA_TRACE=1 strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB \
+            $spec --scenario auto --runs "$RUNS" --prompt-tokens 2048 --max-new 128 --kv q4_0 \
+            --ctx 4096 2>&1 | tee -a "$OUT/tg.md"
+        done ;;
     prof) python3 -m cProfile -o "$OUT/prof.out" -m engine.cli run --model models/q48.gguf \
             --device cuda --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --ctx 4096 \
             --prompt "Tell me about rivers." --max-new 48 > "$OUT/prof-run.txt" 2>&1 || true
