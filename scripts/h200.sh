@@ -9,7 +9,8 @@
 #             without MTP speculation (token graph on)                -> $OUT/tg.md
 #   prof      cProfile of `strata run` on the 48-layer model     -> $OUT/prof.txt
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
-#             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1)
+#             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
+#             ONLY=auto or ONLY=ab runs one of the two tables (a call is at most 10 minutes)
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
@@ -34,11 +35,13 @@ for stage in "$@"; do
     b31|b72)  # at 72k a fixed 4,096-token chunk does not fit 8 GiB without the loan: auto only
       n=$([ "$stage" = b31 ] && echo 31258 || echo 72061)
       ab=$([ "$stage" = b31 ] && echo "--scenario ab --prefill 4096" || echo "")
+      auto="--scenario auto"
+      case ${ONLY:-} in auto) ab="" ;; ab) auto="" ;; esac  # ONLY=auto|ab: one table per call
       STRATA_TRACE=1 strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB \
         --mtp --spec 2 --h2d-gbs 55.3 --peak-tflops 989 \
-        --scenario auto $ab --runs "$RUNS" --prompt-tokens "$n" \
-        --max-new "$MAX_NEW" --kv q4_0 --ctx $((n + MAX_NEW + 64)) --json "$OUT/$stage.json" \
-        2>&1 | tee "$OUT/$stage.md" ;;
+        $auto $ab --runs "$RUNS" --prompt-tokens "$n" \
+        --max-new "$MAX_NEW" --kv q4_0 --ctx $((n + MAX_NEW + 64)) --json "$OUT/$stage${ONLY:+-$ONLY}.json" \
+        2>&1 | tee "$OUT/$stage${ONLY:+-$ONLY}.md" ;;
     tg) for spec in "--mtp --spec 2" ""; do
           STRATA_TRACE=1 strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB \
             $spec --scenario auto --runs "$RUNS" --prompt-tokens 2048 --max-new 128 --kv q4_0 \
