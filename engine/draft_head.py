@@ -76,8 +76,12 @@ class DraftHead:
         ids: np.ndarray,
         xp: Any = np,
         to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+        decoded: np.ndarray | None = None,
     ):
+        """`decoded`: the whole `source` already decoded (float32 [V, d], the native head's host
+        copy), so the rows are taken from it instead of decoding the file a second time."""
         self.source, self.xp, self._to_device = source, xp, to_device
+        self._decoded = decoded
         self.ids = np.asarray(ids, dtype=np.int64)  # [N] full-vocabulary id of each row
         self.n_vocab, self.n_embd = source.shape
         assert self.ids.ndim == 1 and 0 < self.ids.size <= self.n_vocab, self.ids.shape
@@ -99,7 +103,10 @@ class DraftHead:
         to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
     ) -> DraftHead:
         ids = select_draft_ids(model.tokenizer, draft_vocab, counts)
-        return cls(head_tensor(model), ids, xp, to_device)
+        source = head_tensor(model)
+        tr = model.transformer
+        shared = tr is not None and source is model.mf.tensors.get(names.OUTPUT)
+        return cls(source, ids, xp, to_device, tr.head_host() if shared else None)
 
     @property
     def n_rows(self) -> int:
@@ -158,6 +165,10 @@ class DraftHead:
     def _read(self) -> np.ndarray:
         if self._host_rows is not None:  # decoded once; a restore is one upload
             return self._host_rows
+        if self._decoded is not None:  # the native head's rows: the same bytes, decoded once
+            rows = self._decoded[self.ids] if not self.full else self._decoded
+            self._decoded = None  # the rows are kept from here on, not the whole head
+            return rows
         t = self.source
         raw = t.raw.reshape(self.n_vocab, -1).view(np.uint8)  # [V, row_bytes]
         return dequantize_bytes(raw[self.ids], t.qtype, (self.n_rows, self.n_embd))

@@ -126,6 +126,9 @@ def test_draft_head_rows_release_restore(model: Model, draft_vocab: int) -> None
     full = head.full_logits(np.arange(n, dtype=np.float32))
     assert full.shape == (model.hp.n_vocab,) and np.array_equal(full[head.ids], np.arange(n))
     assert draft_vocab == 0 or np.isneginf(np.delete(full, head.ids)).all()
+    # the rows came from the native head's host copy; decoding the file gives the same rows
+    from_file = DraftHead(head.source, head.ids)
+    np.testing.assert_array_equal(from_file.rows, before)
 
 
 def test_verifier_buffers_release_restore(model: Model) -> None:
