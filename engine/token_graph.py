@@ -105,9 +105,10 @@ class TokenGraph:
         return scratch is None and experts is self.experts and 1 <= n_rows <= GEMV_ROWS and staged
 
     def release(self) -> None:
-        """Drop every graph and give the pool's memory back to the workspace."""
+        """Drop every graph and give their memory back to the workspace pool."""
         self._graphs.clear()
         self._fingerprint = None
+        self._pool.free_all_blocks()  # unused blocks only: pos, counts and the tables stay
 
     # -- the step --------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, pos0: int, logits: str) -> ForwardResult:
@@ -116,8 +117,10 @@ class TokenGraph:
 
         cp, t = self._cp, len(tokens)
         fingerprint = self._addresses()
-        if fingerprint != self._fingerprint:
+        if fingerprint != self._fingerprint:  # an address a graph baked in has moved
             self.release()
+            with cp.cuda.using_allocator(self._pool.malloc):
+                self._sources = self._expert_sources()
             self._fingerprint = fingerprint
         rows = np.ascontiguousarray(self.tr.embd.rows(np.asarray(tokens, dtype=np.int64)), np.float32)
         self.pos.set(np.array([pos0], dtype=np.int32))
