@@ -49,6 +49,13 @@ class Sample:
     arena_peak_mib: float = 0.0  # CUDA: the prompt temporaries' peak inside the chunk buffer
     arena_spill_mib: float = 0.0  # CUDA: temporaries that did not fit it
     bound_ratio: float = 0.0  # prefill time / lower bound (0: no `Hardware` given)
+    decode_hits: int = 0  # routed experts found in the expert cache while decoding
+    decode_misses: int = 0  # ... and read from host memory
+
+    @property
+    def decode_hit_pct(self) -> float:
+        n = self.decode_hits + self.decode_misses
+        return 100.0 * self.decode_hits / n if n else 0.0
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,8 @@ def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = Non
     return Sample(f"{p.chunk_tokens:,} / {p.ring_slots}", t.pp_tok_s, t.tg_tok_s, t.prefill_s,
                   t.bytes_streamed / (1 << 20), p.loan,
                   arena.peak_bytes / (1 << 20) if arena else 0.0,
-                  arena.spilled_bytes / (1 << 20) if arena else 0.0, ratio)
+                  arena.spilled_bytes / (1 << 20) if arena else 0.0, ratio,
+                  t.decode_hits, t.decode_misses)
 
 
 def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
@@ -148,20 +156,24 @@ def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
 
 
 def markdown(rows: list[Row], title: str) -> str:
-    """The table; on CUDA two more columns: the prompt temporaries' peak and spill (MiB)."""
+    """The table; on CUDA two more columns: the prompt temporaries' peak and spill (MiB); the
+    lower-bound ratio when a `Hardware` was given; the decode steps' expert-cache hit share."""
     gpu = any(s.arena_peak_mib for r in rows for s in r.samples)
     bound = any(s.bound_ratio for r in rows for s in r.samples)
+    hits = any(s.decode_hits + s.decode_misses for r in rows for s in r.samples)
     extra = (" Temporaries peak (MiB) | Spilled (MiB) |" if gpu else "") + (
-        " Prefill / lower bound |" if bound else "")
+        " Prefill / lower bound |" if bound else "") + (" Decode cache hits (%) |" if hits else "")
     lines = [
         f"### {title}", "",
         "| Configuration | Prompt plan | PP (tok/s) | TG (tok/s) | Prefill (s) | Streamed (MiB) |"
         + extra,
-        "|---|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "") + ("---:|" if bound else ""),
+        "|---|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "") + ("---:|" if bound else "")
+        + ("---:|" if hits else ""),
     ]
     for row in rows:
         cells = (f" {row.cell('arena_peak_mib', '{:.0f}')} | {row.cell('arena_spill_mib', '{:.0f}')} |"
-                 if gpu else "") + (f" {row.cell('bound_ratio', '{:.1f}x')} |" if bound else "")
+                 if gpu else "") + (f" {row.cell('bound_ratio', '{:.1f}x')} |" if bound else "") + (
+                 f" {row.cell('decode_hit_pct', '{:.0f}')} |" if hits else "")
         lines.append(
             f"| {row.label} | {row.plans()} | {row.cell('pp')} | {row.cell('tg')} | "
             f"{row.cell('prefill_s', '{:.2f}')} | {row.cell('mib_streamed', '{:.0f}')} |" + cells

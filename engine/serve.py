@@ -30,6 +30,7 @@ from engine.events import (
 )
 from engine.loan import Faults
 from engine.memory.plan_types import PromptGeometry
+from engine.prefill import StreamCounters
 from engine.runtime import Checkpoint, Runtime
 from engine.sampler import Sampler, SamplingParams
 from engine.session import Timing
@@ -205,6 +206,7 @@ class ServeLoop:
         t0 = time.perf_counter()
         try:
             logits = self._prefill(ids, timing)
+            before = _expert_reads(rt.experts.counters)
             stream = tok.stream()
             sampler = Sampler(params)
             t1 = time.perf_counter()
@@ -216,6 +218,8 @@ class ServeLoop:
                 self._emit(stream.push(token), pieces, on_text)
             self._emit(stream.flush(), pieces, on_text)
             timing.decode_s = time.perf_counter() - t1
+            after = _expert_reads(rt.experts.counters)
+            timing.decode_hits, timing.decode_misses = (a - b for a, b in zip(after, before))
             if self._cancel.is_set():
                 raise Cancelled("cancelled")
         except BaseException as exc:
@@ -279,3 +283,8 @@ class ServeLoop:
             timing.drafts_offered, timing.drafts_accepted, timing.bytes_streamed,
             cancelled=cancelled, line=line,
         ))
+
+
+def _expert_reads(c: StreamCounters) -> tuple[int, int]:
+    """(hits, misses) so far of the engine's expert provider counters."""
+    return c.hits, c.streamed + c.host_reads

@@ -38,6 +38,8 @@ class Timing:
     drafts_accepted: int = 0
     bytes_streamed: int = 0
     accepted_hist: dict[int, int] = field(default_factory=dict)
+    decode_hits: int = 0  # routed experts the decode steps found in the expert cache
+    decode_misses: int = 0  # ... and read from host memory (streamed, or decoded on the CPU)
 
     @property
     def pp_tok_s(self) -> float:

@@ -28,6 +28,21 @@ def test_markdown_adds_columns_only_when_there_is_data() -> None:
     table = markdown([rich], "t")
     assert "| Prefill / lower bound |" in table and "| 4.5x (4.0x-5.0x) |" in table
     assert "| 305 (300-310) | 0 (0-0) |" in table
+    assert "Decode cache hits" not in table
+    hits = Row("on", [Sample("512 / 8", 200.0, 10.0, 0.5, 5.0, True, decode_hits=30, decode_misses=10)])
+    assert "| Decode cache hits (%) |" in markdown([hits], "t") and "| 75 |" in markdown([hits], "t")
+
+
+def test_a_reply_counts_the_experts_its_decode_steps_read(tiny_nomtp_path: Path) -> None:
+    """Every decode step routes each layer's row to k experts: each is a cache hit or a miss."""
+    from engine.serve import ServeLoop
+
+    opts = EngineOptions(model=str(tiny_nomtp_path), ctx=1024, prefill=128, expert_cache=6)
+    loop = ServeLoop.create(opts)
+    hp = loop.rt.model.hp
+    t = loop.complete(loop.rt.model.tokenizer.encode("the river runs " * 20), max_new=6).timing
+    assert t.decode_hits + t.decode_misses == (t.generated - 1) * hp.n_layer * hp.n_expert_used
+    assert t.decode_hits > 0 and t.decode_misses > 0  # 6 of the cache's experts, not all
 
 
 def test_a_run_reports_its_ratio_to_the_bound(tiny_path: Path) -> None:
