@@ -89,7 +89,7 @@ class DraftHead:
         self.nbytes = int(self.ids.size * self.n_embd * 4)
         self._host_rows: np.ndarray | None = None
         host = self._host_rows = self._read()
-        self._crc = zlib.crc32(host.tobytes())
+        self._crc = zlib.crc32(np.ascontiguousarray(host))  # no copy of a contiguous array
         self.rows: Any = to_device(host)  # [N, d]
         self.nbytes = int(self.rows.nbytes)  # the device dtype's bytes (fp16 on CUDA)
 
@@ -158,7 +158,7 @@ class DraftHead:
                 f"{(self.n_rows, self.n_embd)} ({self.nbytes} bytes)"
             )
         if deep:
-            crc = zlib.crc32(_host(self.xp)(self.rows).tobytes())
+            crc = zlib.crc32(np.ascontiguousarray(_host(self.xp)(self.rows)))
             if crc != self._crc:
                 raise AssertionError(f"draft head checksum {crc:08x} != file rows {self._crc:08x}")
 

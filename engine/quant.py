@@ -1,10 +1,16 @@
 """Dequantization on the CPU through `gguf.quants`; block sizes from `gguf.GGML_QUANT_SIZES`.
 
 Our own decoders exist only where the library cannot serve (the CUDA kernels), and are tested
-against these.
+against these. Large tensors (the output head, a model's dense weights) are decoded in row
+chunks on a thread pool: numpy releases the GIL, and the chunks also fit the caches better
+(the 151,936 x 2,048 Q8_0 head: 4.9 s in one call, 1.9 s in chunks on 2 cores).
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -29,8 +35,25 @@ def dequantize_bytes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[
     if qtype == GGMLQuantizationType.F16:
         return np.ascontiguousarray(raw).view(np.float16).reshape(shape).astype(np.float32)
     flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, row_bytes(qtype, shape[-1]))
-    out = gq.dequantize(flat, qtype)  # [rows, n_cols]
-    return out.reshape(shape).astype(np.float32, copy=False)
+    step = max(1, CHUNK_BYTES // flat.shape[1])  # rows per chunk
+    if flat.shape[0] <= step:
+        return gq.dequantize(flat, qtype).reshape(shape).astype(np.float32, copy=False)
+    out = np.empty((flat.shape[0], shape[-1]), dtype=np.float32)  # [rows, n_cols]
+
+    def chunk(i: int) -> None:
+        out[i : i + step] = gq.dequantize(flat[i : i + step], qtype)
+
+    chunk(0)  # first on this thread: the library builds its lookup tables once
+    list(_pool().map(chunk, range(step, flat.shape[0], step)))
+    return out.reshape(shape)
+
+
+CHUNK_BYTES = 4 << 20  # raw bytes per chunk of rows
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="dequant")
 
 
 def dequantize(t: TensorView) -> np.ndarray:

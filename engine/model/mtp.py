@@ -77,7 +77,7 @@ class MTPExperts:
         self.host, self.xp, self._to_device = host, xp, to_device
         self.nbytes = host.n_expert * host.blob_bytes
         blobs = self._read()
-        self._crc = zlib.crc32(blobs.tobytes())
+        self._crc = zlib.crc32(np.ascontiguousarray(blobs))
         self.blobs: Any = to_device(blobs)  # uint8 [E, blob_bytes]
         # decoded float32 copies: what the CPU keeps in place of a GPU's dequantizing GEMV
         self._decoded = DecodedLRU()
@@ -123,7 +123,7 @@ class MTPExperts:
                 f"expected {want} ({self.nbytes} bytes)"
             )
         if deep:
-            crc = zlib.crc32(_host(self.xp)(self.blobs).tobytes())
+            crc = zlib.crc32(np.ascontiguousarray(_host(self.xp)(self.blobs)))
             if crc != self._crc:
                 raise AssertionError(f"MTP experts checksum {crc:08x} != file {self._crc:08x}")
 
