@@ -94,6 +94,14 @@ def attach_token_graph(rt: Runtime) -> None:
     tr.token_graph = TokenGraph(tr, rt.session.kv, rt.experts, rt.cache, rt.backend)
 
 
+def detach_token_graph(rt: Runtime) -> None:
+    """Drop the captured decode steps; steps run eagerly until `attach_token_graph`."""
+    tr = rt.model.transformer
+    if tr.token_graph is not None:
+        tr.token_graph.release()
+        tr.token_graph = None
+
+
 def _warn(rt: Runtime, line: str) -> None:
     rt.warnings.append(line)
     rt.emit_trace(line, always=True)

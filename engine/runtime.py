@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.backend import make_backend
 from engine.backend.base import Backend
-from engine.cache_setup import attach_token_graph, make_cache, pin_model_file
+from engine.cache_setup import attach_token_graph, detach_token_graph, make_cache, pin_model_file
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import model_costs
 from engine.devices import (
@@ -203,6 +203,7 @@ class Runtime:
             f"{self.model.path.name}: {hp.n_layer} layers x {hp.n_expert} experts (top-{hp.n_expert_used}), "
             f"{self.backend.name} {format_mib(self.ledger.capacity_bytes)} MiB, "
             f"cache {n_slots}/{hp.n_layer * hp.n_expert} experts, prompt plan {self.plan.prompt.label}"
+            + (", token graph" if self.model.transformer.token_graph is not None else "")
         )
 
     RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profile",
@@ -254,7 +255,11 @@ class Runtime:
             self.retained_geometry = None
         if self.spec is not None:
             self.spec.n_window = max(options.spec, 1)
+        graph_changed = options.no_token_graph != self.options.no_token_graph
         self.options, self.flags = options, flags
+        if graph_changed:  # --no-token-graph toggled: decode steps eager / captured from now on
+            detach_token_graph(self)
+            attach_token_graph(self)
 
     def rollback(self, cp: Checkpoint) -> None:
         self.session.truncate(min(cp.n_tokens, len(self.session.tokens)))

@@ -106,3 +106,20 @@ def test_speculative_decoding_and_a_loan_replay_graphs(mid_path: Path) -> None:
         if tg is not None:
             assert tg.n_captures >= 2 and tg.n_replays > 0
     assert texts[0] == texts[1]
+
+
+def test_no_token_graph_toggles_at_runtime(mid_path: Path) -> None:
+    """--no-token-graph from the app's flag panel takes effect from the next request."""
+    opts = EngineOptions(model=str(mid_path), device="cuda", ctx=2048, vram_limit="4GiB",
+                         vram_segment_mib=64, kv="q4_0")
+    loop = ServeLoop.create(opts)
+    tr = loop.rt.model.transformer
+    assert tr.token_graph is not None and loop.rt.summary().endswith(", token graph")
+    ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 10)
+    a = loop.complete(list(ids), max_new=6).text
+    assert loop.set_flags(loop.rt.flags, replace(opts, no_token_graph=True)) == []
+    b = loop.complete(list(ids), max_new=6).text
+    assert tr.token_graph is None and a == b
+    assert loop.set_flags(loop.rt.flags, opts) == []
+    c = loop.complete(list(ids), max_new=6).text
+    assert tr.token_graph is not None and tr.token_graph.n_replays > 0 and c == a
