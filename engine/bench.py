@@ -100,7 +100,7 @@ def prompt_tokens(loop: ServeLoop, n: int, salt: int = 0) -> list[int]:
     return ids[:n]
 
 
-PROMPT_LINES = ("prefill phases", "prompt temporaries")  # trace lines a bench run passes on
+PROMPT_LINES = ("prefill phases", "prompt temporaries", "token graph")  # trace lines passed on
 
 
 def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = None,

@@ -415,3 +415,14 @@ class Runtime:
                                         timing, cancel)
             return
         yield from self.session.decode(logits, sampler, max_new, stop_ids, timing, cancel)
+
+    def trace_decode(self, timing: Timing) -> None:
+        """With STRATA_TRACE=1, after a request: the token graph's GPU time per step and the
+        decode steps' expert-cache hits, as one trace line."""
+        graph = self.model.transformer.token_graph
+        line = graph.stats_line() if graph is not None else None
+        if not self.trace or line is None:
+            return
+        n = timing.decode_hits + timing.decode_misses
+        hits = f", expert cache hits {100 * timing.decode_hits / n:.0f}%" if n else ""
+        self._trace(f"{line}; decode {timing.decode_s:.2f} s wall{hits}")

@@ -220,6 +220,7 @@ class ServeLoop:
             timing.decode_s = time.perf_counter() - t1
             after = _expert_reads(rt.experts.counters)
             timing.decode_hits, timing.decode_misses = (a - b for a, b in zip(after, before))
+            rt.trace_decode(timing)
             if self._cancel.is_set():
                 raise Cancelled("cancelled")
         except BaseException as exc:

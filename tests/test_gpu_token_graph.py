@@ -79,6 +79,9 @@ def test_graph_steps_match_eager_steps_with_misses(mid_path: Path) -> None:
     assert ta == tb
     assert float(np.abs(la - lb).max() / np.abs(lb).max()) < 1e-3
     assert tg.n_captures == 1 and tg.n_replays == 12
+    line = tg.stats_line()
+    assert line is not None and line.startswith("token graph: 1 row 12 x ") and line.endswith(" ms GPU")
+    assert tg.stats_line() is None  # counted since the last line
     c = graph.rt.experts.counters
     k = graph.rt.model.hp.n_expert_used
     assert c.hits > 0 and c.streamed > 0  # both paths of the job table ran
