@@ -7,6 +7,8 @@
 #   b8        A/B + automatic planner, 8 layers, 8,192 tokens -> $OUT/b8.md
 #   tg        decode speed: 48 layers, 8 GiB, 2,048-token prompt, 128 new tokens, with and
 #             without MTP speculation (token graph on)                -> $OUT/tg.md
+#   dtrace    decode trace on the 8-layer model: 2,048 / 31,258 random prompt tokens, 96 new,
+#             with and without MTP speculation: the token graph's GPU ms per step -> stdout
 #   prof      cProfile of `strata run` on the 48-layer model     -> $OUT/prof.txt
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
@@ -46,6 +48,16 @@ for stage in "$@"; do
           STRATA_TRACE=1 strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB \
             $spec --scenario auto --runs "$RUNS" --prompt-tokens 2048 --max-new 128 --kv q4_0 \
             --ctx 4096 2>&1 | tee -a "$OUT/tg.md"
+        done ;;
+    dtrace) for n in 2048 31258; do
+          python3 -c "import random,sys; r=random.Random(int(sys.argv[1])); \
+print(' '.join(str(r.randrange(1000, 150000)) for _ in range(int(sys.argv[1]))))" $n > /tmp/p$n.txt
+          for spec in "--mtp --spec 2" ""; do
+            echo "-- $n tokens ${spec:-no speculation}"
+            STRATA_TRACE=1 strata run --model models/q8.gguf --device cuda --vram-limit 8GiB $spec \
+              --kv q4_0 --ctx 33000 --tokens-file /tmp/p$n.txt --max-new 96 2>&1 \
+              | grep -E "token graph|strata serve: prompt [0-9]" | cut -c1-400
+          done
         done ;;
     prof) python3 -m cProfile -o "$OUT/prof.out" -m engine.cli run --model models/q48.gguf \
             --device cuda --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --ctx 4096 \
