@@ -38,3 +38,15 @@ def test_changes_that_need_a_restart_are_refused(demo_path: Path) -> None:
     assert refused and loop.options.spec == 2
     v = loop.set_flags(loop.flags, loop.options.with_changes(prefill=8192))
     assert v and "--prefill 8192" in v[0]
+
+
+def test_no_token_graph_is_a_runtime_flag(demo_path: Path) -> None:
+    """Accepted between requests (on CUDA it drops or captures the decode graphs; the
+    simulated device decodes eagerly either way and keeps answering the same)."""
+    loop = ServeLoop.create(EngineOptions(model=str(demo_path), ctx=1024))
+    ids = loop.rt.model.tokenizer.encode("the river runs through the old city")
+    a = loop.complete(list(ids), max_new=4).text
+    assert loop.set_flags(loop.flags, loop.options.with_changes(no_token_graph=True)) == []
+    assert loop.complete(list(ids), max_new=4).text == a
+    assert loop.rt.options.no_token_graph and loop.rt.model.transformer.token_graph is None
+    assert "token graph" not in loop.rt.summary()
