@@ -83,15 +83,14 @@ def attach_token_graph(rt: Runtime) -> None:
     eagerly."""
     if not token_graph(rt):
         return
-    from engine.token_graph import TokenGraph
+    from engine.token_graph import TokenGraph, TokenGraphError
 
     tr = rt.model.transformer
     tr.on_warning = lambda line: _warn(rt, line)
-    why = TokenGraph.unavailable(rt.session.kv, rt.experts, rt.backend)
-    if why is not None:
-        _warn(rt, f"strata: warning: no token graph: {why}; decode steps run eagerly")
-        return
-    tr.token_graph = TokenGraph(tr, rt.session.kv, rt.experts, rt.cache, rt.backend)
+    try:
+        tr.token_graph = TokenGraph(tr, rt.session.kv, rt.experts, rt.cache, rt.backend)
+    except TokenGraphError as e:
+        _warn(rt, f"strata: warning: {e}; decode steps run eagerly")
 
 
 def detach_token_graph(rt: Runtime) -> None:

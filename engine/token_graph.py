@@ -64,12 +64,19 @@ class _Graph:
 
 
 class TokenGraph:
-    """Captured decode steps of one transformer over one KV cache and expert cache."""
+    """Captured decode steps of one transformer over one KV cache and expert cache.
+
+    Construction raises `TokenGraphError` (one line) where the step cannot be captured here:
+    a KV kind without a device-position kernel, a model file that is not page-locked, expert
+    bytes the GEMV decoders cannot address."""
 
     def __init__(self, transformer: Transformer, kv: KVCache, experts: CachedExperts,
                  cache: ExpertCache | None, backend: Any):
         import cupy
 
+        if kv.kind not in GRAPH_KV_KINDS:
+            raise TokenGraphError(f"token graph: --kv {kv.kind} is not one of its KV kinds "
+                                  f"{GRAPH_KV_KINDS}")
         self.tr, self.kv, self.experts, self.cache, self.backend = transformer, kv, experts, cache, backend
         self._cp = cupy
         self._pool = cupy.cuda.MemoryPool(allocator=cupy.get_default_memory_pool().malloc)
@@ -85,16 +92,6 @@ class TokenGraph:
             self.counts = cupy.zeros(2, dtype=cupy.uint64)  # expert hits, misses (cumulative)
             self._sources = self._expert_sources()
         self._counted = np.zeros(2, dtype=np.uint64)
-
-    @staticmethod
-    def unavailable(kv: KVCache, experts: CachedExperts, backend: Any) -> str | None:
-        """Why the step cannot be captured here (a line), or None when it can."""
-        if kv.kind not in GRAPH_KV_KINDS:
-            return f"--kv {kv.kind} is not in the token graph's KV kinds {GRAPH_KV_KINDS}"
-        host = experts.host
-        if any(backend.mapped_address(p) is None for p in host.parts(0)):
-            return "the model file is not page-locked (the graph reads missed experts from it)"
-        return None
 
     @property
     def nbytes(self) -> int:
@@ -258,7 +255,8 @@ class TokenGraph:
             parts = host.parts(layer)
             addrs = [self.backend.mapped_address(p) for p in parts]
             if any(a is None for a in addrs):
-                raise TokenGraphError("token graph: the model file is not page-locked")
+                raise TokenGraphError("token graph: the model file is not page-locked (missed "
+                                      "experts are read from it)")
             strides = [p.strides[0] for p in parts]
             offsets = (0, n_gate, n_gate + n_up)
             for q, addr, stride, off in zip(layout.qtypes, addrs, strides, offsets):
