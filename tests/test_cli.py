@@ -92,3 +92,23 @@ def test_tokens_file_errors(tiny_path: Path, tmp_path: Path, capsys: pytest.Capt
     rc, _, err = run(capsys, "run", "--model", str(tiny_path), "--tokens-file", str(f),
                        "--max-new", "1", "--prefill", "auto", "--no-token-graph")
     assert rc == 0 and "prompt 300 tokens" in err and "1 generated" in err
+
+
+def test_trace_line_never_shares_the_text_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`strata run` ends the open text line before a stderr line (one terminal shows both)."""
+    import io
+
+    from engine.cli.run import _Streams
+
+    screen = io.StringIO()
+    monkeypatch.setattr("sys.stdout", screen)
+    monkeypatch.setattr("sys.stderr", screen)
+    out = _Streams()
+    out.text("once upon")
+    out.text(" a time")
+    out.line("token graph: 1 row 5 x 2.00 ms GPU")
+    out.end_text()  # the text's line is already ended: no blank line
+    out.text("next\n")
+    out.line("strata serve: done")
+    assert screen.getvalue() == ("once upon a time\ntoken graph: 1 row 5 x 2.00 ms GPU\n"
+                                 "next\nstrata serve: done\n")

@@ -52,6 +52,28 @@ def stderr_line(line: str) -> None:
     sys.stderr.flush()
 
 
+class _Streams:
+    """Generated text on stdout, lines on stderr: a line that comes while the text's line is
+    open (the trace after decode) first ends that line, so the two never share one."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def text(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.open = not text.endswith("\n")
+
+    def line(self, line: str) -> None:
+        self.end_text()
+        stderr_line(line)
+
+    def end_text(self) -> None:
+        if self.open:
+            self.text("\n")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_new < 1:
         raise StrataError(f"--max-new {args.max_new} must be at least 1")
@@ -60,9 +82,10 @@ def run(args: argparse.Namespace) -> int:
     flags = loan_flags()
     for w in flags.warnings:
         stderr_line(f"strata: warning: {w}")
-    loop = ServeLoop.create(options, flags, on_trace=stderr_line)
+    out = _Streams()
+    loop = ServeLoop.create(options, flags, on_trace=out.line)
     n_vocab = loop.rt.model.hp.n_vocab
-    write = lambda text: (sys.stdout.write(text), sys.stdout.flush())
+    write = out.text
     if args.tokens_file:
         ids = read_tokens_file(args.tokens_file, n_vocab)
         if len(ids) + args.max_new > options.ctx:
@@ -73,6 +96,6 @@ def run(args: argparse.Namespace) -> int:
         reply = loop.complete(ids, params, args.max_new, on_text=write)
     else:
         reply = loop.chat(Conversation(), args.prompt, params, args.max_new, on_text=write)
-    sys.stdout.write("\n")
+    out.end_text()
     stderr_line(reply.timing.line())
     return 0

@@ -176,7 +176,7 @@ def moe_prefill(
     n_tok, k = ids.shape
     assert h.shape == (n_tok, d), f"h {h.shape} for {n_tok} tokens of width {d}"
     n_rows = n_tok * k
-    flat = cp.ascontiguousarray(ids, dtype=cp.int32).reshape(-1)  # [T*k]
+    flat = cp.asarray(ids, dtype=cp.int32).reshape(-1)  # [T*k]; host ids when a prompt has <= 8 fresh tokens
     order = cp.argsort(flat).astype(cp.int32)  # [T*k] rows sorted by expert
     experts, counts = cp.unique(flat, return_counts=True)
     used, n_per = (a.tolist() for a in cp.stack([experts, counts.astype(cp.int32)]).get())
