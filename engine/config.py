@@ -116,6 +116,7 @@ class EngineOptions:
     serve: bool = False
     mtp: bool = False
     spec: int = 0
+    spec_always: bool = False  # draft every step (else only while drafting is measured faster)
     draft_vocab: int = 0  # 0: every row of the head
     no_token_graph: bool = False
     no_borrow: bool = False

@@ -255,6 +255,7 @@ class Runtime:
             self.retained_geometry = None
         if self.spec is not None:
             self.spec.n_window = max(options.spec, 1)
+            self.spec.always = options.spec_always
         graph_changed = options.no_token_graph != self.options.no_token_graph
         self.options, self.flags = options, flags
         if graph_changed:  # --no-token-graph toggled: decode steps eager / captured from now on
@@ -421,6 +422,8 @@ class Runtime:
         decode steps' expert-cache hits, as one trace line."""
         graph = self.model.transformer.token_graph
         line = graph.stats_line() if graph is not None else None
+        if self.trace and self.spec is not None and self.options.spec >= 2:
+            self._trace(f"speculation: {self.spec.policy.summary()}")
         if not self.trace or line is None:
             return
         n = timing.decode_hits + timing.decode_misses

@@ -37,6 +37,7 @@ from engine.model.loader import Model
 from engine.model.mtp import Draft, MTPBlock, MTPDraft, draft_token
 from engine.sampler import Sampler, SamplingParams, distribution
 from engine.session import Session, Timing
+from engine.spec_policy import DraftPolicy
 from engine.verifier import Verifier
 
 MIN_WINDOW, MAX_WINDOW = 2, 8
@@ -183,6 +184,10 @@ class SpecDecoder:
         check_spec(n_window)
         assert verifier.n_window >= n_window, (verifier.n_window, n_window)
         self.n_window, self.draft, self.verifier = n_window, draft, verifier
+        self.always = False  # --spec-always: draft every step (else `DraftPolicy` decides)
+        self.policy = DraftPolicy()  # the last request's (its mode switches, for traces)
+        # rows of plain steps the draft has not seen: (first position, hidden [1, d]s, ids)
+        self._unseen: tuple[int, list[Any], list[int]] | None = None
         self._pos0: int | None = None  # first prompt position whose hidden `collect` expects
         self._hidden: list[Any] = []  # [T, d] per prefill chunk since `begin`
 
@@ -247,6 +252,8 @@ class SpecDecoder:
         n_start = len(session.tokens)
         pos0, hidden = self._take_hidden(session, n_start)
         emitted: list[int] = []
+        self.policy = policy = self.new_policy(sampler.params.greedy)
+        self._unseen = None
         try:
             out = [sampler.sample(_host(session.xp)(logits[-1]))]
             while True:
@@ -269,13 +276,16 @@ class SpecDecoder:
                     self.n_window - 1,
                     max_new - len(emitted) - 1,
                     session.n_ctx - len(session.tokens) - 1,
-                )
+                ) if policy.drafting() else 0
+                t0 = time.perf_counter()
                 out = self._step(session, out[-1], n_draft, sampler, timing)
+                policy.measured(time.perf_counter() - t0, len(out))
         finally:
             n_keep = n_start + max(len(emitted) - 1, 0)
             if len(session.tokens) > n_keep:
                 session.truncate(n_keep)
                 self.draft.truncate(n_keep)
+            self._catch_up(session)  # the next request continues from every kept position
 
     # -- the plain-session entry point -----------------------------------------------------
     def generate(
@@ -316,6 +326,23 @@ class SpecDecoder:
             tokens.close()  # settles the KV now, not when the generator is collected
             timing.decode_s = time.perf_counter() - t1
 
+    def new_policy(self, greedy: bool) -> DraftPolicy:
+        """A request's drafting policy: measured for greedy decoding; a sampled request
+        drafts every step, so a seed gives the same text every time."""
+        return DraftPolicy(always=self.always or not greedy)
+
+    def _catch_up(self, session: Session) -> None:
+        """Feed the draft the hidden rows of the plain steps since it last observed (those
+        still in the session), in one pass."""
+        if self._unseen is None:
+            return
+        first, rows, ids = self._unseen
+        self._unseen = None
+        n = min(len(rows), len(session.tokens) - first)
+        if n > 0:
+            hidden = session.xp.concatenate(rows[:n])  # [n, d]
+            self.draft.observe(session, first, hidden, ids[:n])
+
     def _prefill(self, session: Session, ids: list[int], chunk_tokens: int) -> Any:
         """`Session.prefill`, handing every chunk's hidden to `collect`."""
         prev, session.on_hidden = session.on_hidden, self.collect
@@ -339,8 +366,11 @@ class SpecDecoder:
     def _step(
         self, session: Session, x: int, n_draft: int, sampler: Sampler, timing: Timing
     ) -> list[int]:
-        """One window [x, d1..d_n]: returns the accepted drafts plus the bonus token."""
+        """One window [x, d1..d_n]: returns the accepted drafts plus the bonus token. A step
+        without drafts leaves its hidden row for the draft to see before it next proposes."""
         n0 = len(session.tokens)
+        if n_draft:
+            self._catch_up(session)
         draft = self.draft.propose(session, x, n_draft, sampler) if n_draft else Draft([], [])
         assert len(session.tokens) == n0 and len(draft.tokens) == n_draft
         logits = self.verifier.verify(session, [x, *draft.tokens])  # [w, V]
@@ -350,7 +380,11 @@ class SpecDecoder:
         else:
             k, bonus = speculative_accept(draft.tokens, draft.q or [], _host(xp)(logits), sampler)
         session.truncate(n0 + 1 + k)
-        self.draft.observe(session, n0, self.verifier.hidden[: k + 1], [*draft.tokens[:k], bonus])
+        if n_draft:
+            self.draft.observe(session, n0, self.verifier.hidden[: k + 1], [*draft.tokens[:k], bonus])
+        else:  # a plain step: the draft model runs once drafting resumes, over every such row
+            first, rows, ids = self._unseen or (n0, [], [])
+            self._unseen = first, [*rows, self.verifier.hidden[:1].copy()], [*ids, bonus]
         if n_draft:
             timing.drafts_offered += n_draft
             timing.drafts_accepted += k

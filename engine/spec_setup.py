@@ -38,5 +38,6 @@ def build_spec(rt: Runtime, dense: Arena, kv: Arena) -> tuple[SpecDecoder | None
     ver = Arena(rt.ledger, "verifier", rt.costs.verifier_bytes)
     verifier = Verifier.for_model(m, o.spec, rt.xp, ver.alloc)
     spec = SpecDecoder(o.spec, MTPDraft(block, kv_alloc=kv.alloc), verifier)
+    spec.always = o.spec_always
     rt.session.on_hidden = spec.collect
     return spec, [DecodeResource("verifier", ver, verifier), *items]

@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding and serving")
     s.add_argument("--mtp", action="store_true", help="use the model's MTP (nextn) layer")
     s.add_argument("--spec", type=int, default=0, help="speculative window T (2..8; 0 off)")
+    s.add_argument("--spec-always", action="store_true",
+                   help="draft on every step (default: only while drafted steps are measured "
+                        "faster per token than plain ones; sampled requests always draft)")
     s.add_argument("--draft-vocab", type=int, default=0, help="draft head rows (0: all)")
     s.add_argument("--serve", action="store_true", help="the serialized serve loop (loans)")
     s.add_argument("--batch-slots", type=int, default=1, help="concurrent requests (1)")
@@ -51,6 +54,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         expert_profile=args.expert_profile, vram_segment_mib=args.vram_segment_mib,
         vram_reserve_mib=args.vram_reserve_mib, vram_elastic=args.vram_elastic,
         vram_limit=args.vram_limit, serve=args.serve, mtp=args.mtp, spec=args.spec,
+        spec_always=args.spec_always,
         draft_vocab=args.draft_vocab, no_token_graph=args.no_token_graph,
         no_borrow=args.no_borrow, batch_slots=args.batch_slots,
         prefill_head_alias=args.prefill_head_alias,

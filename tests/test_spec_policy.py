@@ -1,0 +1,122 @@
+"""The drafting policy: measured seconds per token decide between drafted and plain steps,
+and a plain step's hidden row reaches the MTP draft before it next proposes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.model.loader import Model, load_model
+from engine.sampler import SamplingParams
+from engine.session import Session, Timing
+from engine.spec import AdversarialDraft, SpecDecoder
+from engine.spec_policy import DRAFT, PLAIN, DraftPolicy
+from engine.verifier import Verifier
+
+GREEDY = SamplingParams()
+
+
+def run_policy(policy: DraftPolicy, cost: dict[str, tuple[float, int]], steps: int) -> list[str]:
+    """Drive `policy` with fixed (seconds, tokens) per step of each mode; the modes it chose."""
+    modes = []
+    for _ in range(steps):
+        mode = DRAFT if policy.drafting() else PLAIN
+        modes.append(mode)
+        policy.measured(*cost[mode])
+    return modes
+
+
+def test_slow_drafts_give_way_to_plain_steps() -> None:
+    # a drafted step: 30 ms for 1.2 tokens (25 ms/token); plain: 14 ms for 1 token
+    modes = run_policy(DraftPolicy(), {DRAFT: (0.030, 1), PLAIN: (0.014, 1)}, 200)
+    assert modes[:8] == [DRAFT] * 8 and modes[8:12] == [PLAIN] * 4  # first span, then a probe
+    assert modes[12:20] == [PLAIN] * 8  # plain is faster: home, span back to 8
+    assert modes.count(DRAFT) < 30  # drafts are probed less and less often (span doubles)
+    assert modes[-40:].count(DRAFT) <= 4
+
+
+def test_good_drafts_keep_drafting() -> None:
+    # 30 ms for 3 tokens (10 ms/token) beats 14 ms/token
+    modes = run_policy(DraftPolicy(), {DRAFT: (0.030, 3), PLAIN: (0.014, 1)}, 200)
+    assert modes.count(PLAIN) <= 4 * 6 and modes[-30:].count(DRAFT) >= 26
+
+
+def test_a_modes_first_step_is_not_measured() -> None:
+    p = DraftPolicy(first_span=2, probe=2)
+    p.measured(5.0, 1)  # the first drafted step (a graph capture, say): not counted
+    p.measured(0.010, 2)
+    assert p.seconds_per_token(DRAFT) == pytest.approx(0.005)
+    assert not p.drafting()  # probing plain now
+    p.measured(9.0, 1)
+    p.measured(0.020, 1)
+    assert p.seconds_per_token(PLAIN) == pytest.approx(0.020) and p.drafting()
+
+
+def test_always_drafts() -> None:
+    modes = run_policy(DraftPolicy(always=True), {DRAFT: (1.0, 1), PLAIN: (0.001, 1)}, 50)
+    assert modes == [DRAFT] * 50
+
+
+# -- in the decoder ------------------------------------------------------------------------
+
+
+class Scripted(DraftPolicy):
+    """Drafts on the steps whose index is in `pattern` (cyclic): a fixed schedule."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern, self.i = pattern, 0
+
+    def drafting(self) -> bool:
+        return self.pattern[self.i % len(self.pattern)] == "d"
+
+    def measured(self, seconds: float, tokens: int) -> None:
+        self.i += 1
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path: Path) -> Model:
+    return load_model(tiny_path)
+
+
+def generate(dec: SpecDecoder, model: Model, ids: list[int], max_new: int) -> tuple[list[int], Session, Timing]:
+    s, timing = Session(model, n_ctx=512), Timing()
+    return list(dec.generate(s, ids, max_new, GREEDY, 8, timing=timing)), s, timing
+
+
+def test_plain_steps_reach_the_mtp_draft_in_one_pass(model: Model) -> None:
+    """Drafted and plain steps mixed: the text is plain decoding's, and after the request the
+    MTP block has a cell for every kept position, equal to those of an always-drafting run."""
+    ids = np.random.default_rng(7).integers(0, 1000, 19).tolist()
+    ref = SpecDecoder.with_mtp(model, 3)
+    ref.always = True
+    want, s_ref, _ = generate(ref, model, ids, 30)
+    dec = SpecDecoder.with_mtp(model, 3)
+    dec.new_policy = lambda greedy: Scripted("dppdpppd")  # type: ignore[method-assign]
+    got, s, timing = generate(dec, model, ids, 30)
+    plain_ids = list(Session(model, n_ctx=512).generate(ids, 30, GREEDY, 8))
+    assert got == want == plain_ids
+    assert 0 < timing.drafts_offered < 2 * 30
+    n = len(s.tokens)
+    assert n == len(s_ref.tokens) and dec.draft.n_cells == ref.draft.n_cells == n
+    a, b = dec.draft.kv.read(0, n), ref.draft.kv.read(0, n)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-3, rtol=0)
+    dec.check_integrity()
+    # the next turn reuses the whole conversation, as after an always-drafting request
+    t2 = Timing()
+    more = ids + got + [5, 6, 7]
+    list(dec.generate(s, more, 5, GREEDY, 8, timing=t2))
+    assert t2.reused_tokens == n
+
+
+def test_useless_drafts_are_mostly_skipped(model: Model) -> None:
+    """Drafts that are never accepted cost more than they give: most steps run plain."""
+    ids = np.random.default_rng(8).integers(0, 1000, 12).tolist()
+    dec = SpecDecoder(4, AdversarialDraft(), Verifier.for_model(model, 4))
+    got, _, timing = generate(dec, model, ids, 80)
+    assert got == list(Session(model, n_ctx=512).generate(ids, 80, GREEDY, 8))
+    drafted_steps = timing.drafts_offered // 3
+    assert drafted_steps < 40 and timing.drafts_accepted == 0
