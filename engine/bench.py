@@ -8,7 +8,8 @@ sweep of chunk sizes (prefill tok/s and bytes streamed against the chunk).
 
 Before the measured runs one short request warms what a process does once (kernel
 compilation, the calibration profile, the model file in the page cache), so the first row is
-not charged for it. Given the machine's host-to-device bandwidth and peak FLOP/s, each row
+not charged for it; it generates enough tokens for drafted and plain decode steps of every
+window size to compile their kernels (NVRTC, seconds each on a fresh machine). Given the machine's host-to-device bandwidth and peak FLOP/s, each row
 also shows its prefill time over the lower bound max(streamed bytes / H2D, FLOPs / peak).
 """
 
@@ -135,6 +136,9 @@ def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = Non
                   t.decode_hits, t.decode_misses)
 
 
+WARMUP_NEW = 24  # tokens the warm-up generates: drafted windows, then the policy's plain probe
+
+
 def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
               progress: Callable[[str], None] | None = None, warmup: bool = True,
               hw: Hardware | None = None) -> list[Row]:
@@ -143,7 +147,7 @@ def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
     rows = [Row(c.label) for c in configs]
     if warmup:
         t0 = time.perf_counter()
-        run_once(replace(configs[0], warmup_tokens=0), min(n_tokens, 256), 2)
+        run_once(replace(configs[0], warmup_tokens=0), min(n_tokens, 256), min(max_new, WARMUP_NEW))
         if progress:
             progress(f"warm-up: {time.perf_counter() - t0:.1f} s")
     for r in range(runs):
