@@ -222,6 +222,11 @@ class TokenGraph:
 
     def _attention(self, w: Any, x: Any, layer: int) -> Any:
         """`attention_block` with the position on the device: x [T, d] -> [T, d]."""
+        q = self._qkv(w, x, layer)
+        return _gemv(self._attend(q, layer).reshape(x.shape[0], self.tr.hp.q_dim), w.wo)
+
+    def _qkv(self, w: Any, x: Any, layer: int) -> Any:
+        """Norm, q/k/v projections, RoPE and the KV write of rows x [T, d] -> q [T, H, D]."""
         from engine.kernels.fused import rope_neox_
 
         cp, hp, t = self._cp, self.tr.hp, x.shape[0]
@@ -232,10 +237,14 @@ class TokenGraph:
         rope_neox_(q, 0, hp.rope_base, pos=self.pos)
         rope_neox_(k, 0, hp.rope_base, pos=self.pos)
         kv_write_at(self.kv, layer, k, cp.ascontiguousarray(v), self.pos)
+        return q
+
+    def _attend(self, q: Any, layer: int) -> Any:
+        """q [T, H, D] over the layer's KV cells 0..pos+t -> [T, H, D]."""
+        cp, hp, t = self._cp, self.tr.hp, q.shape[0]
         ml_shape, acc_shape = attention_workspace(t, hp.n_head, hp.head_dim, self.kv.n_ctx)
         ml, acc = cp.empty(ml_shape, dtype=cp.float32), cp.empty(acc_shape, dtype=cp.float32)
-        out = attention_at(q, self.kv, layer, self.pos, ml, acc)  # [T, H, D]
-        return _gemv(out.reshape(t, hp.q_dim), w.wo)
+        return attention_at(q, self.kv, layer, self.pos, ml, acc)  # [T, H, D]
 
     # -- addresses -------------------------------------------------------------------------------
     def _expert_sources(self) -> list[ExpertSource]:

@@ -9,6 +9,8 @@
 #             without MTP speculation (token graph on)                -> $OUT/tg.md
 #   dtrace    decode trace on the 8-layer model: 2,048 / 31,258 random prompt tokens, 96 new,
 #             with and without MTP speculation: the token graph's GPU ms per step -> stdout
+#   gprof     the token graph's step by part (48 layers, 1 row, positions 2,048 and 31,000)
+#             -> $OUT/gprof.md
 #   prof      cProfile of `strata run` on the 48-layer model     -> $OUT/prof.txt
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
@@ -59,6 +61,8 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(int(sys.argv[1]))))
               | grep -E "token graph|strata serve: prompt [0-9]" | cut -c1-400
           done
         done ;;
+    gprof) python3 -m engine.graph_profile --model models/q48.gguf --pos 2048,31000 \
+             2>&1 | tee "$OUT/gprof.md" ;;
     prof) python3 -m cProfile -o "$OUT/prof.out" -m engine.cli run --model models/q48.gguf \
             --device cuda --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --ctx 4096 \
             --prompt "Tell me about rivers." --max-new 48 > "$OUT/prof-run.txt" 2>&1 || true

@@ -126,3 +126,21 @@ def test_no_token_graph_toggles_at_runtime(mid_path: Path) -> None:
     assert loop.set_flags(loop.rt.flags, opts) == []
     c = loop.complete(list(ids), max_new=6).text
     assert tr.token_graph is not None and tr.token_graph.n_replays > 0 and c == a
+
+
+def test_step_profile_times_every_part_and_leaves_the_session_intact(mid_path: Path) -> None:
+    from engine.graph_profile import profile_step
+
+    opts = EngineOptions(model=str(mid_path), device="cuda", ctx=2048, vram_limit="4GiB",
+                         vram_segment_mib=64, kv="q4_0")
+    loop = ServeLoop.create(opts)
+    ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 10)
+    a = loop.complete(list(ids), max_new=6).text
+    tg = loop.rt.model.transformer.token_graph
+    n_tokens, counts = tg.kv.n_tokens, tg.counts.get()
+    rows = dict(profile_step(tg, list(ids[-1:]), pos=1500, repeat=3))
+    assert all(ms > 0 for ms in rows.values()) and "whole step (replay)" in rows
+    assert rows["sum of the parts"] == pytest.approx(sum(
+        ms for k, ms in rows.items() if k not in ("sum of the parts", "whole step (replay)")))
+    assert tg.kv.n_tokens == n_tokens and (tg.counts.get() == counts).all()
+    assert loop.complete(list(ids), max_new=6).text == a

@@ -1,0 +1,129 @@
+"""Where a decode step's GPU time goes: each part of the token graph's step captured alone.
+
+A CUDA graph cannot be timed node by node without a profiler, and running the step eagerly
+measures Python's launch rate instead of the kernels. So each part of layer 0's step (q/k/v,
+attention over the KV cells, the output projection, the router, the routed experts) and the
+output head is captured as its own small graph and replayed `repeat` times between two CUDA
+events; per-layer parts are then multiplied by the layer count. The sum beside the whole
+step's replay shows what the node-to-node gaps cost.
+
+The parts run at a position `pos` past the session's tokens (the KV writes land in free cells,
+which later steps overwrite), on the embeddings of real tokens, so layer 0 routes as in use;
+the expert hit/miss counters are put back afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engine.kernels.decode import moe_at
+from engine.model.ops import rms_norm
+from engine.token_graph import TokenGraph, _gemv
+
+
+def _time_graph(cp: Any, stream: Any, pool: Any, fn: Callable[[], Any], repeat: int) -> float:
+    """Mean GPU ms of `fn` captured once as a graph and replayed `repeat` times."""
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        fn()  # compile, size the pool
+        stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
+        fn()
+        graph = stream.end_capture()
+        graph.launch(stream=stream)  # one untimed replay
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(repeat):
+            graph.launch(stream=stream)
+        end.record(stream)
+        end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / repeat
+
+
+def profile_step(tg: TokenGraph, tokens: list[int], pos: int, repeat: int = 20) -> list[tuple[str, float]]:
+    """[(part, GPU ms per step)] for a step of rows `tokens` at position `pos` (>= the KV's
+    tokens): per-layer parts x n_layer, the head, their sum and the whole step's replay."""
+    cp, tr, hp = tg._cp, tg.tr, tg.tr.hp
+    t = len(tokens)
+    assert tg.kv.n_tokens <= pos and pos + t <= tg.kv.n_ctx, (tg.kv.n_tokens, pos, t)
+    blk, layer = tr.blocks[0], 0
+    saved = tg.counts.copy()
+    tg.pos.set(np.array([pos], dtype=np.int32))
+    x = cp.asarray(np.ascontiguousarray(tr.embd.rows(np.asarray(tokens, dtype=np.int64)), np.float32))
+    q = tg._qkv(blk.attn, x, layer)
+    o = tg._attend(q, layer)
+    h = rms_norm(cp, x, blk.ffn_norm, hp.rms_eps)
+    from engine.kernels.fused import route_topk
+
+    ids, w, _ = route_topk(_gemv(h, blk.router), hp.n_expert_used)
+    layout = tg.experts.host.layout
+    parts: list[tuple[str, Callable[[], Any], int]] = [
+        ("norm, q/k/v, rope, KV write", lambda: tg._qkv(blk.attn, x, layer), hp.n_layer),
+        (f"attention over {pos + t} cells", lambda: tg._attend(q, layer), hp.n_layer),
+        ("output projection", lambda: _gemv(o.reshape(t, hp.q_dim), blk.attn.wo), hp.n_layer),
+        ("norm, router, top-k", lambda: route_topk(_gemv(rms_norm(cp, x, blk.ffn_norm, hp.rms_eps),
+                                                         blk.router), hp.n_expert_used), hp.n_layer),
+        ("routed experts", lambda: moe_at(h, ids, w, tg._sources[layer], layout, tg.counts), hp.n_layer),
+        ("output head", lambda: _gemv(rms_norm(cp, x[-1:], tr.output_norm, hp.rms_eps), tr.head), 1),
+    ]
+    rows = [(name, n * _time_graph(cp, tg._stream, tg._pool, fn, repeat)) for name, fn, n in parts]
+    rows.append(("sum of the parts", sum(ms for _, ms in rows)))
+    graph = tg._graphs.get((t, False))
+    if graph is not None:  # the captured step itself, replayed back to back
+        graph.x_in[...] = x
+        s = tg._stream
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        with s:
+            graph.graph.launch(stream=s)
+            start.record(s)
+            for _ in range(repeat):
+                graph.graph.launch(stream=s)
+            end.record(s)
+        end.synchronize()
+        rows.append(("whole step (replay)", cp.cuda.get_elapsed_time(start, end) / repeat))
+    tg.counts[...] = saved
+    return rows
+
+
+def format_profile(rows: list[tuple[str, float]], rows_per_step: int) -> str:
+    """A markdown table of `profile_step`'s result."""
+    lines = [f"| Decode step part ({rows_per_step} row{'s' if rows_per_step > 1 else ''}) | GPU ms |",
+             "|---|---:|"]
+    lines += [f"| {name} | {ms:.3f} |" for name, ms in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.graph_profile --model F [--pos 2048,31000]`: one short greedy request
+    (plain decoding, so the 1-row graph exists), then the step's parts at each position."""
+    import argparse
+
+    from engine.config import EngineOptions
+    from engine.serve import ServeLoop
+
+    p = argparse.ArgumentParser(prog="python -m engine.graph_profile", description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--vram-limit", default="8GiB")
+    p.add_argument("--kv", default="q4_0")
+    p.add_argument("--pos", default="2048,31000", help="step positions, comma-separated")
+    p.add_argument("--repeat", type=int, default=20)
+    args = p.parse_args(argv)
+    positions = [int(v) for v in args.pos.split(",")]
+    opts = EngineOptions(model=args.model, device="cuda", ctx=max(positions) + 64,
+                         vram_limit=args.vram_limit, kv=args.kv)
+    loop = ServeLoop.create(opts)
+    ids = loop.rt.model.tokenizer.encode("The river runs through the old city. " * 8)
+    loop.complete(list(ids), max_new=4)
+    tg = loop.rt.model.transformer.token_graph
+    if tg is None:
+        print("no token graph on this engine (see the startup warnings)")
+        return 1
+    for pos in positions:
+        print(format_profile(profile_step(tg, list(ids[-1:]), pos, args.repeat), 1)
+              .replace("| GPU ms |", f"| GPU ms at position {pos} |"), end="\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
