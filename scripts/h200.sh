@@ -3,6 +3,7 @@
 # repository root with the wheels in .whl (carried) and $OUT set. Stages:
 #   tests     the gpu-marked tests                          -> $OUT/gpu-tests.txt
 #   kbench    kernel microbenchmarks                        -> $OUT/bench.md
+#   katt      the prompt-attention rows alone (cuBLAS path and flash kernel) -> $OUT/katt.md
 #   m8 / m48  make the Qwen3-30B-A3B-shaped model (8 / 48 layers) in models/ (git-ignored)
 #   b8        A/B + automatic planner, 8 layers, 8,192 tokens -> $OUT/b8.md
 #   tg        decode speed: 48 layers, 8 GiB, 2,048-token prompt, 128 new tokens, with and
@@ -30,6 +31,7 @@ for stage in "$@"; do
     tests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_gpu_*.py \
              tests/test_telemetry.py 2>&1 | tail -80 | tee "$OUT/gpu-tests.txt" || true ;;
     kbench) python3 -m engine.kernels.bench --out "$OUT" ;;
+    katt) python3 -m engine.kernels.bench --only attention 2>&1 | tee "$OUT/katt.md" ;;
     m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;
     m48) [ -f models/q48.gguf ] || strata make-model models/q48.gguf --preset qwen3-30b-a3b ;;
     b8) strata bench --model models/q8.gguf --device cuda --vram-limit 5GiB --vram-segment-mib 64 \

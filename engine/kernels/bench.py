@@ -5,9 +5,10 @@
 Rows: device-to-device copy (the bandwidth ceiling, bytes read + written), host-to-device
 upload (pageable through the pinned staging buffer, and pinned directly), fused
 dequantize-GEMV per quant type (weight bytes / time, B = 1 and 8), dequantize to fp16, the
-grouped MoE prefill (GFLOP/s of its three GEMMs) and the prompt-path causal attention (TFLOP/s
-on visible keys). Times are medians of CUDA-event timings after warm-up; inputs are random
-valid blocks (`random_quant_bytes`), never zeros.
+grouped MoE prefill (GFLOP/s of its three GEMMs) and the prompt-path causal attention, cuBLAS
+and fused flash (TFLOP/s on visible keys). Times are medians of CUDA-event timings after
+warm-up; inputs are random valid blocks (`random_quant_bytes`), never zeros.
+`--only attention` runs the attention rows alone.
 """
 
 from __future__ import annotations
@@ -201,12 +202,14 @@ def bench_attention(
     n_kv: int = 4,
     d: int = 128,
 ) -> list[tuple[str, str, float, str]]:
-    """`causal_attention` for (T, pos0) prompt chunks with Qwen3-30B-A3B heads; TFLOP/s counts
-    only visible keys (`causal_flops`: 4 * H * D * sum of the keys each query sees). The
-    float32 `causal_gqa` on CuPy (the path it replaces) is timed beside it."""
+    """`causal_attention` and the fused `flash_attention` for (T, pos0) prompt chunks with
+    Qwen3-30B-A3B heads; TFLOP/s counts only visible keys (`causal_flops`: 4 * H * D * sum of
+    the keys each query sees). The float32 `causal_gqa` on CuPy (the path they replace) is timed
+    beside them."""
     import cupy as cp
 
     from engine.kernels.attention import causal_attention, causal_flops
+    from engine.kernels.flash import flash_attention
     from engine.model.attention import causal_gqa
 
     rng = np.random.default_rng(3)
@@ -221,8 +224,13 @@ def bench_attention(
         size = f"H={n_head} Hkv={n_kv} D={d}"
         rows.append((label, size, causal_flops(t, pos0, n_head, d) / ms / 1e9, "TFLOP/s"))
         rows.append((label, "time per layer", ms, "ms"))
-        ms = time_ms(functools.partial(causal_gqa, cp, q, k, v, pos0), warmup=1, repeat=3)
-        rows.append((label, "before: causal_gqa float32", ms, "ms"))
+        ms = time_ms(functools.partial(flash_attention, q, k, v, pos0), warmup=2, repeat=7)
+        flash_flops = causal_flops(t, pos0, n_head, d) / ms / 1e9
+        rows.append((f"flash {label}", size, flash_flops, "TFLOP/s"))
+        rows.append((f"flash {label}", "time per layer", ms, "ms"))
+        if t * (pos0 + t) <= 4096 * 31258:  # the float32 reference takes seconds past that
+            ms = time_ms(functools.partial(causal_gqa, cp, q, k, v, pos0), warmup=1, repeat=3)
+            rows.append((label, "before: causal_gqa float32", ms, "ms"))
     return rows
 
 
@@ -236,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write bench.md here")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer types")
+    parser.add_argument("--only", choices=["attention"], help="one group of rows")
     args = parser.parse_args(argv)
     import cupy as cp
 
@@ -244,13 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     backend = CudaBackend(0)
     props = cp.cuda.runtime.getDeviceProperties(0)
     device = f"{props['name'].decode()} (sm_{props['major']}{props['minor']}, {props['multiProcessorCount']} SMs)"
-    rows = bench_copies(backend, (256 if args.quick else 1024) << 20)
-    rows += bench_gemv((8192, 4096) if args.quick else (32768, 8192), args.quick)
-    if args.quick:
-        rows += bench_moe(512, 32, 8, 2048, 768)
-    else:
-        rows += bench_moe(2048, 128, 8, 2048, 768)
-    rows += bench_attention()
+    rows = []
+    if args.only is None:
+        rows += bench_copies(backend, (256 if args.quick else 1024) << 20)
+        rows += bench_gemv((8192, 4096) if args.quick else (32768, 8192), args.quick)
+        rows += bench_moe(512, 32, 8, 2048, 768) if args.quick else bench_moe(2048, 128, 8, 2048, 768)
+    rows += bench_attention(((4096, 0), (4096, 27162), (16384, 14874), (8192, 63869)))
     table = format_table(rows, device)
     print(table)
     if args.out:

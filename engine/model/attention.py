@@ -41,10 +41,13 @@ def attention_block(
     k = rope_at(xp, k, pos0, hp.rope_base)
     kv.write(layer, pos0, k, v)
     k_all, v_all = kv.read(layer, pos0 + t)  # [S, Hkv, D] with S = pos0 + T
-    if t > 1 and xp.__name__ == "cupy":  # prompt chunk on the GPU: fp16 GEMMs + fused softmax
+    if t > 1 and xp.__name__ == "cupy":  # prompt chunk on the GPU: tensor-core kernels
         from engine.kernels.attention import causal_attention
+        from engine.kernels.flash import flash_attention, supported
 
-        out = causal_attention(q, k_all, v_all, pos0)  # [T, H, D] float32
+        # one fused flash kernel; head sizes it does not take: cuBLAS GEMMs + fused softmax
+        attend = flash_attention if supported(hp.head_dim) else causal_attention
+        out = attend(q, k_all, v_all, pos0)  # [T, H, D] float32
     else:
         out = causal_gqa(xp, q, k_all, v_all, pos0)  # [T, H, D]
     return linear(xp, out.reshape(t, hp.q_dim), w.wo)  # [T, d]
