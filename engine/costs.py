@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from engine.config import EngineOptions
 from engine.gguf.hparams import HParams
 from engine.kernels.attention import DEFAULT_SCORE_BYTES as SCORE_BYTES
+from engine.kernels.flash import supported as flash_supported
 from engine.kernels.moe import DEFAULT_SCRATCH_BYTES as MOE_SCRATCH_BYTES
 from engine.kv import kv_bytes_per_cell
 from engine.memory.arena import padded
@@ -118,14 +119,16 @@ def prefill_flops(model: Shapes, n_tokens: int, pos0: int = 0) -> int:
 
 def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int) -> int:
     """Prompt-chunk bytes on CUDA that do not grow with the chunk: the MoE kernels' fp16
-    expert scratch, the attention score block, and the keys and values read back from the
-    cache for the whole context (float32 and their fp16 copies). (The MoE kernels' gathered
-    rows and GEMM outputs grow with the chunk: `act_bytes_per_token` counts them.)"""
+    expert scratch, the attention score block (none for the flash kernel, which keeps scores
+    in registers; the cuBLAS path's for other head sizes), and the keys and values read back
+    from the cache for the whole context (float32 and their fp16 copies). (The MoE kernels'
+    gathered rows and GEMM outputs grow with the chunk: `act_bytes_per_token` counts them.)"""
     hp = model.hp
     kv_read = 2 * n_ctx * hp.kv_dim * (F32 + 2)
     expert_fp16 = 3 * hp.n_embd * hp.n_ff_exp * 2
     moe = min(MOE_SCRATCH_BYTES, hp.n_expert * expert_fp16)
-    scores = min(SCORE_BYTES, 2 * hp.n_head * n_ctx * 1024)  # 1,024-query blocks at most
+    # cuBLAS path: 1,024-query score blocks at most
+    scores = 0 if flash_supported(hp.head_dim) else min(SCORE_BYTES, 2 * hp.n_head * n_ctx * 1024)
     return moe + scores + kv_read
 
 

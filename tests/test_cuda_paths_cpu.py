@@ -61,8 +61,12 @@ def test_a_two_layer_ring_takes_what_is_left() -> None:
 
 
 def test_gpu_fixed_chunk_bytes_scale_with_the_model() -> None:
-    fixed = gpu_chunk_fixed_bytes(_shapes("qwen3-30b-a3b"), 32768)
-    assert 512 * MiB <= fixed < 1024 * MiB  # 256 MiB experts + 256 MiB scores + the KV read
+    qwen = _shapes("qwen3-30b-a3b")
+    fixed = gpu_chunk_fixed_bytes(qwen, 32768)
+    kv_read = 2 * 32768 * qwen.hp.kv_dim * 6  # float32 + fp16 copy of K and V
+    assert fixed == 256 * MiB + kv_read  # expert scratch; the flash kernel keeps no scores
+    odd = replace(qwen, hp=replace(qwen.hp, head_dim=72))  # no flash kernel: a score block
+    assert gpu_chunk_fixed_bytes(odd, 32768) == 512 * MiB + 2 * 32768 * odd.hp.kv_dim * 6
     tiny = _shapes("tiny")
     assert gpu_chunk_fixed_bytes(tiny, 2048) < 64 * MiB  # a tiny model asks for little
     gpu = model_costs(tiny, EngineOptions(ctx=2048), 2, gpu=True)
