@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What runs on the lent H200 (see docs/cuda.md): `bash scripts/h200.sh STAGE...`, run from the
 # repository root with the wheels in .whl (carried) and $OUT set. Stages:
-#   tests     the gpu-marked tests                          -> $OUT/gpu-tests.txt
+#   tests     the gpu-marked tests (TESTS="files" for some)  -> $OUT/gpu-tests.txt
 #   kbench    kernel microbenchmarks                        -> $OUT/bench.md
 #   katt      the prompt-attention rows alone (cuBLAS path and flash kernel) -> $OUT/katt.md
 #   m8 / m48  make the Qwen3-30B-A3B-shaped model (8 / 48 layers) in models/ (git-ignored)
@@ -10,7 +10,8 @@
 #             without MTP speculation (token graph on)                -> $OUT/tg.md
 #   dtrace    decode trace on the 8-layer model: 2,048 / 31,258 random prompt tokens, 96 new,
 #             with and without MTP speculation: the token graph's GPU ms per step -> stdout
-#   gprof     the token graph's step by part (48 layers, 1 row, positions 2,048 and 31,000)
+#   gprof     the token graph's step by part (48 layers or GPROF_MODEL, 1 row, positions 2,048
+#             and 31,000)
 #             -> $OUT/gprof.md
 #   prof      cProfile of `strata run` on the 48-layer model     -> $OUT/prof.txt
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
@@ -28,8 +29,8 @@ strata() { python3 -m engine.cli "$@"; }
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
   case $stage in
-    tests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_gpu_*.py \
-             tests/test_telemetry.py 2>&1 | tail -80 | tee "$OUT/gpu-tests.txt" || true ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short ${TESTS:-tests/test_gpu_*.py \
+             tests/test_telemetry.py} 2>&1 | tail -80 | tee "$OUT/gpu-tests.txt" || true ;;
     kbench) python3 -m engine.kernels.bench --out "$OUT" ;;
     katt) python3 -m engine.kernels.bench --only attention 2>&1 | tee "$OUT/katt.md" ;;
     m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;
@@ -63,7 +64,7 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(int(sys.argv[1]))))
               | grep -E "token graph|strata serve: prompt [0-9]" | cut -c1-400
           done
         done ;;
-    gprof) python3 -m engine.graph_profile --model models/q48.gguf --pos 2048,31000 \
+    gprof) python3 -m engine.graph_profile --model "${GPROF_MODEL:-models/q48.gguf}" --pos 2048,31000 \
              2>&1 | tee "$OUT/gprof.md" ;;
     prof) python3 -m cProfile -o "$OUT/prof.out" -m engine.cli run --model models/q48.gguf \
             --device cuda --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --ctx 4096 \

@@ -138,24 +138,51 @@ __global__ void __launch_bounds__(KEYS)
   }
 }
 
-// Block (head, row t), D threads: out[t, h, :] = sum_i acc_i e^(m_i - M) / sum_i l_i e^(m_i - M).
+// Block (head, row t) of SLICES * D threads: out[t, h, :] = sum_i acc_i e^(m_i - M) /
+// sum_i l_i e^(m_i - M) over the row's tiles i. The block finds M together, then slice s
+// (threads s*D .. s*D + D-1, one per value d) sums tiles s, s + SLICES, ... and the slices'
+// sums are added in shared memory: a 31k-cell row has 243 tiles, which one thread per d would
+// walk serially (the decode step's largest attention cost at long contexts).
+#define SLICES 4
+
 template <int D>
-__global__ void attn_merge(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                           const int* __restrict__ pos, int n_head, int n_tiles,
-                           float* __restrict__ out) {
-  const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
-  const int n_valid = (pos[0] + t + 1 + KEYS - 1) / KEYS;
+__global__ void __launch_bounds__(SLICES * D)
+    attn_merge(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+               const int* __restrict__ pos, int n_head, int n_tiles, float* __restrict__ out) {
+  const int h = blockIdx.x, t = blockIdx.y;
+  const int d = threadIdx.x % D, slice = threadIdx.x / D;
+  const int n_valid = (pos[0] + t + 1 + KEYS - 1) / KEYS;  // >= 1
   const i64 base = (i64)t * n_head + h;
   const float* ml = part_ml + base * n_tiles * 2;
-  float m = ml[0];
-  for (int i = 1; i < n_valid; ++i) m = fmaxf(m, ml[2 * i]);
+  const float* acc_row = part_acc + base * n_tiles * D;
+
+  __shared__ float s_max[SLICES * D / 32];
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  float m = NEG_INF;
+  for (int i = threadIdx.x; i < n_valid; i += SLICES * D) m = fmaxf(m, ml[2 * i]);
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) s_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < SLICES * D / 32; ++w) m = fmaxf(m, s_max[w]);
+
   float l = 0.0f, acc = 0.0f;
-  for (int i = 0; i < n_valid; ++i) {
+#pragma unroll 4
+  for (int i = slice; i < n_valid; i += SLICES) {
     const float w = expf(ml[2 * i] - m);
     l += ml[2 * i + 1] * w;
-    acc += part_acc[(base * n_tiles + i) * D + d] * w;
+    acc += acc_row[(i64)i * D + d] * w;
   }
-  out[base * D + d] = acc / l;
+  __shared__ float s_acc[SLICES][D], s_l[SLICES];
+  s_acc[slice][d] = acc;
+  if (d == 0) s_l[slice] = l;
+  __syncthreads();
+  if (slice == 0) {
+    float a = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < SLICES; ++j) a += s_acc[j][d], sum += s_l[j];
+    out[base * D + d] = a / sum;
+  }
 }
 
 // ---- KV writes at the device position ------------------------------------------------------

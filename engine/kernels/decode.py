@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from engine.kv import KVCache
 
 KEYS = 128  # keys per attention tile (threads per block); as in decode.cu
+MERGE_SLICES = 4  # attn_merge: tile slices per block (SLICES in decode.cu); 4 * D <= 1024
 GRAPH_KV_KINDS = ("q4_0", "f16")
 
 
@@ -88,7 +89,8 @@ def attention_at(q: Any, kv: KVCache, layer: int, pos: Any, ml: Any, acc: Any) -
         (nt, kv.n_head_kv, t), (KEYS,),
         (q, *k_arg, *v_arg, pos, np.int32(kv.n_head_kv), scale, np.int32(nt), ml, acc))
     out = cupy.empty_like(q)
-    module.get_function(merge_name)((n_head, t), (d,), (ml, acc, pos, np.int32(n_head), np.int32(nt), out))
+    module.get_function(merge_name)((n_head, t), (MERGE_SLICES * d,),
+                                    (ml, acc, pos, np.int32(n_head), np.int32(nt), out))
     return out
 
 
