@@ -18,7 +18,8 @@ REPEAT_THRESHOLDS = (256, 1024, 4096, 16384, 50000)
 
 
 class FlagCommands(Provider):
-    """Toggle a loan flag, set spec T, the prefill mode or the repeat threshold."""
+    """Toggle a loan flag, set spec T and when to draft, the prefill mode or the repeat
+    threshold."""
 
     def commands(self) -> list[tuple[str, Callable[[], None], str]]:
         app = cast("StrataApp", self.app)
@@ -55,6 +56,17 @@ class FlagCommands(Provider):
                         f"now {options.spec}",
                     )
                 )
+        if options.spec:
+            always = options.spec_always
+            out.append(
+                (
+                    "Speculative decoding: "
+                    + ("draft only while it pays (measured)" if always else "draft on every step"),
+                    partial(ask, flags, options.with_changes(spec_always=not always)),
+                    (f"now {'every step' if always else 'measured'}; greedy replies only "
+                     "(sampled replies always draft)"),
+                )
+            )
         for p in PREFILL_CHOICES:
             if p != options.prefill:
                 out.append(

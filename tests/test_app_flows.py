@@ -270,3 +270,20 @@ async def test_dashboard_collapses_on_small_terminals(
         assert dashboard.display is not shown
         if width == 80:  # narrow: the dashboard takes the screen, the chat steps aside
             assert not app.query_one("#chat-pane").display
+
+
+@async_test
+async def test_palette_switches_drafting_to_every_step(tmp_path: Path) -> None:
+    from app.commands import FlagCommands
+
+    app = make_app(tmp_path, serve=True, mtp=True, spec=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        spec = app.link.loop.rt.spec
+        assert spec is not None and not spec.always
+        found = {name: run for name, run, _ in FlagCommands(app.screen).commands()}
+        found["Speculative decoding: draft on every step"]()
+        await send(pilot, "hello")  # accepted flags apply from the next message
+        assert spec.always and app.link.loop.options.spec_always
+        again = {name for name, _, _ in FlagCommands(app.screen).commands()}
+        assert "Speculative decoding: draft only while it pays (measured)" in again
