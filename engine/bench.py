@@ -101,7 +101,7 @@ def prompt_tokens(loop: ServeLoop, n: int, salt: int = 0) -> list[int]:
     return ids[:n]
 
 
-PROMPT_LINES = ("prefill phases", "prompt temporaries", "token graph")  # trace lines passed on
+PROMPT_LINES = ("prefill phases", "prompt temporaries", "token graph", "speculation")  # passed on
 
 
 def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = None,
