@@ -8,12 +8,18 @@ previous mark; `totals()` waits for the last event once and returns seconds per 
 Compared with the prefill's wall time this tells compute-bound (phases add up to the wall
 time) from launch-bound (the device idles between them) without a profiler. The runtime
 keeps one when STRATA_TRACE is set and prints the totals after each prompt.
+
+Kernels mark sub-phases with `lap(name)` (a no-op unless a clock is `active`): the grouped
+MoE splits its time into routing (with its host reads), expert fetch + fp16 decode, and GEMMs.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 
@@ -60,3 +66,23 @@ class PhaseClock:
         totals = self.totals()
         parts = ", ".join(f"{k} {v:.2f} s" for k, v in totals.items())
         return f"prefill phases: {parts} = {sum(totals.values()):.2f} s of {wall_s:.2f} s wall"
+
+
+_ACTIVE: ContextVar[PhaseClock | None] = ContextVar("strata_phase_clock", default=None)
+
+
+@contextmanager
+def active(clock: PhaseClock | None) -> Iterator[None]:
+    """Make `clock` the one `lap` marks while the block runs (None: laps are no-ops)."""
+    token = _ACTIVE.set(clock)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def lap(phase: str) -> None:
+    """The time since the active clock's previous mark belongs to `phase` (no clock: nothing)."""
+    clock = _ACTIVE.get()
+    if clock is not None:
+        clock.lap(phase)

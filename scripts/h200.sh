@@ -13,6 +13,7 @@
 #   gprof     the token graph's step by part (48 layers or GPROF_MODEL, 1 row, positions 2,048
 #             and 31,000)
 #             -> $OUT/gprof.md
+#   mphase    prefill phases with the MoE split (route, fetch+decode, gemm), 8 layers, 16k tokens
 #   prof      cProfile of `strata run` on the 48-layer model     -> $OUT/prof.txt
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
@@ -64,6 +65,11 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(int(sys.argv[1]))))
               | grep -E "token graph|strata serve: prompt [0-9]" | cut -c1-400
           done
         done ;;
+    mphase) python3 -c "import random; r=random.Random(7); \
+print(' '.join(str(r.randrange(1000, 150000)) for _ in range(16384)))" > /tmp/p16k.txt
+          STRATA_TRACE=1 strata run --model models/q8.gguf --device cuda --vram-limit 8GiB \
+            --kv q4_0 --ctx 17000 --tokens-file /tmp/p16k.txt --max-new 4 2>&1 \
+            | grep -E "prefill phases|strata serve: prompt" | tee "$OUT/mphase.txt" ;;
     gprof) python3 -m engine.graph_profile --model "${GPROF_MODEL:-models/q48.gguf}" --pos 2048,31000 \
              2>&1 | tee "$OUT/gprof.md" ;;
     prof) python3 -m cProfile -o "$OUT/prof.out" -m engine.cli run --model models/q48.gguf \

@@ -140,6 +140,19 @@ def test_phase_clock_sums_laps_per_phase() -> None:
     assert clock.line(1.0).startswith("prefill phases: attention ")
 
 
+def test_kernel_laps_mark_the_active_clock_only() -> None:
+    from engine import phases
+
+    clock = phases.PhaseClock(np)
+    clock.start()
+    phases.lap("moe gemm")  # no active clock: nothing happens
+    with phases.active(clock):
+        phases.lap("moe route")
+        phases.lap("moe gemm")
+    phases.lap("moe gemm")
+    assert list(clock.totals()) == ["moe route", "moe gemm"]
+
+
 def test_trace_prints_the_prefill_phases(tiny_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from engine.serve import ServeLoop
 

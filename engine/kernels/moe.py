@@ -27,6 +27,7 @@ import numpy as np
 
 from engine.kernels.dequant import dequantize_ptrs, gemv_ptrs
 from engine.kernels.source import cuda_source
+from engine.phases import lap
 
 if TYPE_CHECKING:
     from engine.model.weights import ExpertLayout
@@ -180,6 +181,7 @@ def moe_prefill(
     order = cp.argsort(flat).astype(cp.int32)  # [T*k] rows sorted by expert
     experts, counts = cp.unique(flat, return_counts=True)
     used, n_per = (a.tolist() for a in cp.stack([experts, counts.astype(cp.int32)]).get())
+    lap("moe route")  # router, top-k and the two host reads of the routing (STRATA_TRACE)
     starts = np.concatenate([[0], np.cumsum(n_per)])  # [n_used + 1]
     pos = cp.empty(n_rows, dtype=cp.int32)  # [T*k] sorted row of (t, j)
     pos[order] = cp.arange(n_rows, dtype=cp.int32)
@@ -201,11 +203,13 @@ def moe_prefill(
             rows[i, : n_per[u]] = np.arange(starts[u], starts[u + 1])
         idx = cp.asarray(rows)
         _decode_group(pending, layout, wgu, wd)
+        lap("moe fetch+decode")  # the group's blobs staged (ring uploads) and decoded to fp16
         gu = gemm_nt(hs[idx], wgu[:n_g], cp.empty((n_g, m, 2 * f), dtype=cp.float16))
         act = cp.empty((n_g, m, f), dtype=cp.float16)
         _swiglu(gu.reshape(n_g * m, 2 * f), act.reshape(n_g * m, f))
         yg = gemm_nt(act, wd[:n_g], cp.empty((n_g, m, d), dtype=cp.float16))  # [n_g, m, d]
         y[idx.reshape(-1)] = yg.reshape(n_g * m, d)
+        lap("moe gemm")  # gather, gate|up GEMM, SwiGLU, down GEMM, scatter
         if gi + 1 < len(groups):  # this group's blobs are read (queued): the next may reuse slots
             pending = fetch([used[u] for u in groups[gi + 1]])
     out = cp.empty((n_tok, d), dtype=cp.float32)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from engine import phases
 from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import ModelFile
@@ -108,7 +109,7 @@ class Transformer:
         clock = self.phase_clock if scratch is not None else None
         lap = clock.lap if clock is not None else (lambda phase: None)
         lap("embed+setup")  # since the previous chunk's last layer (or the prompt's start)
-        with arena or nullcontext():
+        with arena or nullcontext(), phases.active(clock):
             for i, blk in enumerate(self.blocks):
                 prefetch(i + 1)  # the next layer's experts upload while this layer computes
                 x += attention_block(xp, hp, blk.attn, x, pos0, kv, i)
