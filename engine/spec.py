@@ -24,6 +24,7 @@ runtime that prefills itself, `begin` -> prefill with `collect` on each chunk ->
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -285,7 +286,11 @@ class SpecDecoder:
             if len(session.tokens) > n_keep:
                 session.truncate(n_keep)
                 self.draft.truncate(n_keep)
-            self._catch_up(session)  # the next request continues from every kept position
+            failure = sys.exc_info()[1]
+            if failure is None or isinstance(failure, GeneratorExit):  # done, or closed early
+                self._catch_up(session)  # the next request continues from every kept position
+            else:  # an error: no more device work; the next request re-reads what the draft lacks
+                self._unseen = None
 
     # -- the plain-session entry point -----------------------------------------------------
     def generate(

@@ -120,3 +120,34 @@ def test_useless_drafts_are_mostly_skipped(model: Model) -> None:
     assert got == list(Session(model, n_ctx=512).generate(ids, 80, GREEDY, 8))
     drafted_steps = timing.drafts_offered // 3
     assert drafted_steps < 40 and timing.drafts_accepted == 0
+
+
+class FailingVerifier(Verifier):
+    """Raises on its `fail_at`-th window: a device error in the middle of a reply."""
+
+    fail_at = 10**9
+
+    def verify(self, session, window_ids):  # type: ignore[no-untyped-def]
+        self.fail_at -= 1
+        if self.fail_at == 0:
+            raise RuntimeError("device lost")
+        return super().verify(session, window_ids)
+
+
+def test_an_error_after_plain_steps_leaves_a_usable_state(model: Model) -> None:
+    """A failure after plain steps runs no more device work; the next request re-reads what
+    the draft lacks and answers as plain decoding does."""
+    ids = np.random.default_rng(9).integers(0, 1000, 15).tolist()
+    base = SpecDecoder.with_mtp(model, 3)
+    verifier = FailingVerifier.for_model(model, 3)
+    dec = SpecDecoder(3, base.draft, verifier)
+    dec.new_policy = lambda greedy: Scripted("dpp")  # type: ignore[method-assign]
+    verifier.fail_at = 6
+    s = Session(model, n_ctx=512)
+    with pytest.raises(RuntimeError, match="device lost"):
+        list(dec.generate(s, ids, 20, GREEDY, 8))
+    assert dec.draft.n_cells <= len(s.tokens)
+    verifier.fail_at = 10**9
+    got = list(dec.generate(s, ids, 20, GREEDY, 8))
+    assert got == list(Session(model, n_ctx=512).generate(ids, 20, GREEDY, 8))
+    dec.check_integrity()
