@@ -8,6 +8,7 @@ decoded weights have the requested standard deviation. Decoding stays `gguf.quan
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 
 import numpy as np
@@ -38,11 +39,20 @@ def _blocks(rng: np.random.Generator, qtype: Q, n_rows: int, n_cols: int, d: flo
     block, type_bytes = GGML_QUANT_SIZES[qtype]
     n_blocks = n_rows * (n_cols // block)
     raw = rng.integers(0, 256, size=(n_blocks, type_bytes), dtype=np.uint8)
+    if centered:  # before the scale fields: it may rewrite their bytes too (they are set next)
+        _center(raw, qtype)
     for offset, mult in SCALE_FIELDS[qtype]:
         raw[:, offset : offset + 2] = np.array([d * mult], dtype=np.float16).view(np.uint8)
-    if centered:
-        _center(raw, qtype)
     return raw.reshape(n_rows, -1)  # [rows, row_bytes]
+
+
+def _byte_map(fix: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """A 256-entry uint8 table: byte b -> fix(b), for `np.take` over whole arrays."""
+    return fix(np.arange(256, dtype=np.uint16)).astype(np.uint8)
+
+
+# Q4_0: a nibble q = 0 becomes 8 (value 0), in both nibbles of a byte
+_Q4_0_CENTER = _byte_map(lambda b: np.where(b & 15 == 0, 8, b & 15) | (np.where(b >> 4 == 0, 8, b >> 4) << 4))
 
 
 def _center(raw: np.ndarray, qtype: Q) -> None:
@@ -55,23 +65,22 @@ def _center(raw: np.ndarray, qtype: Q) -> None:
     router follows it: deep synthetic models sent most tokens to a few experts (3 layers of
     Qwen3-30B-A3B shapes: 37% of tokens to one of 128 experts at the third). Centered: Q4_0
     codes 1..15 (values -7..7), Q8_0 codes -127..127, Q4_K/Q5_K min = scale per sub-block.
-    Other types keep their small biases.
+    Other types keep their small biases. Q4_0 and Q8_0 rewrite every byte of `raw` (a byte
+    table, a mask), the f16 scale bytes too: the caller sets those after.
     """
-    if qtype == Q.Q4_0:  # 16 bytes of nibbles after the f16 scale
-        nib = raw[:, 2:]
-        lo, hi = nib & 0x0F, nib >> 4
-        lo, hi = np.where(lo == 0, 8, lo), np.where(hi == 0, 8, hi)  # q = 0 -> value 0
-        raw[:, 2:] = lo | (hi << 4)
-    elif qtype == Q.Q8_0:  # 32 int8 codes after the f16 scale
-        codes = raw[:, 2:].view(np.int8)
-        codes[codes == -128] = 0
+    if qtype == Q.Q4_0:  # 16 bytes of nibbles after the f16 scale: q = 0 -> 8 (value 0)
+        np.copyto(raw, _Q4_0_CENTER[raw])
+    elif qtype == Q.Q8_0:  # 32 int8 codes after the f16 scale: -128 (byte 0x80) -> 0
+        np.putmask(raw, raw == 0x80, 0)
     elif qtype in (Q.Q4_K, Q.Q5_K):  # 12 bytes at offset 4: 8 six-bit scales and 8 mins
         # ggml's get_scale_min_k4: sub-block j < 4 has scale b[j] & 63, min b[j+4] & 63;
         # j >= 4 has scale b[j+4] & 15 | (b[j-4] >> 6) << 4, min b[j+4] >> 4 | (b[j] >> 6) << 4
-        packed = raw[:, 4:16]
-        packed[:, 4:8] = packed[:, 0:4]
-        low = packed[:, 8:12] & 0x0F
-        packed[:, 8:12] = low | (low << 4)
+        # so min = scale: bytes 4..7 = bytes 0..3, and bytes 8..11 = their low nibble twice.
+        # Done on 32-bit words 1, 2, 3 of each block (144 and 176 bytes are multiples of 4).
+        words = raw.view(np.uint32)  # [n_blocks, type_bytes / 4]
+        words[:, 2] = words[:, 1]
+        low = words[:, 3] & np.uint32(0x0F0F0F0F)
+        words[:, 3] = low | (low << np.uint32(4))
 
 
 @cache

@@ -6,8 +6,11 @@ Tensors are streamed to disk one at a time, so the `qwen3-30b-a3b` preset (about
 
 from __future__ import annotations
 
+import os
 import zlib
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -201,13 +204,30 @@ def write_model(
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     total = len(tensors)
-    for i, (name, (shape, qtype)) in enumerate(tensors.items()):
-        w.write_tensor_data(make_tensor(name, shape, qtype, spec))
+    for i, data in enumerate(_made_in_order(tensors, spec)):
+        w.write_tensor_data(data)
         if progress:
             progress(i + 1, total)
     w.close()
     tmp.replace(path)
     return path
+
+
+def _made_in_order(tensors: dict[str, tuple[tuple[int, ...], Q]], spec: SynthSpec,
+                   ahead: int | None = None) -> Iterator[np.ndarray]:
+    """`make_tensor` of every tensor, in order, computed on a thread pool `ahead` tensors in
+    advance (NumPy's generators and array operations release the GIL; each tensor's contents
+    depend only on its name, so the file is the same byte for byte)."""
+    ahead = ahead or min(8, os.cpu_count() or 1)
+    items = list(tensors.items())
+    with ThreadPoolExecutor(max_workers=ahead) as pool:
+        pending: deque[Future[np.ndarray]] = deque()
+        for name, (shape, qtype) in items:
+            pending.append(pool.submit(make_tensor, name, shape, qtype, spec))
+            if len(pending) > ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _nbytes(shape: tuple[int, ...], qtype: Q) -> int:
