@@ -38,3 +38,14 @@ def test_the_benchmark_preset_is_centered_and_says_so_in_its_digest() -> None:
     spec = PRESETS["qwen3-30b-a3b"]
     assert spec.centered and not PRESETS["demo"].centered
     assert spec.digest() != replace(spec, centered=False).digest()
+
+
+def test_tensors_made_ahead_on_threads_are_the_sequential_ones() -> None:
+    from engine.synth.model import PRESETS, _made_in_order, make_tensor, synth_tensors
+
+    spec = PRESETS["tiny"]
+    tensors = synth_tensors(spec)
+    want = [make_tensor(n, shape, q, spec) for n, (shape, q) in tensors.items()]
+    for ahead in (1, 3):
+        got = list(_made_in_order(tensors, spec, ahead=ahead))
+        assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
