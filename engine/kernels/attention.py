@@ -164,6 +164,34 @@ def _types() -> tuple[int, int]:
     return cp.cuda.runtime.CUDA_R_16F, cp.cuda.runtime.CUDA_R_32F
 
 
+def gqa_dims(q: Any, k: Any, v: Any, pos0: int) -> tuple[int, int, int]:
+    """Checked shapes of a causal GQA call (q [T, H, D], k, v [S, Hkv, D], S >= pos0 + T):
+    (Hkv, G = H / Hkv, keys visible to the last query pos0 + T)."""
+    t, n_head, d = q.shape
+    n_kv = k.shape[1]
+    s = pos0 + t
+    shapes = (q.shape, k.shape, v.shape, pos0)
+    assert k.shape[0] >= s and k.shape[2] == d and v.shape == k.shape, shapes
+    assert n_head % n_kv == 0, f"{n_head} query heads over {n_kv} kv heads"
+    return n_kv, n_head // n_kv, s
+
+
+def fp16_kv_leading(q: Any, k: Any, v: Any, s: int) -> tuple[Any, Any, Any]:
+    """fp16 copies with the kv head leading: qh [Hkv, T, G, D] (for one kv head its G*T rows,
+    row t*G + g, form one matrix), kh, vh [Hkv, s, D] (keys 0..s-1 only)."""
+    cp = _cupy()
+    t, n_head, d = q.shape
+    n_kv = k.shape[1]
+    group = n_head // n_kv
+    qh = cp.empty((n_kv, t, group, d), dtype=cp.float16)  # [Hkv, T, G, D]
+    cp.copyto(qh, q.reshape(t, n_kv, group, d).transpose(1, 0, 2, 3))
+    kh = cp.empty((n_kv, s, d), dtype=cp.float16)  # [Hkv, S, D]
+    cp.copyto(kh, k[:s].transpose(1, 0, 2))
+    vh = cp.empty((n_kv, s, d), dtype=cp.float16)  # [Hkv, S, D]
+    cp.copyto(vh, v[:s].transpose(1, 0, 2))
+    return qh, kh, vh
+
+
 def causal_attention(
     q: Any, k: Any, v: Any, pos0: int, score_bytes: int = DEFAULT_SCORE_BYTES
 ) -> Any:
@@ -175,24 +203,14 @@ def causal_attention(
     """
     cp = _cupy()
     t, n_head, d = q.shape
-    n_kv = k.shape[1]
-    s = pos0 + t
-    shapes = (q.shape, k.shape, v.shape, pos0)
-    assert k.shape[0] >= s and k.shape[2] == d and v.shape == k.shape, shapes
-    assert n_head % n_kv == 0, f"{n_head} query heads over {n_kv} kv heads"
-    group = n_head // n_kv
+    n_kv, group, s = gqa_dims(q, k, v, pos0)
     out = cp.empty((t, n_head, d), dtype=cp.float32)
     if t == 0:
         return out
     f16, f32 = _types()
     blocks = plan_blocks(t, pos0, n_head, score_bytes)
 
-    qh = cp.empty((n_kv, t, group, d), dtype=cp.float16)  # [Hkv, T, G, D]
-    cp.copyto(qh, q.reshape(t, n_kv, group, d).transpose(1, 0, 2, 3))
-    kh = cp.empty((n_kv, s, d), dtype=cp.float16)  # [Hkv, S, D]
-    cp.copyto(kh, k[:s].transpose(1, 0, 2))
-    vh = cp.empty((n_kv, s, d), dtype=cp.float16)  # [Hkv, S, D]
-    cp.copyto(vh, v[:s].transpose(1, 0, 2))
+    qh, kh, vh = fp16_kv_leading(q, k, v, s)
     oh = cp.empty((n_kv, t, group, d), dtype=cp.float32)  # [Hkv, T, G, D]
     cap = max((b - a) * group * ld for a, b, ld in blocks)  # score elements per kv head
     scores = cp.empty(n_kv * cap, dtype=cp.float16)  # per block: [Hkv, Tq*G, ld]

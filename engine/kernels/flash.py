@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.kernels.attention import fp16_kv_leading, gqa_dims
 from engine.kernels.source import cuda_source
 
 _THREADS = 128  # must match FA_THREADS in flash.cu
@@ -71,22 +72,12 @@ def flash_attention(q: Any, k: Any, v: Any, pos0: int) -> Any:
     import cupy as cp
 
     t, n_head, d = q.shape
-    n_kv = k.shape[1]
-    s = pos0 + t
-    shapes = (q.shape, k.shape, v.shape, pos0)
-    assert k.shape[0] >= s and k.shape[2] == d and v.shape == k.shape, shapes
-    assert n_head % n_kv == 0, f"{n_head} query heads over {n_kv} kv heads"
+    n_kv, group, s = gqa_dims(q, k, v, pos0)
     assert supported(d), f"head size {d}: flash_attn needs a multiple of 16 up to {MAX_D}"
-    group = n_head // n_kv
     out = cp.empty((t, n_head, d), dtype=cp.float32)
     if t == 0:
         return out
-    qh = cp.empty((n_kv, t, group, d), dtype=cp.float16)  # [Hkv, T*G, D], row t*G + g
-    cp.copyto(qh, q.reshape(t, n_kv, group, d).transpose(1, 0, 2, 3))
-    kh = cp.empty((n_kv, s, d), dtype=cp.float16)  # [Hkv, S', D]
-    cp.copyto(kh, k[:s].transpose(1, 0, 2))
-    vh = cp.empty((n_kv, s, d), dtype=cp.float16)  # [Hkv, S', D]
-    cp.copyto(vh, v[:s].transpose(1, 0, 2))
+    qh, kh, vh = fp16_kv_leading(q, k, v, s)  # qh [Hkv, T*G, D] (row t*G + g), kh, vh [Hkv, S', D]
     rows = t * group
     scale_log2 = np.float32(math.log2(math.e) / math.sqrt(d))  # softmax in base 2: exp2f
     _kernel(d)(
