@@ -9,8 +9,9 @@ sweep of chunk sizes (prefill tok/s and bytes streamed against the chunk).
 Before the measured runs one short request warms what a process does once (kernel
 compilation, the calibration profile, the model file in the page cache), so the first row is
 not charged for it; it generates enough tokens for drafted and plain decode steps of every
-window size to compile their kernels (NVRTC, seconds each on a fresh machine). Given the machine's host-to-device bandwidth and peak FLOP/s, each row
-also shows its prefill time over the lower bound max(streamed bytes / H2D, FLOPs / peak).
+window size to compile their kernels (NVRTC, seconds each on a fresh machine). Given the
+machine's host-to-device bandwidth and peak FLOP/s, each row also shows its prefill time over
+the lower bound max(streamed bytes / H2D, FLOPs / peak).
 """
 
 from __future__ import annotations

@@ -418,8 +418,9 @@ class Runtime:
         yield from self.session.decode(logits, sampler, max_new, stop_ids, timing, cancel)
 
     def trace_decode(self, timing: Timing) -> None:
-        """With STRATA_TRACE=1, after a request: the token graph's GPU time per step and the
-        decode steps' expert-cache hits, as one trace line."""
+        """With STRATA_TRACE=1, after a request: what the drafting policy did (speculative
+        decoding), and the token graph's GPU time per step with the decode steps'
+        expert-cache hits."""
         graph = self.model.transformer.token_graph
         line = graph.stats_line() if graph is not None else None
         if self.trace and self.spec is not None and self.options.spec >= 2:
