@@ -9,7 +9,9 @@ step's replay shows what the node-to-node gaps cost.
 
 The parts run at a position `pos` past the session's tokens (the KV writes land in free cells,
 which later steps overwrite), on the embeddings of real tokens, so layer 0 routes as in use;
-the expert hit/miss counters are put back afterwards.
+the expert hit/miss counters are put back afterwards. A companion of `TokenGraph`: it calls
+the graph's own step pieces (`_qkv`, `_attend`, `moe_at` on its expert sources) on its stream
+and memory pool, so what it times is what the graph replays.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def profile_step(tg: TokenGraph, tokens: list[int], pos: int, repeat: int = 20) 
         ("output projection", lambda: _gemv(o.reshape(t, hp.q_dim), blk.attn.wo), hp.n_layer),
         ("norm, router, top-k", lambda: route_topk(_gemv(rms_norm(cp, x, blk.ffn_norm, hp.rms_eps),
                                                          blk.router), hp.n_expert_used), hp.n_layer),
-        ("routed experts", lambda: moe_at(h, ids, w, tg._sources[layer], layout, tg.counts), hp.n_layer),
+        ("routed experts (layer 0's routing)", lambda: moe_at(h, ids, w, tg._sources[layer], layout, tg.counts), hp.n_layer),
         ("output head", lambda: _gemv(rms_norm(cp, x[-1:], tr.output_norm, hp.rms_eps), tr.head), 1),
     ]
     rows = [(name, n * _time_graph(cp, tg._stream, tg._pool, fn, repeat)) for name, fn, n in parts]
