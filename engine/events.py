@@ -128,6 +128,8 @@ class RequestDone(Event):
     bytes_streamed: int
     cancelled: bool = False
     line: str = ""
+    spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
+    drafted_steps: int = 0
 
 
 @dataclass(frozen=True)

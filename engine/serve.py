@@ -282,7 +282,8 @@ class ServeLoop:
             timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens,
             timing.prefill_s * 1e3, timing.generated, timing.decode_s * 1e3, timing.ttft_s * 1e3,
             timing.drafts_offered, timing.drafts_accepted, timing.bytes_streamed,
-            cancelled=cancelled, line=line,
+            cancelled=cancelled, line=line, spec_steps=timing.spec_steps,
+            drafted_steps=timing.drafted_steps,
         ))
 
 

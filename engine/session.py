@@ -40,6 +40,8 @@ class Timing:
     accepted_hist: dict[int, int] = field(default_factory=dict)
     decode_hits: int = 0  # routed experts the decode steps found in the expert cache
     decode_misses: int = 0  # ... and read from host memory (streamed, or decoded on the CPU)
+    spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
+    drafted_steps: int = 0
 
     @property
     def pp_tok_s(self) -> float:
@@ -55,6 +57,7 @@ class Timing:
             f"{self.fresh_tokens} read in {self.prefill_s * 1e3:.0f} ms ({self.pp_tok_s:.1f} tok/s), "
             f"{self.generated} generated in {self.decode_s * 1e3:.0f} ms ({self.tg_tok_s:.1f} tok/s), "
             f"drafts accepted {self.drafts_accepted} of {self.drafts_offered}"
+            + (f" ({self.drafted_steps} of {self.spec_steps} steps drafted)" if self.spec_steps else "")
         )
 
 

@@ -390,7 +390,9 @@ class SpecDecoder:
         else:  # a plain step: the draft model runs once drafting resumes, over every such row
             first, rows, ids = self._unseen or (n0, [], [])
             self._unseen = first, [*rows, self.verifier.hidden[:1].copy()], [*ids, bonus]
+        timing.spec_steps += 1
         if n_draft:
+            timing.drafted_steps += 1
             timing.drafts_offered += n_draft
             timing.drafts_accepted += k
             timing.accepted_hist[k] = timing.accepted_hist.get(k, 0) + 1

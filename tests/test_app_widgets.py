@@ -183,6 +183,11 @@ def test_timing_panel_rates() -> None:
     assert "1,500.0 tok/s" in text and "20.0 tok/s" in text  # PP and TG
     assert "21 of 30 (70%)" in text and fmt_bytes(5 * MIB) in text
     assert "2,000 = 500 reused + 1,500" in text
+    assert "steps" not in text  # plain decoding: no drafting policy to report
+    spec = RequestDone(2000, 500, 1500, 1000.0, 40, 2000.0, 1100.0, 30, 0, 5 * MIB,
+                       spec_steps=40, drafted_steps=10)
+    shown = feed(TimingPanel(), spec, size=(100, 20))
+    assert "0 of 30 (0%)" in shown and "10/40 steps" in shown
 
 
 def test_event_log_writes_trace_lines_and_refusals() -> None:

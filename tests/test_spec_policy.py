@@ -99,6 +99,8 @@ def test_plain_steps_reach_the_mtp_draft_in_one_pass(model: Model) -> None:
     plain_ids = list(Session(model, n_ctx=512).generate(ids, 30, GREEDY, 8))
     assert got == want == plain_ids
     assert 0 < timing.drafts_offered < 2 * 30
+    assert 0 < timing.drafted_steps < timing.spec_steps  # plain steps are counted too
+    assert f"({timing.drafted_steps} of {timing.spec_steps} steps drafted)" in timing.line()
     n = len(s.tokens)
     assert n == len(s_ref.tokens) and dec.draft.n_cells == ref.draft.n_cells == n
     a, b = dec.draft.kv.read(0, n), ref.draft.kv.read(0, n)

@@ -12,7 +12,8 @@ from engine.events import Event, RequestDone
 
 
 class TimingPanel(EventView):
-    """PP, TG, TTFT, drafts accepted and bytes streamed of the last finished request."""
+    """PP, TG, TTFT, drafts accepted (and how many steps drafted) and bytes streamed of the
+    last finished request."""
 
     TITLE = "Timing"
 
@@ -51,4 +52,6 @@ class TimingPanel(EventView):
             f"{d.generated:,} in {fmt_ms(d.decode_ms)}",
         )
         table.add_row("streamed", fmt_bytes(d.bytes_streamed), "prefill", fmt_ms(d.prefill_ms))
+        if d.spec_steps:  # the drafting policy may have run plain steps
+            table.add_row("", "", "drafted", f"{d.drafted_steps}/{d.spec_steps} steps")
         return table
