@@ -53,11 +53,17 @@ class Sample:
     bound_ratio: float = 0.0  # prefill time / lower bound (0: no `Hardware` given)
     decode_hits: int = 0  # routed experts found in the expert cache while decoding
     decode_misses: int = 0  # ... and read from host memory
+    spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
+    drafted_steps: int = 0
 
     @property
     def decode_hit_pct(self) -> float:
         n = self.decode_hits + self.decode_misses
         return 100.0 * self.decode_hits / n if n else 0.0
+
+    @property
+    def drafted_pct(self) -> float:
+        return 100.0 * self.drafted_steps / self.spec_steps if self.spec_steps else 0.0
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,7 @@ def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = Non
                   t.bytes_streamed / (1 << 20), p.loan,
                   arena.peak_bytes / (1 << 20) if arena else 0.0,
                   arena.spilled_bytes / (1 << 20) if arena else 0.0, ratio,
-                  t.decode_hits, t.decode_misses)
+                  t.decode_hits, t.decode_misses, t.spec_steps, t.drafted_steps)
 
 
 WARMUP_NEW = 24  # tokens the warm-up generates: drafted windows, then the policy's plain probe
@@ -160,28 +166,33 @@ def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
     return rows
 
 
+# Columns shown only when some sample has data for them: (header, Row.cell key and format, test)
+OPTIONAL_COLUMNS: tuple[tuple[str, str, str, Callable[[Sample], bool]], ...] = (
+    ("Temporaries peak (MiB)", "arena_peak_mib", "{:.0f}", lambda s: s.arena_peak_mib > 0),
+    ("Spilled (MiB)", "arena_spill_mib", "{:.0f}", lambda s: s.arena_peak_mib > 0),
+    ("Prefill / lower bound", "bound_ratio", "{:.1f}x", lambda s: s.bound_ratio > 0),
+    ("Decode cache hits (%)", "decode_hit_pct", "{:.0f}", lambda s: s.decode_hits + s.decode_misses > 0),
+    ("Drafted steps (%)", "drafted_pct", "{:.0f}", lambda s: s.spec_steps > 0),
+)
+
+
 def markdown(rows: list[Row], title: str) -> str:
-    """The table; on CUDA two more columns: the prompt temporaries' peak and spill (MiB); the
-    lower-bound ratio when a `Hardware` was given; the decode steps' expert-cache hit share."""
-    gpu = any(s.arena_peak_mib for r in rows for s in r.samples)
-    bound = any(s.bound_ratio for r in rows for s in r.samples)
-    hits = any(s.decode_hits + s.decode_misses for r in rows for s in r.samples)
-    extra = (" Temporaries peak (MiB) | Spilled (MiB) |" if gpu else "") + (
-        " Prefill / lower bound |" if bound else "") + (" Decode cache hits (%) |" if hits else "")
+    """The table; optional columns where some run has their data: on CUDA the prompt
+    temporaries' peak and spill (MiB), the lower-bound ratio when a `Hardware` was given, the
+    decode steps' expert-cache hit share, and with speculative decoding the share of steps
+    that drafted (the drafting policy runs plain steps when drafts do not pay)."""
+    extra = [c for c in OPTIONAL_COLUMNS if any(c[3](s) for r in rows for s in r.samples)]
     lines = [
         f"### {title}", "",
         "| Configuration | Prompt plan | PP (tok/s) | TG (tok/s) | Prefill (s) | Streamed (MiB) |"
-        + extra,
-        "|---|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "") + ("---:|" if bound else "")
-        + ("---:|" if hits else ""),
+        + "".join(f" {c[0]} |" for c in extra),
+        "|---|---|---:|---:|---:|---:|" + "---:|" * len(extra),
     ]
     for row in rows:
-        cells = (f" {row.cell('arena_peak_mib', '{:.0f}')} | {row.cell('arena_spill_mib', '{:.0f}')} |"
-                 if gpu else "") + (f" {row.cell('bound_ratio', '{:.1f}x')} |" if bound else "") + (
-                 f" {row.cell('decode_hit_pct', '{:.0f}')} |" if hits else "")
         lines.append(
             f"| {row.label} | {row.plans()} | {row.cell('pp')} | {row.cell('tg')} | "
-            f"{row.cell('prefill_s', '{:.2f}')} | {row.cell('mib_streamed', '{:.0f}')} |" + cells
+            f"{row.cell('prefill_s', '{:.2f}')} | {row.cell('mib_streamed', '{:.0f}')} |"
+            + "".join(f" {row.cell(key, fmt)} |" for _, key, fmt, _ in extra)
         )
     return "\n".join(lines)
 

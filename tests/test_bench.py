@@ -31,6 +31,9 @@ def test_markdown_adds_columns_only_when_there_is_data() -> None:
     assert "Decode cache hits" not in table
     hits = Row("on", [Sample("512 / 8", 200.0, 10.0, 0.5, 5.0, True, decode_hits=30, decode_misses=10)])
     assert "| Decode cache hits (%) |" in markdown([hits], "t") and "| 75 |" in markdown([hits], "t")
+    assert "Drafted steps" not in markdown([hits], "t")
+    spec = Row("on", [Sample("512 / 8", 200.0, 10.0, 0.5, 5.0, True, spec_steps=40, drafted_steps=10)])
+    assert "| Drafted steps (%) |" in markdown([spec], "t") and "| 25 |" in markdown([spec], "t")
 
 
 def test_a_reply_counts_the_experts_its_decode_steps_read(tiny_nomtp_path: Path) -> None:
