@@ -4,6 +4,7 @@
 #   tests     the gpu-marked tests (TESTS="files" for some)  -> $OUT/gpu-tests.txt
 #   kbench    kernel microbenchmarks                        -> $OUT/bench.md
 #   katt      the prompt-attention rows alone (cuBLAS path and flash kernel) -> $OUT/katt.md
+#   kmoe      grouped MoE prefill at 2,048 / 8,704 / 16,384 tokens, its GEMMs alone -> $OUT/kmoe.md
 #   m8 / m48  make the Qwen3-30B-A3B-shaped model (8 / 48 layers) in models/ (git-ignored)
 #   b8        A/B + automatic planner, 8 layers, 8,192 tokens -> $OUT/b8.md
 #   tg        decode speed: 48 layers, 8 GiB, 2,048-token prompt, 128 new tokens, with and
@@ -34,6 +35,7 @@ for stage in "$@"; do
              tests/test_telemetry.py} 2>&1 | tail -80 | tee "$OUT/gpu-tests.txt" || true ;;
     kbench) python3 -m engine.kernels.bench --out "$OUT" ;;
     katt) python3 -m engine.kernels.bench --only attention 2>&1 | tee "$OUT/katt.md" ;;
+    kmoe) python3 -m engine.kernels.bench --only moe 2>&1 | tee "$OUT/kmoe.md" ;;
     m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;
     m48) [ -f models/q48.gguf ] || strata make-model models/q48.gguf --preset qwen3-30b-a3b ;;
     b8) strata bench --model models/q8.gguf --device cuda --vram-limit 5GiB --vram-segment-mib 64 \

@@ -8,7 +8,8 @@ dequantize-GEMV per quant type (weight bytes / time, B = 1 and 8), dequantize to
 grouped MoE prefill (GFLOP/s of its three GEMMs) and the prompt-path causal attention, cuBLAS
 and fused flash (TFLOP/s on visible keys). Times are medians of CUDA-event timings after
 warm-up; inputs are random valid blocks (`random_quant_bytes`), never zeros.
-`--only attention` runs the attention rows alone.
+`--only attention` runs the attention rows alone; `--only moe` the grouped MoE prefill at the
+benchmark's chunk sizes (Q4_0 experts of Qwen3-30B-A3B), with its GEMMs timed alone.
 """
 
 from __future__ import annotations
@@ -144,15 +145,26 @@ def bench_gemv(shape: tuple[int, int], quick: bool) -> list[tuple[str, str, floa
 
 
 def bench_moe(
-    n_tokens: int, n_expert: int, k: int, d: int, f: int
-) -> list[tuple[str, str, float, str]]:
+    n_tokens: int, n_expert: int, k: int, d: int, f: int,
+    qtypes: tuple[Q, Q, Q] = (Q.Q4_K, Q.Q4_K, Q.Q6_K), decode_rows: bool = True,
+) -> list[tuple[str, str, float, str]]:  # fmt: skip
+    """`moe_prefill` of one layer (and, beside it, its two GEMMs alone on one scratch group of
+    the same shapes, the fp16 decode of every expert, and `moe_decode` unless not
+    `decode_rows`) with random valid expert bytes and uniform random routing."""
     import cupy as cp
 
-    from engine.kernels.moe import _decode_group, moe_decode, moe_prefill
+    from engine.kernels.moe import (
+        DEFAULT_SCRATCH_BYTES,
+        _decode_group,
+        expert_fp16_bytes,
+        gemm_nt,
+        moe_decode,
+        moe_prefill,
+    )
     from engine.model.weights import ExpertLayout
 
     rng = np.random.default_rng(2)
-    layout = ExpertLayout((Q.Q4_K, Q.Q4_K, Q.Q6_K), ((f, d), (f, d), (d, f)))
+    layout = ExpertLayout(qtypes, ((f, d), (f, d), (d, f)))
     blobs = {}
     for e in range(n_expert):
         parts = [random_quant_bytes(rng, q, s) for q, s in zip(layout.qtypes, layout.shapes)]
@@ -163,11 +175,24 @@ def bench_moe(
     ms = time_ms(lambda: moe_prefill(h, ids, w, blobs, layout), warmup=2, repeat=7)
     flops = 6.0 * n_tokens * k * d * f
     label = f"moe prefill T={n_tokens} E={n_expert} k={k}"
+    types = "/".join(q.name for q in qtypes)
     rows = [
-        (label, f"d={d} f={f} Q4_K/Q6_K", flops / ms / 1e6, "GFLOP/s"),
+        (label, f"d={d} f={f} {types}", flops / ms / 1e6, "GFLOP/s"),
         (label, "time per layer", ms, "ms"),
         (label, "tokens per second per layer", n_tokens / ms * 1000, "tok/s"),
     ]
+    # the GEMMs alone: one scratch group of experts, each with its mean row count
+    n_g = min(n_expert, DEFAULT_SCRATCH_BYTES // expert_fp16_bytes(layout))
+    m = max(1, n_tokens * k // n_expert)
+    a = cp.asarray(rng.standard_normal((n_g, m, d), dtype=np.float32), dtype=cp.float16)
+    wgu_g = cp.asarray(rng.standard_normal((n_g, 2 * f, d), dtype=np.float32) * 0.02, dtype=cp.float16)
+    wd_g = cp.asarray(rng.standard_normal((n_g, d, f), dtype=np.float32) * 0.02, dtype=cp.float16)
+    gu = cp.empty((n_g, m, 2 * f), dtype=cp.float16)
+    act = cp.zeros((n_g, m, f), dtype=cp.float16)
+    y = cp.empty((n_g, m, d), dtype=cp.float16)
+    ms = time_ms(lambda: (gemm_nt(a, wgu_g, gu), gemm_nt(act, wd_g, y)), warmup=2, repeat=7)
+    rows.append((f"moe GEMMs alone: {n_g} experts x {m} rows", "gate|up + down, fp16",
+                 6.0 * n_g * m * d * f / ms / 1e9, "TFLOP/s"))
     wgu = cp.empty((n_expert, 2 * f, d), dtype=cp.float16)
     wd = cp.empty((n_expert, d, f), dtype=cp.float16)
     members = [blobs[e] for e in range(n_expert)]
@@ -180,7 +205,7 @@ def bench_moe(
             "ms",
         )
     )
-    for n_tok in (1, 4):
+    for n_tok in (1, 4) if decode_rows else ():
         hd, idd, wdd = h[:n_tok], ids[:n_tok], w[:n_tok]
         call = functools.partial(moe_decode, hd, idd, wdd, blobs, layout)
         ms = time_ms(call, warmup=2, repeat=20)
@@ -244,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write bench.md here")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer types")
-    parser.add_argument("--only", choices=["attention"], help="one group of rows")
+    parser.add_argument("--only", choices=["attention", "moe"], help="one group of rows")
     args = parser.parse_args(argv)
     import cupy as cp
 
@@ -258,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_copies(backend, (256 if args.quick else 1024) << 20)
         rows += bench_gemv((8192, 4096) if args.quick else (32768, 8192), args.quick)
         rows += bench_moe(512, 32, 8, 2048, 768) if args.quick else bench_moe(2048, 128, 8, 2048, 768)
-    rows += bench_attention(((4096, 0), (4096, 27162), (16384, 14874), (8192, 63869)))
+    if args.only == "moe":  # the benchmark's chunks: 8,704 (loan off) and 16,384 (on) at 31k
+        for t in (2048, 8704, 16384):
+            rows += bench_moe(t, 128, 8, 2048, 768, (Q.Q4_0, Q.Q4_0, Q.Q4_0), decode_rows=False)
+    if args.only in (None, "attention"):
+        rows += bench_attention(((4096, 0), (4096, 27162), (16384, 14874), (8192, 63869)))
     table = format_table(rows, device)
     print(table)
     if args.out:
