@@ -424,7 +424,8 @@ class Runtime:
         graph = self.model.transformer.token_graph
         line = graph.stats_line() if graph is not None else None
         if self.trace and self.spec is not None and self.options.spec >= 2:
-            self._trace(f"speculation: {self.spec.policy.summary()}")
+            self._trace(f"speculation: drafted {timing.drafted_steps} of {timing.spec_steps} "
+                        f"steps{self.spec.policy.rates()}")
         if not self.trace or line is None:
             return
         n = timing.decode_hits + timing.decode_misses

@@ -186,7 +186,7 @@ class SpecDecoder:
         assert verifier.n_window >= n_window, (verifier.n_window, n_window)
         self.n_window, self.draft, self.verifier = n_window, draft, verifier
         self.always = False  # --spec-always: draft every step (else `DraftPolicy` decides)
-        self.policy = DraftPolicy()  # the last request's (its mode switches, for traces)
+        self.policy = DraftPolicy()  # the last request's (its measured rates, for traces)
         # rows of plain steps the draft has not seen: (first position, hidden [1, d]s, ids)
         self._unseen: tuple[int, list[Any], list[int]] | None = None
         self._pos0: int | None = None  # first prompt position whose hidden `collect` expects
@@ -385,13 +385,12 @@ class SpecDecoder:
         else:
             k, bonus = speculative_accept(draft.tokens, draft.q or [], _host(xp)(logits), sampler)
         session.truncate(n0 + 1 + k)
-        if n_draft:
-            self.draft.observe(session, n0, self.verifier.hidden[: k + 1], [*draft.tokens[:k], bonus])
-        else:  # a plain step: the draft model runs once drafting resumes, over every such row
+        timing.spec_steps += 1
+        if not n_draft:  # a plain step: the draft model runs once drafting resumes, over every such row
             first, rows, ids = self._unseen or (n0, [], [])
             self._unseen = first, [*rows, self.verifier.hidden[:1].copy()], [*ids, bonus]
-        timing.spec_steps += 1
-        if n_draft:
+        else:
+            self.draft.observe(session, n0, self.verifier.hidden[: k + 1], [*draft.tokens[:k], bonus])
             timing.drafted_steps += 1
             timing.drafts_offered += n_draft
             timing.drafts_accepted += k

@@ -44,8 +44,6 @@ class DraftPolicy:
         self._steps: dict[str, deque[tuple[float, int]]] = {
             DRAFT: deque(maxlen=window), PLAIN: deque(maxlen=window),
         }  # fmt: skip
-        self.switches = 0
-        self.steps = {DRAFT: 0, PLAIN: 0}  # steps run in each mode
 
     def drafting(self) -> bool:
         """Whether the next step drafts."""
@@ -59,7 +57,6 @@ class DraftPolicy:
 
     def measured(self, seconds: float, tokens: int) -> None:
         """A step of the current mode took `seconds` and emitted `tokens`."""
-        self.steps[DRAFT if self.drafting() else PLAIN] += 1
         if self.always:
             return
         if not self.fresh:
@@ -78,13 +75,13 @@ class DraftPolicy:
             self.home, self.span = best, self.first_span
         self._switch(best, self.span)
 
-    def summary(self) -> str:
-        """'drafted 20 of 126 steps (25.1 ms/token; plain 14.2 ms/token)' for traces."""
-        n = self.steps[DRAFT] + self.steps[PLAIN]
+    def rates(self) -> str:
+        """' (25.1 ms/token; plain 14.2 ms/token)': the measured modes, for traces ('' when
+        neither was measured)."""
         rates = [(m, self.seconds_per_token(m)) for m in (DRAFT, PLAIN)]
         shown = "; ".join(f"{'' if m == DRAFT else 'plain '}{r * 1e3:.1f} ms/token"
                           for m, r in rates if r is not None)
-        return f"drafted {self.steps[DRAFT]} of {n} steps" + (f" ({shown})" if shown else "")
+        return f" ({shown})" if shown else ""
 
     def _best(self) -> str:
         d, p = self.seconds_per_token(DRAFT), self.seconds_per_token(PLAIN)
@@ -94,7 +91,6 @@ class DraftPolicy:
 
     def _switch(self, mode: str, steps: int) -> None:
         if mode != self.mode:
-            self.switches += 1
             self.fresh = True
         self.mode, self.left = mode, steps
 
