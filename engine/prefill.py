@@ -148,8 +148,11 @@ class CachedExperts:
             self._seen[layer] = set(used)
         if h.shape[0] <= 8 and self.ring is None:
             return moe_decode(h, ids, w, {e: self.blob(layer, e) for e in used}, layout)
-        group = self.ring.n_slots if self.ring is not None else None
-        return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, max_group=group)
+        ring = self.ring
+        if ring is None:
+            return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout)
+        return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout,
+                           max_group=ring.n_slots, release=lambda es: ring.release(layer, es))
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         layout = self.host.layout

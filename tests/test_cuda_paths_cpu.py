@@ -126,6 +126,43 @@ def test_a_group_never_evicts_its_own_members() -> None:
     assert (ring.n_uploads, ring.n_reused) == (7, 1)
 
 
+class _MarkingBackend(SimBackend):
+    """The sim backend plus CUDA's ordering surface: `mark()` events and `upload(after=)`,
+    recording which event each upload was ordered after (None: all compute queued)."""
+
+    def __init__(self) -> None:
+        super().__init__(1 * MiB)
+        self.marks = 0
+        self.after: list[object] = []
+
+    def mark(self) -> object:
+        self.marks += 1
+        return f"mark{self.marks}"
+
+    def upload(self, host, out, *, after=None) -> None:  # type: ignore[no-untyped-def]
+        self.after.append(after)
+        super().upload(host, out)
+
+
+def test_an_upload_into_a_released_slot_waits_only_for_its_readers() -> None:
+    from engine.experts.host import ArrayHostExperts
+    from engine.memory.ring import StagingRing
+
+    host = ArrayHostExperts(np.random.default_rng(5).integers(0, 256, (2, 8, 16), dtype=np.uint8))
+    backend = _MarkingBackend()
+    ring = StagingRing(backend, np.zeros((2, 16), dtype=np.uint8))
+    ring.stage_group(0, [0, 1], host.pieces)  # fresh slots: after all compute
+    ring.release(0, [0, 1, 7])  # 7 is not in the ring: ignored; one mark for the group
+    ring.stage(0, 0, host.pieces)  # a hit re-reads slot 0: its release no longer holds
+    views = ring.stage_group(1, [2, 3], host.pieces)  # slot 0 (re-read), slot 1 (released)
+    assert backend.after == [None, None, None, "mark1"]
+    assert np.array_equal(views[0], host.blob(1, 2)) and np.array_equal(views[1], host.blob(1, 3))
+    ring.release(1, [2])
+    ring.reset()  # forgets releases with the slots
+    ring.stage(0, 4, host.pieces)
+    assert backend.after[-1] is None and backend.marks == 2
+
+
 def test_phase_clock_sums_laps_per_phase() -> None:
     from engine.phases import PhaseClock
 

@@ -12,9 +12,12 @@ Copies. `upload` takes host numpy arrays. Pages that `pin` registered (or `host_
 allocated) are copied straight by DMA; pageable arrays go through a reusable pinned staging
 buffer in two halves, so the host-side copy of one half overlaps the DMA of the other. Copies
 run on a dedicated copy stream; events order them after the compute already queued on the
-current stream (which may still read `out`) and before any compute queued after the upload.
-`upload_async` returns the copy's event without making compute wait, for prefetching into a
-buffer nothing reads yet; `wait(event)` joins it later.
+current stream (which may still read `out`) and before any compute queued after the upload;
+a caller that knows when `out`'s last reader was queued passes that point (`mark()`) as
+`after`, so the copy need not wait for compute queued since (the staging ring does: an expert's
+upload overlaps the GEMMs of the group before it). `upload_async` returns the copy's event
+without making compute wait, for prefetching into a buffer nothing reads yet; `wait(event)`
+joins it later.
 """
 
 from __future__ import annotations
@@ -253,12 +256,14 @@ class CudaBackend:
         return any(p <= ptr and ptr + n_bytes <= p + n for p, (n, _) in self._pinned.items())
 
     def upload_async(self, host: np.ndarray | list[np.ndarray], out: Any, *,
-                     after_compute: bool = True) -> Any:
+                     after_compute: bool = True, after: Any = None) -> Any:
         """Queue host -> `out` on the copy stream; returns the event that marks it done.
         `host` is an array or a list of arrays copied back to back (one counted copy).
 
         `after_compute`: order the copy after the compute already queued on the current
         stream (it may still read `out`); pass False only for a buffer nothing reads now.
+        `after`: an event from `mark()` queued after the last compute that reads `out`: the
+        copy waits for it instead of for all compute queued so far.
         """
         pieces = host if isinstance(host, list) else [host]
         srcs = [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in pieces]  # [n_i]
@@ -266,7 +271,9 @@ class CudaBackend:
         assert n == out.nbytes, f"upload of {n} bytes into {out.nbytes}"
         assert out.flags.c_contiguous, "upload into a non-contiguous device array"
         stream = self._copy_stream
-        if after_compute:
+        if after is not None:
+            stream.wait_event(after)
+        elif after_compute:
             stream.wait_event(cupy.cuda.get_current_stream().record())
         dst = out.data.ptr
         for src in srcs:
@@ -292,9 +299,14 @@ class CudaBackend:
             )
             self._staging_free[slot].record(stream)
 
-    def upload(self, host: np.ndarray | list[np.ndarray], out: Any) -> None:
-        """Copy host bytes into `out` (same byte size); compute queued afterwards sees them."""
-        self.wait(self.upload_async(host, out))
+    def upload(self, host: np.ndarray | list[np.ndarray], out: Any, *, after: Any = None) -> None:
+        """Copy host bytes into `out` (same byte size); compute queued afterwards sees them.
+        `after`: as for `upload_async`."""
+        self.wait(self.upload_async(host, out, after=after))
+
+    def mark(self) -> Any:
+        """An event at the current point of the compute stream (for `upload`'s `after`)."""
+        return cupy.cuda.get_current_stream().record()
 
     def wait(self, event: Any) -> None:
         """Make the current stream wait for `event` (no host synchronisation)."""

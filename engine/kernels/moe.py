@@ -160,6 +160,7 @@ def moe_prefill(
     *,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     max_group: int | None = None,
+    release: Callable[[list[int]], None] | None = None,
 ) -> Any:
     """Routed-expert FFN of a token chunk on the GPU (see the module docstring).
 
@@ -167,8 +168,10 @@ def moe_prefill(
     expert at most once); weights: [T, k] routing weights; blobs: expert id -> uint8 device
     array of its gate|up|down bytes (`ExpertLayout`), for every id in `ids`, as a mapping or
     a function of a list of ids (-> their arrays). A function is called once per group of at
-    most `max_group` experts, after the previous group's kernels are queued (so a staging
-    ring of `max_group` slots can hold every group in turn).
+    most `max_group` experts, after the previous group's fp16 decode is queued (so a staging
+    ring of `max_group` slots can hold every group in turn); `release(ids)` (optional) is
+    told the moment the decode of those experts' blobs is queued, before their GEMMs, so the
+    next group's uploads can overlap the GEMMs of this one.
     Returns float32 [T, d]: sum_j weights[t, j] * down(silu(gate h_t) * up h_t) of expert ids[t, j].
     """
     cp = _cupy()
@@ -204,14 +207,16 @@ def moe_prefill(
         idx = cp.asarray(rows)
         _decode_group(pending, layout, wgu, wd)
         lap("moe fetch+decode")  # the group's blobs staged (ring uploads) and decoded to fp16
+        if release is not None:
+            release([used[u] for u in members])
+        if gi + 1 < len(groups):  # the blobs are read (decode queued): the next group's
+            pending = fetch([used[u] for u in groups[gi + 1]])  # uploads overlap these GEMMs
         gu = gemm_nt(hs[idx], wgu[:n_g], cp.empty((n_g, m, 2 * f), dtype=cp.float16))
         act = cp.empty((n_g, m, f), dtype=cp.float16)
         _swiglu(gu.reshape(n_g * m, 2 * f), act.reshape(n_g * m, f))
         yg = gemm_nt(act, wd[:n_g], cp.empty((n_g, m, d), dtype=cp.float16))  # [n_g, m, d]
         y[idx.reshape(-1)] = yg.reshape(n_g * m, d)
         lap("moe gemm")  # gather, gate|up GEMM, SwiGLU, down GEMM, scatter
-        if gi + 1 < len(groups):  # this group's blobs are read (queued): the next may reuse slots
-            pending = fetch([used[u] for u in groups[gi + 1]])
     out = cp.empty((n_tok, d), dtype=cp.float32)
     w = cp.ascontiguousarray(weights, dtype=cp.float32)  # [T, k]
     combine((n_tok,), (256,), (y, pos.reshape(n_tok, k), w, out, np.int32(k), np.int32(d)))

@@ -78,7 +78,7 @@ class PlanOptions:
     min_kept_slots: int | None = None  # None: `ModelCosts.min_kept_slots()`
     max_lent_share: float = STRATA_MAX_LENT_SHARE
     grid_tokens: int = 256
-    max_chunk_tokens: int = 16384
+    max_chunk_tokens: int = 65536  # the flash kernel keeps no score block: memory decides
     owned_chunk_tokens: int = 2048
     ring_layers: int = 1  # the ring wants this many layers' experts (2 on CUDA: prefetch)
 

@@ -12,7 +12,8 @@ on a 48-layer x 512-expert model):
   Strata's model (48 x 10); a small model keeps one token's experts across all layers, so a
   4-layer, top-2 model keeps 8, not 128 of its 32 blobs;
 - lent share: 90%, a share and so already scale-free; the kept floor binds first on small caches.
-- grid: 256 tokens; auto chunks are multiples of it and at most `max_chunk_tokens`.
+- grid: 256 tokens; auto chunks are multiples of it and at most `max_chunk_tokens` (65,536;
+  below it the byte budget decides).
 - owned prompt path under `--prefill auto`: when it cannot borrow and memory is contended by the
   cache, it takes at most `owned_chunk_tokens` (2,048, llama.cpp's default batch) so the cache
   keeps the rest; when every expert already fits, it takes all that is left.

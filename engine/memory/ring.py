@@ -53,8 +53,10 @@ class StagingRing:
 
     Overwriting a slot is safe without a host synchronisation: the backend orders every upload
     after the compute already queued (which includes every kernel that read the slot's old
-    expert). `stage(..., wait=False)` (prefetch, CUDA) queues the copy without making the
-    compute wait for it; the wait is queued when the expert is first asked for with `wait=True`.
+    expert), or, once `release` said the slot's readers are queued (backends with `mark`,
+    CUDA), after just those readers, so the upload overlaps the compute queued since.
+    `stage(..., wait=False)` (prefetch, CUDA) queues the copy without making the compute wait
+    for it; the wait is queued when the expert is first asked for with `wait=True`.
     """
 
     def __init__(self, backend: Backend, slots: DeviceArray):
@@ -65,6 +67,7 @@ class StagingRing:
         self._where: dict[tuple[int, int], int] = {}  # (layer, expert) -> ring slot
         self._next = 0
         self._pending: dict[int, object] = {}  # slot -> copy event compute has not waited for
+        self._free_after: dict[int, object] = {}  # slot -> event past its last reader (release)
         self.n_uploads = 0
         self.n_reused = 0
 
@@ -84,6 +87,7 @@ class StagingRing:
         slot = self._where.get(key)
         if slot is not None:
             self.n_reused += 1
+            self._free_after.pop(slot, None)  # read again: released again after that read
         else:
             slot = self._next
             old = self._held[slot]
@@ -91,11 +95,13 @@ class StagingRing:
                 del self._where[old]
             self._held[slot] = None
             self._pending.pop(slot, None)  # a later copy on the same stream supersedes it
+            after = self._free_after.pop(slot, None)
+            kw = {} if after is None else {"after": after}
             if wait:
-                self.backend.upload(host_blob(layer, expert), self.slots[slot])
+                self.backend.upload(host_blob(layer, expert), self.slots[slot], **kw)
             else:
                 self._pending[slot] = self.backend.upload_async(  # type: ignore[attr-defined]
-                    host_blob(layer, expert), self.slots[slot])
+                    host_blob(layer, expert), self.slots[slot], **kw)
             self._held[slot] = key
             self._where[key] = slot
             self._next = (slot + 1) % self.n_slots
@@ -122,9 +128,23 @@ class StagingRing:
             views.append(view)
         return views
 
+    def release(self, layer: int, experts: list[int]) -> None:
+        """The compute that reads these experts' slots is queued (the MoE kernels decoded
+        them): a later upload into one of them waits for that compute only, not for all the
+        compute queued before it. Experts the ring does not hold are ignored; a no-op on
+        backends without `mark` (their uploads are synchronous)."""
+        mark = getattr(self.backend, "mark", None)
+        slots = [self._where[(layer, e)] for e in experts if (layer, e) in self._where]
+        if mark is None or not slots:
+            return
+        event = mark()
+        for slot in slots:
+            self._free_after[slot] = event
+
     def reset(self) -> None:
         """Forget what the ring holds (its memory is about to be reused or refilled)."""
         self._held = [None] * self.n_slots
         self._where.clear()
         self._next = 0
         self._pending.clear()
+        self._free_after.clear()
