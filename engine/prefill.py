@@ -137,10 +137,12 @@ class CachedExperts:
         staged = iter(self._counted(lambda: ring.stage_group(layer, missing, self.host.pieces)))
         return [v if v is not None else next(staged) for v in views]
 
-    def kernel_ffn(self, layer: int, h: Any, ids: Any, w: Any, used: list[int]) -> Any:
+    def kernel_ffn(self, layer: int, h: Any, ids: Any, w: Any, used: list[int],
+                   counts: Any = None) -> Any:
         """The routed FFN on CUDA, h [T, d], ids/w [T, k] -> [T, d]: fused GEMVs for a few
         decode tokens, else grouped fp16 GEMMs with experts fetched one group at a time (a
-        group never needs more ring slots than the ring has)."""
+        group never needs more ring slots than the ring has); `counts`: host rows per
+        expert, when the caller read them."""
         from engine.kernels.moe import moe_decode, moe_prefill
 
         layout = self.host.layout
@@ -150,8 +152,8 @@ class CachedExperts:
             return moe_decode(h, ids, w, {e: self.blob(layer, e) for e in used}, layout)
         ring = self.ring
         if ring is None:
-            return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout)
-        return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout,
+            return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, counts=counts)
+        return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, counts=counts,
                            max_group=ring.n_slots, release=lambda es: ring.release(layer, es))
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
@@ -168,12 +170,15 @@ class CachedExperts:
         )
 
 
-def kernel_ffn(layout: Any, blobs: dict[int, Any], h: Any, ids: Any, w: Any) -> Any:
-    """h [T, d], ids/w [T, k] -> [T, d] with the CUDA MoE kernels over resident blobs."""
+def kernel_ffn(layout: Any, blobs: dict[int, Any], h: Any, ids: Any, w: Any,
+               counts: Any = None) -> Any:
+    """h [T, d], ids/w [T, k] -> [T, d] with the CUDA MoE kernels over resident blobs
+    (`counts`: host rows per expert, when the caller read them)."""
     from engine.kernels.moe import moe_decode, moe_prefill
 
-    run = moe_decode if h.shape[0] <= 8 else moe_prefill
-    return run(h, ids, w, blobs, layout)
+    if h.shape[0] <= 8:
+        return moe_decode(h, ids, w, blobs, layout)
+    return moe_prefill(h, ids, w, blobs, layout, counts=counts)
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ def build_spec(rt: Runtime, dense: Arena, kv: Arena) -> tuple[SpecDecoder | None
     experts = MTPExperts(m.mtp_experts, rt.xp, exa.to_device)
     if rt.on_cuda:  # compute the MTP experts from their resident quantized bytes
         layout = m.mtp_experts.layout
-        experts.ffn = lambda layer, h, ids, w, used: kernel_ffn(  # type: ignore[attr-defined]
-            layout, {e: experts.blobs[e] for e in used}, h, ids, w)
+        experts.ffn = lambda layer, h, ids, w, used, counts: kernel_ffn(  # type: ignore[attr-defined]
+            layout, {e: experts.blobs[e] for e in used}, h, ids, w, counts)
     items = [DecodeResource("mtp.experts", exa, experts), DecodeResource("mtp.draft_head", hda, head)]
     block = MTPBlock(m, head=head, experts=experts, xp=rt.xp, to_device=dense.to_device)
     if o.spec < 2:

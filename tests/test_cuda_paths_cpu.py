@@ -201,3 +201,24 @@ def test_trace_prints_the_prefill_phases(tiny_path, monkeypatch) -> None:  # typ
     phase = [ln for ln in lines if ln.startswith("prefill phases:")]
     assert len(phase) == 1 and "attention" in phase[0] and "moe" in phase[0]
     assert loop.rt.model.transformer.phase_clock is None  # only while a prompt runs
+
+
+def test_row_plan_places_every_row_once_inside_its_group() -> None:
+    from engine.kernels.moe import plan_rows
+
+    n_per = [3, 9, 1, 4, 4, 2]  # rows per used expert, sorted rows 0..22 in this order
+    plan = plan_rows(n_per, group=2)
+    starts = np.concatenate([[0], np.cumsum(n_per)])
+    assert [sorted(g) for g in plan.groups] == [[1], [3, 4], [0, 5], [2]]  # busiest first
+    assert plan.m == [9, 4, 3, 1] and plan.base == [0, 9, 17, 23] and plan.n_padded == 24
+    assert sorted(plan.padded.tolist()) == sorted(set(plan.padded.tolist()))  # no row twice
+    for gi, members in enumerate(plan.groups):
+        rows = plan.sorted_rows[gi]  # [n_g, m]
+        assert rows.shape == (len(members), plan.m[gi])
+        for i, u in enumerate(members):
+            mine = np.arange(starts[u], starts[u + 1])
+            assert rows[i, : n_per[u]].tolist() == mine.tolist()
+            assert (rows[i, n_per[u] :] == sum(n_per)).all()  # padding
+            # the padded row of each sorted row is where the group's GEMM writes it
+            assert plan.padded[mine].tolist() == (plan.base[gi] + i * plan.m[gi]
+                                                  + np.arange(n_per[u])).tolist()

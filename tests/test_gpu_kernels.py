@@ -146,6 +146,17 @@ def test_moe_prefill_matches_numpy(cp, qtypes) -> None:
     ref = _moe_reference(h.astype(np.float64), ids, wts, host_blobs, layout)
     err = np.linalg.norm(out.get() - ref) / np.linalg.norm(ref)
     assert err < 5e-3, f"moe rel err {err:.2e}"
+    # the prompt path's call: host row counts given, blobs fetched and released per group
+    fetched: list[list[int]] = []
+    released: list[list[int]] = []
+    again = moe_prefill(
+        cp.asarray(h), cp.asarray(ids), cp.asarray(wts),
+        lambda es: fetched.append(es) or [dev_blobs[e] for e in es], layout,
+        scratch_bytes=scratch, counts=np.bincount(ids.reshape(-1), minlength=n_exp),
+        release=released.append,
+    )  # fmt: skip
+    assert cp.array_equal(again, out)
+    assert released == fetched and sorted(e for es in fetched for e in es) == used and fetched[0] == [0]
 
     from engine.kernels import moe_decode
 

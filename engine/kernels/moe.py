@@ -2,25 +2,29 @@
 
 Prefill (`moe_prefill`), for a chunk of T tokens routed to k experts each:
 
-1. sort the T*k (token, expert) rows by expert and gather the activations in that order;
+1. sort the T*k (token, expert) rows by expert (on the device; the per-expert row counts come
+   to the host once, and `plan_rows` places every row there);
 2. order the used experts by row count and take them in groups that fit the scratch: decode the
-   gate|up|down parts of a group in one launch per quant type (`dequantize_many`), pad the
-   group's rows to its largest expert, and run two strided-batched cuBLAS GEMMs per group
-   ([m, d] @ [d, 2f] for gate|up, [m, f] @ [f, d] for down; fp16 operands, fp32 accumulation)
-   with one `silu(gate) * up` launch in between;
-3. out[t] = sum_j w[t, j] * y[row of (t, j)] in one deterministic launch (no atomics).
+   gate|up|down parts of a group in one launch per quant type (`dequantize_many`), gather the
+   group's token rows padded to its largest expert straight from the fp16 activations, and run
+   two strided-batched cuBLAS GEMMs per group ([m, d] @ [d, 2f] for gate|up, [m, f] @ [f, d]
+   for down; fp16 operands, fp32 accumulation) with one `silu(gate) * up` launch in between,
+   the down GEMM writing into the group's rows of one padded output buffer;
+3. out[t] = sum_j w[t, j] * y[padded row of (t, j)] in one deterministic launch (no atomics).
 
 Decode (`moe_decode`), for B <= a few tokens: gate and up of every (token, expert) pair in one
 `gemv_many` launch, `silu(gate) * up`, down in one more, and the weighted sum.
 
-The expert ids and row counts come to the host once per call (the GEMM shapes and the blob
-addresses need them); small launch tables (row indices, pointers) go the other way.
+The row counts come to the host once per call (the GEMM shapes and the blob addresses need
+them; `moe_block` reads them and passes them on); small launch tables (row indices, pointers)
+go the other way.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -143,6 +147,45 @@ def _groups(by_count: list[int], n_per: list[int], group: int, row_cap: int) -> 
     return out
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """Where the grouped GEMMs put each (token, expert) row, computed on the host from the
+    per-expert row counts (rows sorted by expert: expert u's rows are starts[u]..starts[u+1]).
+
+    Group g's experts run as one batch of `len(groups[g])` GEMMs of `m[g]` rows (its busiest
+    member's count); its outputs fill padded rows base[g] .. base[g] + len(groups[g]) * m[g]
+    of one buffer. `padded[s]` is the padded row of sorted row s; `sorted_rows[g]` [n_g, m_g]
+    the sorted row behind each padded row of group g (n_rows where it is padding)."""
+
+    groups: list[list[int]]  # indices into the used experts
+    m: list[int]
+    base: list[int]
+    padded: np.ndarray  # [n_rows] int32
+    sorted_rows: list[np.ndarray]  # [n_g, m_g] int32 each
+    n_padded: int
+
+
+def plan_rows(n_per: list[int], group: int) -> RowPlan:
+    """The `RowPlan` of experts with row counts `n_per` in groups of at most `group`."""
+    n_rows = int(sum(n_per))
+    starts = np.concatenate([[0], np.cumsum(n_per)]).astype(np.int64)  # [n_used + 1]
+    by_count = sorted(range(len(n_per)), key=lambda i: (-n_per[i], i))
+    groups = _groups(by_count, n_per, group, max(n_rows // 2, 1))
+    padded = np.empty(n_rows, dtype=np.int32)
+    ms, bases, sorted_rows, base = [], [], [], 0
+    for members in groups:
+        m = n_per[members[0]]
+        rows = np.full((len(members), m), n_rows, dtype=np.int32)  # [n_g, m]
+        for i, u in enumerate(members):
+            rows[i, : n_per[u]] = np.arange(starts[u], starts[u + 1])
+            padded[starts[u] : starts[u + 1]] = base + i * m + np.arange(n_per[u])
+        ms.append(m)
+        bases.append(base)
+        sorted_rows.append(rows)
+        base += len(members) * m
+    return RowPlan(groups, ms, bases, padded, sorted_rows, base)
+
+
 def _swiglu(gu: Any, act: Any) -> None:
     """act [rows, f] = silu(gu[:, :f]) * gu[:, f:] for gu [rows, 2f] (fp16)."""
     swiglu, _ = _kernels()
@@ -161,6 +204,7 @@ def moe_prefill(
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     max_group: int | None = None,
     release: Callable[[list[int]], None] | None = None,
+    counts: np.ndarray | None = None,
 ) -> Any:
     """Routed-expert FFN of a token chunk on the GPU (see the module docstring).
 
@@ -171,7 +215,8 @@ def moe_prefill(
     most `max_group` experts, after the previous group's fp16 decode is queued (so a staging
     ring of `max_group` slots can hold every group in turn); `release(ids)` (optional) is
     told the moment the decode of those experts' blobs is queued, before their GEMMs, so the
-    next group's uploads can overlap the GEMMs of this one.
+    next group's uploads can overlap the GEMMs of this one. `counts` (optional, host [E]):
+    rows per expert id, when the caller has read them already (saves a host read).
     Returns float32 [T, d]: sum_j weights[t, j] * down(silu(gate h_t) * up h_t) of expert ids[t, j].
     """
     cp = _cupy()
@@ -182,41 +227,44 @@ def moe_prefill(
     n_rows = n_tok * k
     flat = cp.asarray(ids, dtype=cp.int32).reshape(-1)  # [T*k]; host ids when a prompt has <= 8 fresh tokens
     order = cp.argsort(flat).astype(cp.int32)  # [T*k] rows sorted by expert
-    experts, counts = cp.unique(flat, return_counts=True)
-    used, n_per = (a.tolist() for a in cp.stack([experts, counts.astype(cp.int32)]).get())
-    lap("moe route")  # router, top-k and the two host reads of the routing (STRATA_TRACE)
-    starts = np.concatenate([[0], np.cumsum(n_per)])  # [n_used + 1]
-    pos = cp.empty(n_rows, dtype=cp.int32)  # [T*k] sorted row of (t, j)
-    pos[order] = cp.arange(n_rows, dtype=cp.int32)
-    hs = cp.zeros((n_rows + 1, d), dtype=cp.float16)  # last row: zeros for padding
-    hs[:n_rows] = cp.asarray(h, dtype=cp.float16)[order // k]
-    y = cp.empty((n_rows + 1, d), dtype=cp.float16)  # last row: where padding rows land
-
+    if counts is None:
+        experts, n_of = cp.unique(flat, return_counts=True)
+        used, n_per = (a.tolist() for a in cp.stack([experts, n_of.astype(cp.int32)]).get())
+    else:
+        used = np.flatnonzero(counts).tolist()
+        n_per = [int(counts[e]) for e in used]
+    assert sum(n_per) == n_rows, f"expert row counts sum to {sum(n_per)}, not {n_rows}"
+    lap("moe route")  # router, top-k and the host read of the routing (STRATA_TRACE)
     fetch = (lambda es: [blobs[e] for e in es]) if isinstance(blobs, Mapping) else blobs
     group = min(max(1, scratch_bytes // expert_fp16_bytes(layout)), len(used), max_group or len(used))
+    plan = plan_rows(n_per, group)
+    tok = cp.empty(n_rows + 1, dtype=cp.int32)  # [T*k + 1] token of each sorted row
+    tok[:n_rows] = order // k
+    tok[n_rows] = n_tok  # padding rows read the zero row
+    h16 = cp.empty((n_tok + 1, d), dtype=cp.float16)  # [T + 1, d]; last row zeros
+    h16[:n_tok] = h
+    h16[n_tok] = 0
+    y = cp.empty((plan.n_padded, d), dtype=cp.float16)  # [padded rows, d] expert outputs
     wgu = cp.empty((group, 2 * f, d), dtype=cp.float16)  # gate | up of each expert
     wd = cp.empty((group, d, f), dtype=cp.float16)
-    by_count = sorted(range(len(used)), key=lambda i: (-n_per[i], used[i]))
-    groups = _groups(by_count, n_per, group, max(n_rows // 2, 1))
-    pending = fetch([used[u] for u in groups[0]])
-    for gi, members in enumerate(groups):
-        n_g, m = len(members), n_per[members[0]]
-        rows = np.full((n_g, m), n_rows, dtype=np.int32)  # [n_g, m] sorted rows, padded
-        for i, u in enumerate(members):
-            rows[i, : n_per[u]] = np.arange(starts[u], starts[u + 1])
-        idx = cp.asarray(rows)
+    pending = fetch([used[u] for u in plan.groups[0]])
+    for gi, members in enumerate(plan.groups):
+        n_g, m, base = len(members), plan.m[gi], plan.base[gi]
+        rows = cp.asarray(plan.sorted_rows[gi])  # [n_g, m] sorted rows (n_rows: padding)
         _decode_group(pending, layout, wgu, wd)
         lap("moe fetch+decode")  # the group's blobs staged (ring uploads) and decoded to fp16
         if release is not None:
             release([used[u] for u in members])
-        if gi + 1 < len(groups):  # the blobs are read (decode queued): the next group's
-            pending = fetch([used[u] for u in groups[gi + 1]])  # uploads overlap these GEMMs
-        gu = gemm_nt(hs[idx], wgu[:n_g], cp.empty((n_g, m, 2 * f), dtype=cp.float16))
+        if gi + 1 < len(plan.groups):  # the blobs are read (decode queued): the next group's
+            pending = fetch([used[u] for u in plan.groups[gi + 1]])  # uploads overlap these GEMMs
+        a = cp.take(h16, tok[rows], axis=0)  # [n_g, m, d] the group's token rows
+        gu = gemm_nt(a, wgu[:n_g], cp.empty((n_g, m, 2 * f), dtype=cp.float16))
         act = cp.empty((n_g, m, f), dtype=cp.float16)
         _swiglu(gu.reshape(n_g * m, 2 * f), act.reshape(n_g * m, f))
-        yg = gemm_nt(act, wd[:n_g], cp.empty((n_g, m, d), dtype=cp.float16))  # [n_g, m, d]
-        y[idx.reshape(-1)] = yg.reshape(n_g * m, d)
-        lap("moe gemm")  # gather, gate|up GEMM, SwiGLU, down GEMM, scatter
+        gemm_nt(act, wd[:n_g], y[base : base + n_g * m].reshape(n_g, m, d))  # [n_g, m, d]
+        lap("moe gemm")  # gather, gate|up GEMM, SwiGLU, down GEMM
+    pos = cp.empty(n_rows, dtype=cp.int32)  # [T*k] padded output row of (t, j)
+    pos[order] = cp.asarray(plan.padded)
     out = cp.empty((n_tok, d), dtype=cp.float32)
     w = cp.ascontiguousarray(weights, dtype=cp.float32)  # [T, k]
     combine((n_tok,), (256,), (y, pos.reshape(n_tok, k), w, out, np.int32(k), np.int32(d)))

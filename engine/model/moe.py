@@ -15,8 +15,9 @@ from engine.model.ops import linear, rms_norm, silu, softmax
 class ExpertProvider(Protocol):
     """Supplies dequantized expert weights for one layer at a time.
 
-    A provider may also define `ffn(layer, h, ids, w, used) -> [T, d]` to compute the whole
-    routed FFN itself (the CUDA provider runs grouped kernels there); otherwise `moe_block`
+    A provider may also define `ffn(layer, h, ids, w, used, counts) -> [T, d]` to compute the
+    whole routed FFN itself (the CUDA provider runs grouped kernels there; `counts` is the host
+    array [E] of rows per expert when `moe_block` read it, else None); otherwise `moe_block`
     loops over the used experts with `weights`.
     """
 
@@ -55,15 +56,19 @@ def moe_block(
     """x: [T, d] -> ([T, d] FFN output, ids [T, k] routing used, margin [T])."""
     h = rms_norm(xp, x, norm, hp.rms_eps)  # [T, d]
     ids, w, margin = route(xp, hp, router, h)
+    counts = None
     if xp.__name__ == "cupy" and len(ids) <= 8:  # decode: the ids come to the host once
         ids = ids.get()
         used = sorted(set(ids.reshape(-1).tolist()))
+    elif xp.__name__ == "cupy":  # prompt: rows per expert, the one host read of the routing
+        counts = xp.bincount(ids.reshape(-1), minlength=hp.n_expert).get()  # [E]
+        used = [int(e) for e in counts.nonzero()[0]]
     else:
         used = sorted(int(e) for e in xp.unique(ids).tolist())
     experts.prepare(layer, used)
     ffn = getattr(experts, "ffn", None)
     if ffn is not None:
-        return ffn(layer, h, ids, w, used), ids, margin
+        return ffn(layer, h, ids, w, used, counts), ids, margin
     return expert_loop(xp, experts, layer, h, ids, w, used), ids, margin
 
 
