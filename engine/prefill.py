@@ -153,8 +153,10 @@ class CachedExperts:
         ring = self.ring
         if ring is None:
             return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, counts=counts)
+        table = self.cache.table if self.cache is not None else None  # (uncounted lookups)
         return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, counts=counts,
-                           max_group=ring.n_slots, release=lambda es: ring.release(layer, es))
+                           max_group=ring.n_slots, release=lambda es: ring.release(layer, es),
+                           staged=lambda e: table is None or table.lookup(layer, e) < 0)  # fmt: skip
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         layout = self.host.layout

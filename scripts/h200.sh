@@ -16,6 +16,8 @@
 #             -> $OUT/gprof.md
 #   mphase    prefill phases with the MoE split (route, fetch+decode, gemm), 8 layers, 16k tokens
 #   prof      cProfile of `strata run` on the 48-layer model     -> $OUT/prof.txt
+#   pprof     cProfile of `strata run` with a 31,258-token prompt (loan on), 8 new tokens:
+#             the host's share of the prefill               -> $OUT/pprof.txt
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
 #             ONLY=auto or ONLY=ab runs one of the two tables (a call is at most 10 minutes)
@@ -79,6 +81,15 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(16384)))" > /tmp/p1
             --prompt "Tell me about rivers." --max-new 48 > "$OUT/prof-run.txt" 2>&1 || true
           python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(45)" \
             "$OUT/prof.out" > "$OUT/prof.txt" ;;
+    pprof) python3 -c "import random; r=random.Random(31); \
+print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
+          STRATA_PREFILL_ELASTIC_LOAN=1 STRATA_PREFILL_MTP_LOAN=1 STRATA_PREFILL_HEAD_LOAN=1 \
+          STRATA_TRACE=1 python3 -m cProfile -o "$OUT/pprof.out" -m engine.cli run --serve --vram-elastic \
+            --model models/q48.gguf --device cuda --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --ctx 31900 \
+            --tokens-file /tmp/p31k.txt --max-new 8 > "$OUT/pprof-run.txt" 2>&1 || true
+          python3 -c "import pstats,sys; s=pstats.Stats(sys.argv[1]); \
+s.sort_stats('tottime').print_stats(30); s.sort_stats('cumtime').print_stats(40)" \
+            "$OUT/pprof.out" > "$OUT/pprof.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -210,15 +210,25 @@ def test_row_plan_places_every_row_once_inside_its_group() -> None:
     plan = plan_rows(n_per, group=2)
     starts = np.concatenate([[0], np.cumsum(n_per)])
     assert [sorted(g) for g in plan.groups] == [[1], [3, 4], [0, 5], [2]]  # busiest first
-    assert plan.m == [9, 4, 3, 1] and plan.base == [0, 9, 17, 23] and plan.n_padded == 24
+    assert plan.m == [9, 4, 3, 1] and plan.base == [0, 9, 17, 23] and len(plan.source) == 24
     assert sorted(plan.padded.tolist()) == sorted(set(plan.padded.tolist()))  # no row twice
     for gi, members in enumerate(plan.groups):
-        rows = plan.sorted_rows[gi]  # [n_g, m]
-        assert rows.shape == (len(members), plan.m[gi])
+        base, m = plan.base[gi], plan.m[gi]
         for i, u in enumerate(members):
             mine = np.arange(starts[u], starts[u + 1])
-            assert rows[i, : n_per[u]].tolist() == mine.tolist()
-            assert (rows[i, n_per[u] :] == sum(n_per)).all()  # padding
-            # the padded row of each sorted row is where the group's GEMM writes it
-            assert plan.padded[mine].tolist() == (plan.base[gi] + i * plan.m[gi]
-                                                  + np.arange(n_per[u])).tolist()
+            # the padded rows of each sorted row are where the group's GEMM computes it
+            assert plan.padded[mine].tolist() == (base + i * m + np.arange(n_per[u])).tolist()
+            rows = plan.source[base + i * m : base + (i + 1) * m]
+            assert rows[: n_per[u]].tolist() == mine.tolist()
+            assert (rows[n_per[u] :] == sum(n_per)).all()  # padding
+
+
+def test_row_plan_counts_only_staged_experts_against_the_ring() -> None:
+    from engine.kernels.moe import plan_rows
+
+    n_per = [5, 5, 5, 5, 5, 5]
+    staged = [True, False, True, False, False, True]  # 0, 2, 5 need ring slots
+    plan = plan_rows(n_per, group=4, staged=staged, max_staged=1)
+    assert plan.groups == [[0, 1], [2, 3, 4], [5]]  # one staged expert a group
+    # without `staged`: 3 a group (padded rows stay under half of all 30 rows)
+    assert plan_rows(n_per, group=4).groups == [[0, 1, 2], [3, 4, 5]]

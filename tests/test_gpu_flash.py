@@ -1,5 +1,10 @@
 """Fused flash attention on CUDA (`engine.kernels.flash`) against numpy `causal_gqa` and the
 cuBLAS path (`engine.kernels.attention.causal_attention`). Skipped where CuPy finds no device.
+
+Every attention test runs once per kernel (the `kernel` fixture), through `flash_attention`'s
+dispatch: "fa2" everywhere (STRATA_FLASH=fa2), "sm90a" where the device runs it (compute
+capability 9.0, NVRTC 13+) and the head size is one it takes. `test_wgmma_building_blocks`
+checks the sm90a kernel's GEMMs alone, exactly, so that a layout bug shows where it is.
 """
 
 from __future__ import annotations
@@ -33,6 +38,30 @@ REL_TOL_CUBLAS = 1e-2 + REL_TOL
 REL_TOL_ROUNDED_INPUTS = 1e-3
 
 
+@pytest.fixture(params=["fa2", "sm90a"])
+def kernel(request: pytest.FixtureRequest, cp: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The flash kernel under test, chosen through STRATA_FLASH; "sm90a" is skipped where the
+    device cannot run it."""
+    from engine.kernels import flash
+
+    if request.param == "fa2":
+        monkeypatch.setenv(flash.ENV, "fa2")
+    else:
+        monkeypatch.delenv(flash.ENV, raising=False)
+        if not flash.sm90a_available():
+            pytest.skip("the sm90a kernel needs compute capability 9.0 and NVRTC 13+")
+    return request.param
+
+
+def _expect(kernel: str, d: int) -> None:
+    """Skips head sizes the kernel does not take; checks that the dispatch picks the kernel."""
+    from engine.kernels import flash
+
+    if kernel == "sm90a" and d not in flash.SM90_HEAD_SIZES:
+        pytest.skip(f"the sm90a kernel does not take D={d}")
+    assert flash.kernel_for(d) == kernel
+
+
 def _inputs(
     t: int, pos0: int, n_head: int, n_kv: int, d: int, extra: int = 0, q_std: float = 2.0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,13 +85,21 @@ def _rel(got: Any, want: Any, xp: Any = np) -> float:
 
 
 @pytest.mark.parametrize("d", [16, 64, 128])
-@pytest.mark.parametrize("n_head, n_kv", [(4, 4), (8, 4), (16, 2)], ids=["G1", "G2", "G8"])
+@pytest.mark.parametrize(
+    "n_head, n_kv", [(4, 4), (8, 4), (16, 2), (32, 4)], ids=["G1", "G2", "G8", "G8-H32"]
+)
 @pytest.mark.parametrize("pos0", [0, 257])
 @pytest.mark.parametrize("t", [1, 17, 100, 300])
-def test_matches_numpy_and_cublas(cp, d: int, n_head: int, n_kv: int, pos0: int, t: int) -> None:
+def test_matches_numpy_and_cublas(
+    cp, kernel: str, d: int, n_head: int, n_kv: int, pos0: int, t: int
+) -> None:
+    """T*G rows: from 1 (T = 1) to several row tiles, never a multiple of 64, so the last row
+    tile is part-filled; S' = pos0 + T keys: one key tile or several, never a multiple of 8 (the
+    sm90a kernel pads its V^T rows to 8 keys)."""
     from engine.kernels.attention import causal_attention
     from engine.kernels.flash import flash_attention
 
+    _expect(kernel, d)
     q, k, v = _inputs(t, pos0, n_head, n_kv, d)
     qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
     got = flash_attention(qd, kd, vd, pos0)
@@ -85,22 +122,24 @@ def test_matches_numpy_and_cublas(cp, d: int, n_head: int, n_kv: int, pos0: int,
     ids=["G3-D32", "D256", "f16-inputs"],
 )
 def test_other_shapes_and_dtypes(
-    cp, t: int, pos0: int, n_head: int, n_kv: int, d: int, dtype: type
+    cp, kernel: str, t: int, pos0: int, n_head: int, n_kv: int, d: int, dtype: type
 ) -> None:
     from engine.kernels.flash import flash_attention
 
+    _expect(kernel, d)
     q, k, v = (x.astype(dtype) for x in _inputs(t, pos0, n_head, n_kv, d))
     got = flash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), pos0).get()
     err = _rel(got, _ref(q, k, v, pos0))
     assert err < REL_TOL, f"relative error {err:.2e}"
 
 
-def test_qwen3_30b_a3b_chunk(cp) -> None:
+def test_qwen3_30b_a3b_chunk(cp, kernel: str) -> None:
     """H=32, Hkv=4, D=128: a 1024-query chunk after 3000 cached positions (the float64
     reference runs on the GPU)."""
     from engine.kernels.attention import causal_attention
     from engine.kernels.flash import flash_attention
 
+    _expect(kernel, 128)
     t, pos0 = 1024, 3000
     q, k, v = (cp.asarray(x) for x in _inputs(t, pos0, 32, 4, 128))
     got = flash_attention(q, k, v, pos0)
@@ -111,10 +150,11 @@ def test_qwen3_30b_a3b_chunk(cp) -> None:
     assert err < REL_TOL_CUBLAS, f"relative difference {err:.2e} vs the cuBLAS path"
 
 
-def test_keys_past_the_chunk_are_ignored(cp) -> None:
+def test_keys_past_the_chunk_are_ignored(cp, kernel: str) -> None:
     """k, v hold S > pos0 + T positions; the extra ones (NaN here) must not be read."""
     from engine.kernels.flash import flash_attention
 
+    _expect(kernel, 64)
     t, pos0 = 90, 40
     s = pos0 + t
     q, k, v = _inputs(t, pos0, 8, 2, 64, extra=77)
@@ -126,13 +166,14 @@ def test_keys_past_the_chunk_are_ignored(cp) -> None:
     assert _rel(got, _ref(q, k, v, pos0)) < REL_TOL
 
 
-def test_first_query_sees_only_the_first_key(cp) -> None:
+def test_first_query_sees_only_the_first_key(cp, kernel: str) -> None:
     """pos0 = 0 with large scores (masked future keys would dominate): query 0's softmax is
     exactly [1, 0, ...], so its output is v[0] rounded to fp16, bit for bit; every row is finite
     (each query sees at least key 0: no row is empty)."""
     from engine.kernels.flash import flash_attention
 
     t, h, hkv, d = 100, 8, 2, 128
+    _expect(kernel, d)
     q, k, v = _inputs(t, 0, h, hkv, d, q_std=8.0)
     got = flash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0).get()
     assert np.isfinite(got).all()
@@ -143,11 +184,54 @@ def test_first_query_sees_only_the_first_key(cp) -> None:
     assert err < REL_TOL_ROUNDED_INPUTS, f"relative error {err:.2e} vs fp16-rounded inputs"
 
 
-def test_empty_chunk_and_head_sizes(cp) -> None:
+def test_empty_chunk_and_head_sizes(cp, kernel: str) -> None:
     from engine.kernels.flash import flash_attention, supported
 
+    _expect(kernel, 64)
     q = cp.zeros((0, 4, 64), dtype=cp.float32)
     kv = cp.zeros((10, 2, 64), dtype=cp.float32)
     assert flash_attention(q, kv, kv, 10).shape == (0, 4, 64)
     assert all(supported(d) for d in range(16, 257, 16))
     assert not any(supported(d) for d in (0, 8, 24, 100, 272))
+
+
+def test_dispatch(cp, monkeypatch: pytest.MonkeyPatch) -> None:
+    """STRATA_FLASH=fa2 forces the FA2 kernel; other head sizes always get it; a typo fails."""
+    from engine.kernels import flash
+
+    monkeypatch.setenv(flash.ENV, "fa2")
+    assert flash.kernel_for(128) == "fa2"
+    monkeypatch.setenv(flash.ENV, "fa3")
+    with pytest.raises(ValueError, match="STRATA_FLASH"):
+        flash.kernel_for(128)
+    monkeypatch.delenv(flash.ENV)
+    assert flash.kernel_for(32) == "fa2"
+    want = "sm90a" if flash.sm90a_available() else "fa2"
+    assert flash.kernel_for(128) == flash.kernel_for(64) == want
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_wgmma_building_blocks(cp, d: int) -> None:
+    """The sm90a kernel's two GEMMs alone (`flash.wgmma_gemm_test`: load_tile's swizzled
+    shared memory, the wgmma descriptors, the accumulator and A-from-registers fragments):
+    s = q k^T [64, 128] and o = fp16(s) v [64, D] on small integers, where fp32 and fp16 are
+    exact, so both must match bit for bit. A wrong swizzle, descriptor field or fragment
+    mapping moves or mixes entries: the message names the first wrong (row, col)."""
+    from engine.kernels import flash
+
+    if not flash.sm90a_available():
+        pytest.skip("the sm90a kernel needs compute capability 9.0 and NVRTC 13+")
+    rng = np.random.default_rng(d)
+    # |s| <= 2 * 2 * D <= 512 and |o| <= 512 * 2 * 128: integers, exact in fp16 / fp32
+    shapes = ((64, d), (128, d), (128, d))
+    q, k, v = (rng.integers(-2, 3, shape).astype(np.float16) for shape in shapes)
+    s, o = flash.wgmma_gemm_test(cp.asarray(q), cp.asarray(k), cp.asarray(v.T))
+    s, o = s.get(), o.get()
+    want_s = q.astype(np.float64) @ k.astype(np.float64).T
+    want_o = want_s @ v.astype(np.float64)
+    for name, got, want in (("s = q k^T", s, want_s), ("o = s v", o, want_o)):
+        wrong = np.argwhere(got != want)
+        assert len(wrong) == 0, (
+            f"{name}: {len(wrong)} of {want.size} entries wrong, first at (row, col) "
+            f"{tuple(wrong[0])}: {got[tuple(wrong[0])]} instead of {want[tuple(wrong[0])]}"
+        )

@@ -176,9 +176,15 @@ def gqa_dims(q: Any, k: Any, v: Any, pos0: int) -> tuple[int, int, int]:
     return n_kv, n_head // n_kv, s
 
 
-def fp16_kv_leading(q: Any, k: Any, v: Any, s: int) -> tuple[Any, Any, Any]:
+def fp16_kv_leading(
+    q: Any, k: Any, v: Any, s: int, transpose_v: bool = False
+) -> tuple[Any, Any, Any]:
     """fp16 copies with the kv head leading: qh [Hkv, T, G, D] (for one kv head its G*T rows,
-    row t*G + g, form one matrix), kh, vh [Hkv, s, D] (keys 0..s-1 only)."""
+    row t*G + g, form one matrix), kh, vh [Hkv, s, D] (keys 0..s-1 only).
+
+    transpose_v: the third copy is V transposed instead, vt [Hkv, D, s8] with vt[h, :, j] =
+    v[j, h] for keys j < s, and s8 = s rounded up to a multiple of 8 so that its rows are
+    16-byte aligned (columns s..s8-1 are not initialised)."""
     cp = _cupy()
     t, n_head, d = q.shape
     n_kv = k.shape[1]
@@ -187,6 +193,10 @@ def fp16_kv_leading(q: Any, k: Any, v: Any, s: int) -> tuple[Any, Any, Any]:
     cp.copyto(qh, q.reshape(t, n_kv, group, d).transpose(1, 0, 2, 3))
     kh = cp.empty((n_kv, s, d), dtype=cp.float16)  # [Hkv, S, D]
     cp.copyto(kh, k[:s].transpose(1, 0, 2))
+    if transpose_v:
+        vt = cp.empty((n_kv, d, -(-s // 8) * 8), dtype=cp.float16)  # [Hkv, D, S8]
+        cp.copyto(vt[:, :, :s], v[:s].transpose(1, 2, 0))
+        return qh, kh, vt
     vh = cp.empty((n_kv, s, d), dtype=cp.float16)  # [Hkv, S, D]
     cp.copyto(vh, v[:s].transpose(1, 0, 2))
     return qh, kh, vh

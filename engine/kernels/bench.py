@@ -6,8 +6,9 @@ Rows: device-to-device copy (the bandwidth ceiling, bytes read + written), host-
 upload (pageable through the pinned staging buffer, and pinned directly), fused
 dequantize-GEMV per quant type (weight bytes / time, B = 1 and 8), dequantize to fp16, the
 grouped MoE prefill (GFLOP/s of its three GEMMs) and the prompt-path causal attention, cuBLAS
-and fused flash (TFLOP/s on visible keys). Times are medians of CUDA-event timings after
-warm-up; inputs are random valid blocks (`random_quant_bytes`), never zeros.
+and fused flash, FA2 and (on compute capability 9.0) sm_90a (TFLOP/s on visible keys). Times
+are medians of CUDA-event timings after warm-up; inputs are random valid blocks
+(`random_quant_bytes`), never zeros.
 `--only attention` runs the attention rows alone; `--only moe` the grouped MoE prefill at the
 benchmark's chunk sizes (Q4_0 experts of Qwen3-30B-A3B), with its GEMMs timed alone.
 """
@@ -150,7 +151,8 @@ def bench_moe(
 ) -> list[tuple[str, str, float, str]]:  # fmt: skip
     """`moe_prefill` of one layer (and, beside it, its two GEMMs alone on one scratch group of
     the same shapes, the fp16 decode of every expert, and `moe_decode` unless not
-    `decode_rows`) with random valid expert bytes and uniform random routing."""
+    `decode_rows`) with random valid expert bytes and uniform random routing; timed with the
+    routing's row counts read as the prompt path reads them."""
     import cupy as cp
 
     from engine.kernels.moe import (
@@ -172,7 +174,12 @@ def bench_moe(
     h = cp.asarray(rng.standard_normal((n_tokens, d), dtype=np.float32))
     ids = cp.asarray(np.argsort(rng.random((n_tokens, n_expert)), axis=1)[:, :k].astype(np.int32))
     w = cp.asarray(rng.random((n_tokens, k), dtype=np.float32))
-    ms = time_ms(lambda: moe_prefill(h, ids, w, blobs, layout), warmup=2, repeat=7)
+
+    def run() -> Any:  # as the prompt path calls it: moe_block reads the row counts once
+        counts = cp.bincount(ids.reshape(-1), minlength=n_expert).get()
+        return moe_prefill(h, ids, w, blobs, layout, counts=counts)
+
+    ms = time_ms(run, warmup=2, repeat=7)
     flops = 6.0 * n_tokens * k * d * f
     label = f"moe prefill T={n_tokens} E={n_expert} k={k}"
     types = "/".join(q.name for q in qtypes)
@@ -227,14 +234,22 @@ def bench_attention(
     n_kv: int = 4,
     d: int = 128,
 ) -> list[tuple[str, str, float, str]]:
-    """`causal_attention` and the fused `flash_attention` for (T, pos0) prompt chunks with
-    Qwen3-30B-A3B heads; TFLOP/s counts only visible keys (`causal_flops`: 4 * H * D * sum of
-    the keys each query sees). The float32 `causal_gqa` on CuPy (the path they replace) is timed
-    beside them."""
+    """`causal_attention` and the fused flash kernels for (T, pos0) prompt chunks with
+    Qwen3-30B-A3B heads: FA2 (`mma.sync`) always, and the sm_90a one (`wgmma`) where the device
+    runs it, with its largest difference from FA2 in parts per million of max |FA2 out| (the
+    two round alike and differ in summation order and tile size: a few hundred ppm; a layout or
+    masking bug shows as tens of thousands). TFLOP/s counts only visible keys (`causal_flops`:
+    4 * H * D * sum of the keys each query sees). The float32 `causal_gqa` on CuPy (the path
+    they replace) is timed beside them."""
     import cupy as cp
 
     from engine.kernels.attention import causal_attention, causal_flops
-    from engine.kernels.flash import flash_attention
+    from engine.kernels.flash import (
+        SM90_HEAD_SIZES,
+        flash_attention_fa2,
+        flash_attention_sm90a,
+        sm90a_available,
+    )
     from engine.model.attention import causal_gqa
 
     rng = np.random.default_rng(3)
@@ -249,10 +264,19 @@ def bench_attention(
         size = f"H={n_head} Hkv={n_kv} D={d}"
         rows.append((label, size, causal_flops(t, pos0, n_head, d) / ms / 1e9, "TFLOP/s"))
         rows.append((label, "time per layer", ms, "ms"))
-        ms = time_ms(functools.partial(flash_attention, q, k, v, pos0), warmup=2, repeat=7)
-        flash_flops = causal_flops(t, pos0, n_head, d) / ms / 1e9
-        rows.append((f"flash {label}", size, flash_flops, "TFLOP/s"))
-        rows.append((f"flash {label}", "time per layer", ms, "ms"))
+        kernels = [("flash FA2 (mma.sync)", flash_attention_fa2)]
+        if d in SM90_HEAD_SIZES and sm90a_available():
+            kernels.append(("flash sm_90a (wgmma)", flash_attention_sm90a))
+        for name, attend in kernels:
+            ms = time_ms(functools.partial(attend, q, k, v, pos0), warmup=2, repeat=7)
+            rows.append((f"{name} {label}", size, causal_flops(t, pos0, n_head, d) / ms / 1e9,
+                         "TFLOP/s"))  # fmt: skip
+            rows.append((f"{name} {label}", "time per layer", ms, "ms"))
+        if len(kernels) == 2:
+            fa2, sm90 = flash_attention_fa2(q, k, v, pos0), flash_attention_sm90a(q, k, v, pos0)
+            ppm = 1e6 * float(cp.abs(sm90 - fa2).max() / cp.abs(fa2).max())
+            rows.append((f"flash sm_90a vs FA2 {label}", "max |diff|", ppm, "ppm of max |FA2|"))
+            del fa2, sm90
         if t * (pos0 + t) <= 4096 * 31258:  # the float32 reference takes seconds past that
             ms = time_ms(functools.partial(causal_gqa, cp, q, k, v, pos0), warmup=1, repeat=3)
             rows.append((label, "before: causal_gqa float32", ms, "ms"))

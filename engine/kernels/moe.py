@@ -134,16 +134,23 @@ def _decode_group(blobs: list[Any], layout: ExpertLayout, wgu: Any, wd: Any) -> 
     dequantize_ptrs([p[2] for p in parts], down_dst, q_down, d * f, f16=True, device_id=dev)
 
 
-def _groups(by_count: list[int], n_per: list[int], group: int, row_cap: int) -> list[list[int]]:
+def _groups(by_count: list[int], n_per: list[int], group: int, row_cap: int,
+            staged: list[bool] | None = None, max_staged: int = 0) -> list[list[int]]:
     """Experts (sorted by row count, largest first) cut into groups of at most `group`, each
     group's padded rows (members x its largest count) kept under `row_cap` unless one expert
-    alone exceeds it: skewed routing must not pad every expert to the busiest one."""
+    alone exceeds it: skewed routing must not pad every expert to the busiest one. With
+    `staged` (per expert: needs a ring slot), a group also holds at most `max_staged` of those."""
     out: list[list[int]] = []
+    n_staged: list[int] = []
     for u in by_count:
-        if out and len(out[-1]) < group and (len(out[-1]) + 1) * n_per[out[-1][0]] <= row_cap:
+        s = int(staged[u]) if staged is not None else 0
+        if (out and len(out[-1]) < group and (len(out[-1]) + 1) * n_per[out[-1][0]] <= row_cap
+                and (staged is None or n_staged[-1] + s <= max_staged)):
             out[-1].append(u)
+            n_staged[-1] += s
         else:
             out.append([u])
+            n_staged.append(s)
     return out
 
 
@@ -153,37 +160,37 @@ class RowPlan:
     per-expert row counts (rows sorted by expert: expert u's rows are starts[u]..starts[u+1]).
 
     Group g's experts run as one batch of `len(groups[g])` GEMMs of `m[g]` rows (its busiest
-    member's count); its outputs fill padded rows base[g] .. base[g] + len(groups[g]) * m[g]
-    of one buffer. `padded[s]` is the padded row of sorted row s; `sorted_rows[g]` [n_g, m_g]
-    the sorted row behind each padded row of group g (n_rows where it is padding)."""
+    member's count) on padded rows base[g] .. base[g] + len(groups[g]) * m[g] of one buffer,
+    member i on rows base[g] + i * m[g] + (0 .. its count). `padded[s]` is the padded row of
+    sorted row s; `source[p]` the sorted row behind padded row p (n_rows where it is padding)."""
 
     groups: list[list[int]]  # indices into the used experts
     m: list[int]
     base: list[int]
     padded: np.ndarray  # [n_rows] int32
-    sorted_rows: list[np.ndarray]  # [n_g, m_g] int32 each
-    n_padded: int
+    source: np.ndarray  # [n_padded] int32
 
 
-def plan_rows(n_per: list[int], group: int) -> RowPlan:
-    """The `RowPlan` of experts with row counts `n_per` in groups of at most `group`."""
-    n_rows = int(sum(n_per))
-    starts = np.concatenate([[0], np.cumsum(n_per)]).astype(np.int64)  # [n_used + 1]
+def plan_rows(n_per: list[int], group: int, staged: list[bool] | None = None,
+              max_staged: int = 0) -> RowPlan:
+    """The `RowPlan` of experts with row counts `n_per` in groups of at most `group` (and at
+    most `max_staged` experts that need a ring slot, when `staged` says which do);
+    vectorised: this runs for every layer of every prompt chunk."""
+    counts = np.asarray(n_per, dtype=np.int64)  # [n_used]
+    n_rows = int(counts.sum())
     by_count = sorted(range(len(n_per)), key=lambda i: (-n_per[i], i))
-    groups = _groups(by_count, n_per, group, max(n_rows // 2, 1))
-    padded = np.empty(n_rows, dtype=np.int32)
-    ms, bases, sorted_rows, base = [], [], [], 0
-    for members in groups:
-        m = n_per[members[0]]
-        rows = np.full((len(members), m), n_rows, dtype=np.int32)  # [n_g, m]
-        for i, u in enumerate(members):
-            rows[i, : n_per[u]] = np.arange(starts[u], starts[u + 1])
-            padded[starts[u] : starts[u + 1]] = base + i * m + np.arange(n_per[u])
-        ms.append(m)
-        bases.append(base)
-        sorted_rows.append(rows)
-        base += len(members) * m
-    return RowPlan(groups, ms, bases, padded, sorted_rows, base)
+    groups = _groups(by_count, n_per, group, max(n_rows // 2, 1), staged, max_staged)
+    ms = [n_per[g[0]] for g in groups]
+    bases = np.concatenate([[0], np.cumsum([len(g) * m for g, m in zip(groups, ms)])])
+    first = np.empty(len(n_per), dtype=np.int64)  # [n_used] padded row of each expert's row 0
+    for g, m, b in zip(groups, ms, bases):
+        first[g] = b + m * np.arange(len(g))
+    starts = np.cumsum(counts) - counts  # [n_used]
+    within = np.arange(n_rows) - np.repeat(starts, counts)  # [n_rows] index inside its expert
+    padded = (np.repeat(first, counts) + within).astype(np.int32)
+    source = np.full(int(bases[-1]), n_rows, dtype=np.int32)  # [n_padded]
+    source[padded] = np.arange(n_rows, dtype=np.int32)
+    return RowPlan(groups, ms, [int(b) for b in bases[:-1]], padded, source)
 
 
 def _swiglu(gu: Any, act: Any) -> None:
@@ -205,6 +212,7 @@ def moe_prefill(
     max_group: int | None = None,
     release: Callable[[list[int]], None] | None = None,
     counts: np.ndarray | None = None,
+    staged: Callable[[int], bool] | None = None,
 ) -> Any:
     """Routed-expert FFN of a token chunk on the GPU (see the module docstring).
 
@@ -213,7 +221,8 @@ def moe_prefill(
     array of its gate|up|down bytes (`ExpertLayout`), for every id in `ids`, as a mapping or
     a function of a list of ids (-> their arrays). A function is called once per group of at
     most `max_group` experts, after the previous group's fp16 decode is queued (so a staging
-    ring of `max_group` slots can hold every group in turn); `release(ids)` (optional) is
+    ring of `max_group` slots can hold every group in turn; with `staged(id)`, true for the
+    experts that need a ring slot, `max_group` bounds only those); `release(ids)` (optional) is
     told the moment the decode of those experts' blobs is queued, before their GEMMs, so the
     next group's uploads can overlap the GEMMs of this one. `counts` (optional, host [E]):
     rows per expert id, when the caller has read them already (saves a host read).
@@ -236,28 +245,32 @@ def moe_prefill(
     assert sum(n_per) == n_rows, f"expert row counts sum to {sum(n_per)}, not {n_rows}"
     lap("moe route")  # router, top-k and the host read of the routing (STRATA_TRACE)
     fetch = (lambda es: [blobs[e] for e in es]) if isinstance(blobs, Mapping) else blobs
-    group = min(max(1, scratch_bytes // expert_fp16_bytes(layout)), len(used), max_group or len(used))
-    plan = plan_rows(n_per, group)
+    group = min(max(1, scratch_bytes // expert_fp16_bytes(layout)), len(used))
+    if staged is not None and max_group is not None:  # resident experts take no ring slot
+        plan = plan_rows(n_per, group, [staged(e) for e in used], max_group)
+    else:
+        group = min(group, max_group or group)
+        plan = plan_rows(n_per, group)
     tok = cp.empty(n_rows + 1, dtype=cp.int32)  # [T*k + 1] token of each sorted row
     tok[:n_rows] = order // k
     tok[n_rows] = n_tok  # padding rows read the zero row
+    tok_padded = tok[cp.asarray(plan.source)]  # [padded rows] token behind each
     h16 = cp.empty((n_tok + 1, d), dtype=cp.float16)  # [T + 1, d]; last row zeros
     h16[:n_tok] = h
     h16[n_tok] = 0
-    y = cp.empty((plan.n_padded, d), dtype=cp.float16)  # [padded rows, d] expert outputs
+    y = cp.empty((len(plan.source), d), dtype=cp.float16)  # [padded rows, d] expert outputs
     wgu = cp.empty((group, 2 * f, d), dtype=cp.float16)  # gate | up of each expert
     wd = cp.empty((group, d, f), dtype=cp.float16)
     pending = fetch([used[u] for u in plan.groups[0]])
     for gi, members in enumerate(plan.groups):
         n_g, m, base = len(members), plan.m[gi], plan.base[gi]
-        rows = cp.asarray(plan.sorted_rows[gi])  # [n_g, m] sorted rows (n_rows: padding)
         _decode_group(pending, layout, wgu, wd)
         lap("moe fetch+decode")  # the group's blobs staged (ring uploads) and decoded to fp16
         if release is not None:
             release([used[u] for u in members])
         if gi + 1 < len(plan.groups):  # the blobs are read (decode queued): the next group's
             pending = fetch([used[u] for u in plan.groups[gi + 1]])  # uploads overlap these GEMMs
-        a = cp.take(h16, tok[rows], axis=0)  # [n_g, m, d] the group's token rows
+        a = cp.take(h16, tok_padded[base : base + n_g * m], axis=0).reshape(n_g, m, d)
         gu = gemm_nt(a, wgu[:n_g], cp.empty((n_g, m, 2 * f), dtype=cp.float16))
         act = cp.empty((n_g, m, f), dtype=cp.float16)
         _swiglu(gu.reshape(n_g * m, 2 * f), act.reshape(n_g * m, f))

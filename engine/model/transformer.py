@@ -21,6 +21,8 @@ from engine.model.weights import BlockWeights, TokenEmbedding, load_block
 from engine.phases import PhaseClock
 from engine.quant import dequantize
 
+EMBED_ON_HOST_ROWS = 8  # CUDA: longer token runs decode their embedding rows on the device
+
 
 @dataclass
 class ForwardResult:
@@ -64,9 +66,19 @@ class Transformer:
         self.head = None
 
     def embed(self, tokens: np.ndarray) -> Any:
-        """tokens: [T] -> [T, d]."""
-        # activations, not weights: a plain transfer, never into a weight region
-        return self.xp.asarray(self.embd.rows(np.asarray(tokens, dtype=np.int64)))
+        """tokens: [T] -> [T, d] float32. On CUDA a prompt chunk's rows go up quantized and
+        are decoded there (a 20k-token chunk: ~45 MB of Q8_0 rows instead of ~170 MB of
+        float32 decoded by numpy); activations, not weights: never in a weight region."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        if self.xp.__name__ == "cupy" and len(ids) > EMBED_ON_HOST_ROWS:
+            from engine.kernels.dequant import SUPPORTED
+            from engine.kernels.dequant import dequantize as decode_on_device
+
+            if self.embd.t.qtype in SUPPORTED:
+                raw = self.xp.asarray(self.embd.raw_rows(ids))  # [T, row_bytes]
+                shape = (len(ids), self.hp.n_embd)
+                return decode_on_device(raw.reshape(-1), self.embd.t.qtype, shape, np.float32)
+        return self.xp.asarray(self.embd.rows(ids))
 
     def forward(
         self,

@@ -180,6 +180,10 @@ class TokenEmbedding:
         """ids: [T] -> float32 [T, d]."""
         return dequantize_bytes(self._rows[ids], self.t.qtype, (len(ids), self.n_embd))
 
+    def raw_rows(self, ids: np.ndarray) -> np.ndarray:
+        """ids: [T] -> their quantized rows, uint8 [T, row_bytes] (for decoding elsewhere)."""
+        return self._rows[ids]
+
     def full(self) -> np.ndarray:
         return dequantize(self.t)
 
