@@ -197,38 +197,61 @@ def markdown(rows: list[Row], title: str) -> str:
     return "\n".join(lines)
 
 
+def merged(texts: dict[str, str]) -> dict[str, list[Row]]:
+    """Scenario -> rows of several `--json` files (source name -> its text), the runs of a
+    configuration pooled in the order given. Raises ValueError naming a file that is not one."""
+    out: dict[str, dict[str, Row]] = {}
+    for source, text in texts.items():
+        try:
+            for name, rows in json.loads(text).items():
+                by_label = out.setdefault(name, {})
+                for r in rows:
+                    row = by_label.setdefault(r["label"], Row(r["label"]))
+                    row.samples += [Sample(**s) for s in r["samples"]]
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{source}: not a sample file written by `strata bench --json` "
+                             f"({type(e).__name__}: {e})") from None
+    return {name: list(rows.values()) for name, rows in out.items()}
+
+
 def as_json(rows: list[Row]) -> str:
     return json.dumps([{"label": r.label, "samples": [asdict(s) for s in r.samples]} for r in rows],
                       indent=1)
 
 
+TITLES = {
+    "ab": "Fixed-planner A/B (same plan)",
+    "auto": "Automatic planner",
+    "repeat": "Repeat prefill (second message)",
+    "chunks": "Chunk size sweep",
+}
+SCENARIOS = tuple(TITLES)
+
+
 def scenario(name: str, base: EngineOptions, n_tokens: int) -> tuple[str, list[Config]]:
-    """The configurations of one named scenario."""
+    """The title and configurations of one named scenario."""
     loan_base = replace(base, serve=True, vram_elastic=True, mtp=True, spec=base.spec or 4)
     if name == "ab":
         fixed = base.prefill if isinstance(base.prefill, int) else 256
         off = replace(loan_base, prefill=fixed)
-        return "Fixed-planner A/B (same plan)", [
+        return TITLES[name], [
             Config("Loan flags off", off), Config("Loan flags on, same plan", off, LOAN_ON)]
     if name == "auto":
         auto = replace(loan_base, prefill="auto")
-        return "Automatic planner", [
+        return TITLES[name], [
             Config("Loan flags off, automatic planner", auto),
             Config("Loan flags on, automatic planner", auto, LOAN_ON)]
     if name == "repeat":
         auto = replace(loan_base, prefill="auto")
         repeat = LoanFlags.make(**{**LOAN_ON.as_kwargs(), "repeat_min_tokens": 256})
-        return "Repeat prefill (second message)", [
+        return TITLES[name], [
             Config("Loan flags off", auto, LoanFlags(), warmup_tokens=64),
             Config("Repeat loan on", auto, repeat, warmup_tokens=64)]
     if name == "chunks":
-        return "Chunk size sweep", [
+        return TITLES[name], [
             Config(f"--prefill {p}", replace(base, prefill=p))
             for p in (256, 512, 1024, 2048, "auto")]
     raise ValueError(name)
-
-
-SCENARIOS = ("ab", "auto", "repeat", "chunks")
 
 
 @dataclass

@@ -74,3 +74,23 @@ def test_a_traced_run_passes_on_its_prefill_phases(tiny_path: Path, monkeypatch)
     opts = EngineOptions(model=str(tiny_path), ctx=1024, prefill=128)
     run_bench([Config("off", opts)], 300, 2, 1, progress=lines.append, warmup=False)
     assert any(ln.startswith("prefill phases: ") for ln in lines), lines
+
+
+def test_merge_pools_the_runs_of_several_json_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.bench import as_json
+
+    def sample(pp: float) -> Sample:
+        return Sample("512 / 8", pp, 10.0, 1.0, 5.0, True)
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text('{"auto": ' + as_json([Row("on", [sample(100.0), sample(300.0)])]) + "}")
+    b.write_text('{"auto": ' + as_json([Row("on", [sample(200.0)]), Row("off", [sample(50.0)])]) + "}")
+    code, out, _ = run(capsys, "bench", "--merge", str(a), str(b))
+    assert code == 0 and "### Automatic planner: 3 runs from 2 files" in out
+    assert "| on | 512 / 8 | 200.0 (100.0-300.0) |" in out and "| off | 512 / 8 | 50.0 |" in out
+    (tmp_path / "bad.json").write_text('{"auto": [{"label": "x"}]}')
+    code, _, err = run(capsys, "bench", "--merge", str(a), str(tmp_path / "bad.json"))
+    assert code == 2 and "bad.json: not a sample file written by `strata bench --json`" in err
+    assert len(err.strip().splitlines()) == 1

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from engine.bench import SCENARIOS, Hardware, as_json, markdown, run_bench, scenario, soak
+from engine.bench import (
+    SCENARIOS,
+    TITLES,
+    Hardware,
+    as_json,
+    markdown,
+    merged,
+    run_bench,
+    scenario,
+    soak,
+)
 from engine.cli.options import add_engine_args, engine_options
 from engine.errors import StrataError
 
@@ -28,10 +39,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--soak", type=int, metavar="N",
                    help="instead: N requests alternating long and short messages (repeat loan)")
     p.add_argument("--short-tokens", type=int, default=64, help="soak: short message tokens")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="instead: print the tables of these --json files, runs pooled")
     p.set_defaults(func=run)
 
 
+def print_merged(paths: list[str]) -> int:
+    """The tables of several `--json` files, each configuration's runs pooled (a 10-minute
+    device call holds two runs of a long prompt; two calls make four)."""
+    texts = {}
+    for path in paths:
+        try:
+            texts[path] = Path(path).read_text()
+        except OSError as e:
+            raise StrataError(f"bench --merge: cannot read {path}: {e.strerror}") from None
+    try:
+        tables = merged(texts)
+    except ValueError as e:
+        raise StrataError(f"bench --merge: {e}") from None
+    for name, rows in tables.items():
+        n_runs = max(len(r.samples) for r in rows)
+        title = f"{TITLES.get(name, name)}: {n_runs} runs from {len(paths)} files"
+        print(markdown(rows, title) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return print_merged(args.merge)
     if args.runs < 1 or args.prompt_tokens < 1 or args.max_new < 1:
         raise StrataError("--runs, --prompt-tokens and --max-new must be at least 1")
     hw = None
