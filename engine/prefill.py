@@ -92,9 +92,11 @@ class CachedExperts:
         if self._ahead is None or layer >= len(self._ahead):
             return
         seen = self._seen.get(layer)
-        for e in self._ahead[layer]:
-            if seen is None or e in seen:
-                self._stage(layer, e, wait=False)
+        experts = [e for e in self._ahead[layer] if seen is None or e in seen]
+        ring, pieces = self.ring, self.host.pieces
+        assert ring is not None
+        if experts:  # one batch of copies: host time per expert is what a short chunk waits on
+            self._counted(lambda: ring.stage_group(layer, experts, pieces, wait=False))
 
     def _stage(self, layer: int, expert: int, wait: bool = True) -> Any:
         """The ring slot holding (layer, expert), counted as streamed when uploaded."""

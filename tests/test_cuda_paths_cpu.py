@@ -127,21 +127,29 @@ def test_a_group_never_evicts_its_own_members() -> None:
 
 
 class _MarkingBackend(SimBackend):
-    """The sim backend plus CUDA's ordering surface: `mark()` events and `upload(after=)`,
-    recording which event each upload was ordered after (None: all compute queued)."""
+    """The sim backend plus CUDA's ordering surface: `mark()` events and batched uploads
+    (`upload_many(jobs, after=)`), recording what each batch was ordered after (None: all
+    compute queued) and how many copies it held."""
 
     def __init__(self) -> None:
         super().__init__(1 * MiB)
         self.marks = 0
         self.after: list[object] = []
+        self.batches: list[int] = []
 
     def mark(self) -> object:
         self.marks += 1
         return f"mark{self.marks}"
 
-    def upload(self, host, out, *, after=None) -> None:  # type: ignore[no-untyped-def]
+    def upload_many(self, jobs, *, after=None) -> object:  # type: ignore[no-untyped-def]
         self.after.append(after)
-        super().upload(host, out)
+        self.batches.append(len(jobs))
+        for host, out in jobs:
+            super().upload(host, out)
+        return f"copies{len(self.batches)}"
+
+    def wait(self, event: object) -> None:
+        pass
 
 
 def test_an_upload_into_a_released_slot_waits_only_for_its_readers() -> None:
@@ -150,14 +158,16 @@ def test_an_upload_into_a_released_slot_waits_only_for_its_readers() -> None:
 
     host = ArrayHostExperts(np.random.default_rng(5).integers(0, 256, (2, 8, 16), dtype=np.uint8))
     backend = _MarkingBackend()
-    ring = StagingRing(backend, np.zeros((2, 16), dtype=np.uint8))
-    ring.stage_group(0, [0, 1], host.pieces)  # fresh slots: after all compute
+    ring = StagingRing(backend, np.zeros((3, 16), dtype=np.uint8))
+    ring.stage_group(0, [0, 1], host.pieces)  # fresh slots 0, 1: after all compute, one batch
     ring.release(0, [0, 1, 7])  # 7 is not in the ring: ignored; one mark for the group
     ring.stage(0, 0, host.pieces)  # a hit re-reads slot 0: its release no longer holds
-    views = ring.stage_group(1, [2, 3], host.pieces)  # slot 0 (re-read), slot 1 (released)
-    assert backend.after == [None, None, None, "mark1"]
+    views = ring.stage_group(1, [2, 3], host.pieces)  # slot 2 (never read), slot 0 (re-read)
+    assert backend.after == [None, None] and backend.batches == [2, 2]
     assert np.array_equal(views[0], host.blob(1, 2)) and np.array_equal(views[1], host.blob(1, 3))
-    ring.release(1, [2])
+    ring.release(1, [2, 3])
+    ring.stage_group(1, [4, 5], host.pieces, wait=False)  # slots 1 (mark1) and 2 (mark2)
+    assert backend.after[-1] == ["mark1", "mark2"] and backend.batches[-1] == 2
     ring.reset()  # forgets releases with the slots
     ring.stage(0, 4, host.pieces)
     assert backend.after[-1] is None and backend.marks == 2

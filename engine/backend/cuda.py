@@ -265,21 +265,32 @@ class CudaBackend:
         `after`: an event from `mark()` queued after the last compute that reads `out`: the
         copy waits for it instead of for all compute queued so far.
         """
-        pieces = host if isinstance(host, list) else [host]
-        srcs = [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in pieces]  # [n_i]
-        n = sum(s.nbytes for s in srcs)
-        assert n == out.nbytes, f"upload of {n} bytes into {out.nbytes}"
-        assert out.flags.c_contiguous, "upload into a non-contiguous device array"
+        return self.upload_many([(host, out)], after_compute=after_compute,
+                                after=None if after is None else [after])
+
+    def upload_many(self, jobs: list[tuple[np.ndarray | list[np.ndarray], Any]], *,
+                    after_compute: bool = True, after: list[Any] | None = None) -> Any:
+        """`upload_async` of several (host, out) copies behind one wait, with one event for
+        them all (the staging ring queues a layer's experts so: a few microseconds of host
+        time each instead of an event per expert). `after`: events that together follow
+        every reader of every `out`."""
         stream = self._copy_stream
         if after is not None:
-            stream.wait_event(after)
+            for event in after:
+                stream.wait_event(event)
         elif after_compute:
             stream.wait_event(cupy.cuda.get_current_stream().record())
-        dst = out.data.ptr
-        for src in srcs:
-            self._copy_in(src, dst, stream)
-            dst += src.nbytes
-        self.stats.count_h2d(n)
+        for host, out in jobs:
+            pieces = host if isinstance(host, list) else [host]
+            srcs = [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in pieces]  # [n_i]
+            n = sum(s.nbytes for s in srcs)
+            assert n == out.nbytes, f"upload of {n} bytes into {out.nbytes}"
+            assert out.flags.c_contiguous, "upload into a non-contiguous device array"
+            dst = out.data.ptr
+            for src in srcs:
+                self._copy_in(src, dst, stream)
+                dst += src.nbytes
+            self.stats.count_h2d(n)
         return stream.record()
 
     def _copy_in(self, src: np.ndarray, dst: int, stream: Any) -> None:

@@ -19,6 +19,7 @@ cache tail each ring slot is exactly one lent cache slot.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -81,52 +82,65 @@ class StagingRing:
     ) -> DeviceArray:
         """Device bytes [slot_bytes] of (layer, expert); uploads `host_blob(layer, expert)`
         into the next slot unless the ring already holds it. `wait=False` (backends with
-        `upload_async`): compute queued later does not wait for this copy until the expert
+        `upload_many`): compute queued later does not wait for this copy until the expert
         is staged again with `wait=True`."""
-        key = (layer, expert)
-        slot = self._where.get(key)
-        if slot is not None:
-            self.n_reused += 1
-            self._free_after.pop(slot, None)  # read again: released again after that read
-        else:
-            slot = self._next
-            old = self._held[slot]
-            if old is not None:
-                del self._where[old]
-            self._held[slot] = None
-            self._pending.pop(slot, None)  # a later copy on the same stream supersedes it
-            after = self._free_after.pop(slot, None)
-            kw = {} if after is None else {"after": after}
-            if wait:
-                self.backend.upload(host_blob(layer, expert), self.slots[slot], **kw)
-            else:
-                self._pending[slot] = self.backend.upload_async(  # type: ignore[attr-defined]
-                    host_blob(layer, expert), self.slots[slot], **kw)
-            self._held[slot] = key
-            self._where[key] = slot
-            self._next = (slot + 1) % self.n_slots
-            self.n_uploads += 1
-        if wait and slot in self._pending:
-            self.backend.wait(self._pending.pop(slot))  # type: ignore[attr-defined]
-        return self.slots[slot]
+        return self.stage_group(layer, [expert], host_blob, wait)[0]
 
     def stage_group(
         self, layer: int, experts: list[int],
-        host_blob: Callable[[int, int], np.ndarray | list[np.ndarray]],
+        host_blob: Callable[[int, int], np.ndarray | list[np.ndarray]], wait: bool = True,
     ) -> list[DeviceArray]:
-        """`stage` for several experts that are read together: none of them is evicted to make
-        room for another (so at most `n_slots` of them)."""
+        """`stage` for several experts that are read (or prefetched) together: none of them is
+        evicted to make room for another (so at most `n_slots` of them), and their uploads go
+        as one batch behind one wait, with one event (`upload_many`)."""
         assert len(experts) <= self.n_slots, (len(experts), self.n_slots)
         keep = {self._where[(layer, e)] for e in experts if (layer, e) in self._where}
-        views = []
+        slots, jobs, fresh, afters = [], [], [], []
         for e in experts:
-            if (layer, e) not in self._where:
+            key = (layer, e)
+            slot = self._where.get(key)
+            if slot is not None:
+                self.n_reused += 1
+                self._free_after.pop(slot, None)  # read again: released again after that read
+            else:
                 while self._next in keep:  # skip the group's own slots
                     self._next = (self._next + 1) % self.n_slots
-            view = self.stage(layer, e, host_blob)
-            keep.add(self._where[(layer, e)])
-            views.append(view)
-        return views
+                slot = self._next
+                old = self._held[slot]
+                if old is not None:
+                    del self._where[old]
+                self._pending.pop(slot, None)  # a later copy on the same stream supersedes it
+                afters.append(self._free_after.pop(slot, None))
+                jobs.append((host_blob(layer, e), self.slots[slot]))
+                fresh.append(slot)
+                self._held[slot] = key
+                self._where[key] = slot
+                self._next = (slot + 1) % self.n_slots
+                self.n_uploads += 1
+            keep.add(slot)
+            slots.append(slot)
+        if jobs:
+            self._upload(jobs, afters, fresh, wait)
+        if wait:
+            for slot in slots:
+                if slot in self._pending:
+                    self.backend.wait(self._pending.pop(slot))  # type: ignore[attr-defined]
+        return [self.slots[slot] for slot in slots]
+
+    def _upload(self, jobs: list[tuple[Any, DeviceArray]], afters: list[object | None],
+                fresh: list[int], wait: bool) -> None:
+        """One batch of uploads into the `fresh` slots: after the compute that last read them
+        (their release events, or all compute queued when one has none)."""
+        upload_many = getattr(self.backend, "upload_many", None)
+        if upload_many is None:  # synchronous backends
+            assert wait, "staging without waiting needs a backend with upload_many"
+            for host, out in jobs:
+                self.backend.upload(host, out)
+            return
+        after = None if any(a is None for a in afters) else list(dict.fromkeys(afters))
+        event = upload_many(jobs, after=after)
+        for slot in fresh:
+            self._pending[slot] = event
 
     def release(self, layer: int, experts: list[int]) -> None:
         """The compute that reads these experts' slots is queued (the MoE kernels decoded
