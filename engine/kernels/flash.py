@@ -84,8 +84,9 @@ def kernel_source() -> str:
 
 
 def kernel_source90() -> str:
-    """The CUDA C of the sm90a kernel (and its test kernel), as compiled."""
-    return cuda_source("flash90.cu")
+    """The CUDA C of the sm90a kernel (and its test kernel), as compiled: the Hopper building
+    blocks (hopper.cuh: swizzled tiles, descriptors, mbarriers, wgmma) and flash90.cu."""
+    return cuda_source("hopper.cuh", "flash90.cu")
 
 
 def sm90a_available() -> bool:
