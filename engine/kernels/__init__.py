@@ -18,7 +18,6 @@ from engine.kernels.moe import (
     gemm_nt,
     moe_decode,
     moe_prefill,
-    workspace_bytes,
 )
 
 __all__ = [
@@ -33,5 +32,4 @@ __all__ = [
     "gemv_many",
     "moe_decode",
     "moe_prefill",
-    "workspace_bytes",
 ]

@@ -94,16 +94,6 @@ def expert_fp16_bytes(layout: ExpertLayout) -> int:
     return 3 * f * d * 2
 
 
-def workspace_bytes(n_tokens: int, n_used: int, layout: ExpertLayout, scratch_bytes: int) -> int:
-    """About the device bytes one `moe_prefill` call allocates (for planning the prompt path):
-    decoded experts, sorted and padded activations, gate|up, act and expert outputs."""
-    f, d = _dims(layout)
-    rows = n_tokens * n_used
-    group = max(1, scratch_bytes // expert_fp16_bytes(layout))
-    decoded = group * expert_fp16_bytes(layout)
-    return decoded + 2 * rows * (d + 2 * f + f + d) * 2 + rows * 4 * 3 + n_tokens * d * 4
-
-
 def _part_ptrs(blob: Any, layout: ExpertLayout) -> tuple[int, int, int]:
     """Device addresses of the gate, up and down bytes of one expert blob."""
     n_gate, n_up, _ = layout.part_bytes
