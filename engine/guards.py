@@ -51,4 +51,9 @@ def validate(
         v.append("--mtp: this model has no MTP (nextn) layer; drop --mtp")
     if options.spec and not options.mtp:
         v.append(f"--spec {options.spec} needs --mtp (the draft comes from the MTP layer)")
+    if device.startswith("cuda"):
+        from engine.kernels.flash import env_problem
+
+        if (problem := env_problem()) is not None:
+            v.append(problem)
     return v

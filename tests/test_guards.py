@@ -112,3 +112,14 @@ def test_cli_bad_env_value(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     monkeypatch.setenv("STRATA_PREFILL_REPEAT_MIN_TOKENS", "1e4")
     assert main(["run", "--model", str(tiny_path), "--prompt", "hi"]) == 2
     assert "STRATA_PREFILL_REPEAT_MIN_TOKENS='1e4' is not an integer" in capsys.readouterr().err
+
+
+def test_a_bad_flash_kernel_choice_is_refused_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRATA_FLASH", "fa3")
+    options = EngineOptions(model="x")
+    assert validate(options, LoanFlags(), "sim", True, True) == []  # no flash kernel there
+    (problem,) = validate(options, LoanFlags(), "cuda:0", True, True)
+    assert problem == "STRATA_FLASH='fa3' is not a flash kernel choice; use fa2 or auto (or unset it)"
+    for ok in ("fa2", "auto", ""):
+        monkeypatch.setenv("STRATA_FLASH", ok)
+        assert validate(options, LoanFlags(), "cuda:0", True, True) == []

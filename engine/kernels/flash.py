@@ -53,6 +53,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -98,11 +99,21 @@ def sm90a_available() -> bool:
     return cupy.cuda.Device().compute_capability == "90" and nvrtc >= (13, 0)
 
 
+def env_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """What is wrong with STRATA_FLASH in `env` (default: the process's), or None. The engine
+    checks it at start on CUDA, so a typo is one line before the model loads."""
+    choice = (os.environ if env is None else env).get(ENV, "")
+    if choice in ("", "auto", "fa2"):
+        return None
+    return f"{ENV}={choice!r} is not a flash kernel choice; use fa2 or auto (or unset it)"
+
+
 def kernel_for(d: int) -> str:
     """The kernel `flash_attention` runs for head size d: "sm90a" or "fa2" (module docstring)."""
+    problem = env_problem()
+    if problem is not None:
+        raise ValueError(problem)
     choice = os.environ.get(ENV, "")
-    if choice not in ("", "auto", "fa2"):
-        raise ValueError(f"{ENV}={choice!r}: expected 'fa2' or 'auto'")
     if choice != "fa2" and d in SM90_HEAD_SIZES and sm90a_available():
         return "sm90a"
     return "fa2"
