@@ -95,13 +95,13 @@ class CachedExperts:
         experts = [e for e in self._ahead[layer] if seen is None or e in seen]
         ring, pieces = self.ring, self.host.pieces
         assert ring is not None
-        if experts:  # one batch of copies: host time per expert is what a short chunk waits on
+        if experts:  # one batch of copies behind one wait, one event
             self._counted(lambda: ring.stage_group(layer, experts, pieces, wait=False))
 
-    def _stage(self, layer: int, expert: int, wait: bool = True) -> Any:
+    def _stage(self, layer: int, expert: int) -> Any:
         """The ring slot holding (layer, expert), counted as streamed when uploaded."""
         assert self.ring is not None
-        return self._counted(lambda: self.ring.stage(layer, expert, self.host.pieces, wait))
+        return self._counted(lambda: self.ring.stage(layer, expert, self.host.pieces))
 
     def _counted(self, staging: Callable[[], Any]) -> Any:
         """Run a ring staging call; what it uploaded counts as streamed."""
