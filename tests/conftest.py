@@ -42,11 +42,19 @@ def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture(scope="session")
-def demo_path(_cache_dir: None) -> Path:
-    """The embedded demo preset (4 blocks + MTP, 32 experts, vocab 8192), built once."""
+def demo_path() -> Path:
+    """The shipped demo model (trained on WordNet: 4 blocks + MTP, 32 experts, vocab 8192)."""
+    from engine.assets import DEMO_MODEL
+
+    return DEMO_MODEL
+
+
+@pytest.fixture(scope="session")
+def random_demo_path(_cache_dir: None) -> Path:
+    """The demo's shapes with random weights (the 'random-demo' preset), built once."""
     from engine.synth.demo import ensure_preset
 
-    return ensure_preset("demo")
+    return ensure_preset("random-demo")
 
 
 @pytest.fixture(scope="module")

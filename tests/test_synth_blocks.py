@@ -36,7 +36,7 @@ def test_uncentered_blocks_keep_the_known_biases() -> None:
 
 def test_the_benchmark_preset_is_centered_and_says_so_in_its_digest() -> None:
     spec = PRESETS["qwen3-30b-a3b"]
-    assert spec.centered and not PRESETS["demo"].centered
+    assert spec.centered and not PRESETS["random-demo"].centered
     assert spec.digest() != replace(spec, centered=False).digest()
 
 

@@ -29,7 +29,7 @@ SHAPE_FLAGS = {
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a synthetic qwen3moe GGUF")
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="demo")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="random-demo")
     for flag in SHAPE_FLAGS:
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None)
     p.add_argument("--tied-output", action="store_true", help="no output.weight (tied head)")

@@ -264,6 +264,12 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_many(self, texts: Sequence[str], special: bool = True) -> list[list[int]]:
+        """`encode` of each text (no BOS), in one batch on the library's threads."""
+        with self._hf_lock:
+            self._hf.encode_special_tokens = not special
+            return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
+
     def token_text(self, token_id: int) -> str:
         """The token's text as stored in the file (byte-level symbols, e.g. 'Ġthe')."""
         self._check_id(token_id)

@@ -1,4 +1,5 @@
-"""The embedded default model: built once into the user cache directory, then reused."""
+"""Model names: 'demo' is the shipped trained model; a preset name is a synthetic model built
+once into the user cache directory, then reused; anything else is a path."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from platformdirs import user_cache_dir
 
+from engine.assets import DEMO_MODEL
 from engine.synth.model import PRESETS, write_model
 
 DEMO_NAME = "demo"
@@ -52,8 +54,10 @@ def stderr_progress(label: str) -> Callable[[int, int], None]:
 
 
 def resolve_model(arg: str, progress: Callable[[int, int], None] | None = None) -> Path:
-    """'demo' or another preset name -> its cached file (built on first use, reporting to
-    `progress`, by default a bar on stderr); anything else is a path."""
+    """'demo' -> the shipped model; a preset name -> its cached file (built on first use,
+    reporting to `progress`, by default a bar on stderr); anything else is a path."""
+    if arg == DEMO_NAME and not Path(arg).exists():
+        return DEMO_MODEL
     if arg in PRESETS and not Path(arg).exists():
         label = f"building the {arg} model (first use)"
         return ensure_preset(arg, progress or stderr_progress(label))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,7 +22,7 @@ from gguf import quants as gq
 from engine.gguf import names
 from engine.gguf.hparams import HParams, expected_shapes
 from engine.synth.blocks import random_tensor
-from engine.synth.vocab import build_vocab, write_vocab
+from engine.synth.vocab import VocabSpec, build_vocab, write_vocab
 
 GROUPS = ("embd", "attn", "router", "experts", "output", "norm", "nextn")
 
@@ -98,9 +98,10 @@ class SynthSpec:
 
 
 PRESETS: dict[str, SynthSpec] = {
-    # The embedded default: small enough for a 2-core CPU, big enough that the expert cache
-    # of the default simulated device cannot hold every expert.
-    "demo": SynthSpec(),
+    # The shape of the shipped demo (engine/assets/demo.gguf) with random weights: small
+    # enough for a 2-core CPU, big enough that the expert cache of the default simulated
+    # device cannot hold every expert.
+    "random-demo": SynthSpec(),
     # For unit tests: seconds to build and run.
     "tiny": SynthSpec(
         n_vocab=1024, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, head_dim=16,
@@ -191,12 +192,35 @@ def write_model(
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write `spec` as a qwen3moe GGUF at `path` (atomically: temp file, then rename)."""
+    tensors = synth_tensors(spec)
+    return write_gguf(
+        path,
+        spec,
+        build_vocab(spec.n_vocab, seed=spec.seed),
+        tensors,
+        _made_in_order(tensors, spec),
+        f"strata synthetic qwen3moe ({spec.digest()})",
+        progress,
+    )
+
+
+def write_gguf(
+    path: str | Path,
+    spec: SynthSpec,
+    vocab: VocabSpec,
+    tensors: dict[str, tuple[tuple[int, ...], Q]],
+    data: Iterable[np.ndarray],
+    title: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write a qwen3moe GGUF of `spec`'s shapes: `tensors` (name -> (shape, quant type)) with
+    their encoded bytes from `data` in the same order (atomically: temp file, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".part")
-    tensors = synth_tensors(spec)
     w = GGUFWriter(tmp, names.ARCH_QWEN3MOE)
-    _write_metadata(w, spec)
+    _write_metadata(w, spec, title)
+    write_vocab(w, vocab)
     for name, (shape, qtype) in tensors.items():
         # logical shape + raw_dtype: the writer records the quant type and our byte count
         w.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
@@ -204,8 +228,8 @@ def write_model(
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     total = len(tensors)
-    for i, data in enumerate(_made_in_order(tensors, spec)):
-        w.write_tensor_data(data)
+    for i, array in enumerate(data):
+        w.write_tensor_data(array)
         if progress:
             progress(i + 1, total)
     w.close()
@@ -235,8 +259,8 @@ def _nbytes(shape: tuple[int, ...], qtype: Q) -> int:
     return int(np.prod(shape, dtype=np.int64)) // block * type_bytes
 
 
-def _write_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
-    w.add_name(f"strata synthetic qwen3moe ({spec.digest()})")
+def _write_metadata(w: GGUFWriter, spec: SynthSpec, title: str) -> None:
+    w.add_name(title)
     w.add_block_count(spec.n_layer + spec.n_nextn)
     w.add_context_length(spec.n_ctx)
     w.add_embedding_length(spec.n_embd)
@@ -253,4 +277,3 @@ def _write_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
     if spec.n_nextn:
         w.add_nextn_predict_layers(spec.n_nextn)
     w.add_file_type(int(Q[spec.qtypes["experts"]]))
-    write_vocab(w, build_vocab(spec.n_vocab, seed=spec.seed))

@@ -1,0 +1,175 @@
+"""Training the demo model on the GPU, then exporting it through the engine's GGUF writer.
+
+`build` is the whole recipe: WordNet -> pairs -> tokenizer -> ids -> AdamW on the main
+next-token loss plus the MTP next-next-token loss (DeepSeek-V3's objective, weight
+`MTP_WEIGHT`) plus a load-balancing loss over every MoE layer -> GGUF with the spec's quant
+types. The same seed and step count give the same model (up to GPU summation order).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gq
+
+from engine.gguf.tokenizer import Tokenizer
+from engine.synth.model import PRESETS, SynthSpec, synth_tensors, write_gguf
+from engine.synth.vocab import PRE, VocabSpec
+from training import corpus, data, wordnet
+from training.model import DemoModel
+from training.tokenizer import train_vocab
+
+SPEC: SynthSpec = replace(PRESETS["random-demo"], seed=0)
+TITLE = "strata demo: a 4-layer MoE trained on WordNet (a dictionary to chat with)"
+MTP_WEIGHT = 0.3
+AUX_WEIGHT = 0.01
+PACE_FROM, PACE_TO = 10, 60  # steps timed to fix the step count (the first ones warm up)
+N_PHRASINGS = 3  # the pairs are phrased this many ways; epochs cycle through them
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Every number of a build."""
+
+    seed: int = 0
+    steps: int = 0  # 0: as many as fit `minutes` (measured on the first steps, then fixed)
+    minutes: float = 6.0
+    batch: int = 64
+    seq_tokens: int = 1024
+    lr: float = 3e-3
+    lr_min: float = 3e-4
+    warmup: int = 200
+    weight_decay: float = 0.1
+    device: str = "cuda"
+
+
+def tokenizer_of(vocab: VocabSpec) -> Tokenizer:
+    return Tokenizer(
+        tokens=vocab.tokens, token_types=vocab.token_types, merges=vocab.merges, pre=PRE,
+        bos_id=vocab.bos_id, eos_id=vocab.eos_id, pad_id=vocab.pad_id,
+        chat_template=vocab.chat_template,
+    )  # fmt: skip
+
+
+def lr_at(step: int, total: int, r: Recipe) -> float:
+    if step < r.warmup:
+        return r.lr * (step + 1) / r.warmup
+    frac = (step - r.warmup) / max(1, total - r.warmup)
+    return r.lr_min + 0.5 * (r.lr - r.lr_min) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def masked_ce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[mask].float(), targets[mask])
+
+
+def build(
+    wordnet_path: Path, out: Path, r: Recipe, log_dir: Path, also: dict[str, Path] | None = None
+) -> dict:
+    """The whole recipe; returns the build record (also written to `log_dir/build.json`).
+    `also`: expert quant type -> path of another export with experts in that type."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    torch.manual_seed(r.seed)
+    rng = np.random.default_rng(r.seed)
+    wn = wordnet.load(wordnet_path)
+    phrasings = [corpus.pairs(wn, "train", r.seed + k) for k in range(N_PHRASINGS)]
+    vocab = train_vocab((t for p in phrasings[0] for t in (p.user, p.reply)), SPEC.n_vocab)
+    tok = tokenizer_of(vocab)
+    encoded = [data.encode(tok, pairs) for pairs in phrasings]
+    t_data = time.perf_counter() - t0
+    print(f"data: {len(phrasings[0])} pairs, {len(encoded[0].ids)} tokens a phrasing, "
+          f"{t_data:.0f} s", flush=True)
+
+    dev = torch.device(r.device)
+    model = DemoModel(SPEC).to(dev)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    keep = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": r.weight_decay}, {"params": keep, "weight_decay": 0}],
+        lr=r.lr, betas=(0.9, 0.95), fused=True,
+    )  # fmt: skip
+    log = (log_dir / "loss.jsonl").open("w")
+    steps, step, epoch_no = r.steps, 0, 0
+    ids_ep = mask_ep = None
+    cursor = 0
+    t_train = t_pace = time.perf_counter()
+    while steps == 0 or step < steps:
+        if ids_ep is None or cursor + r.batch > len(ids_ep):
+            ids_np, mask_np = data.epoch(encoded[epoch_no % N_PHRASINGS], r.seq_tokens, rng)
+            ids_ep, mask_ep = torch.from_numpy(ids_np).to(dev), torch.from_numpy(mask_np).to(dev)
+            cursor, epoch_no = 0, epoch_no + 1
+        ids = ids_ep[cursor : cursor + r.batch]  # [B, T]
+        mask = mask_ep[cursor : cursor + r.batch]
+        cursor += r.batch
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps or 10**9, r)
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            logits, mtp_logits, aux, _ = model(ids)
+            main = masked_ce(logits[:, :-1], ids[:, 1:], mask[:, 1:])
+            mtp = masked_ce(mtp_logits[:, :-1], ids[:, 2:], mask[:, 2:])
+            loss = main + MTP_WEIGHT * mtp + AUX_WEIGHT * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if steps == 0 and step == PACE_FROM:
+            _sync(dev)
+            t_pace = time.perf_counter()
+        if steps == 0 and step == PACE_TO:  # fix the step count from the measured pace
+            _sync(dev)
+            pace = (time.perf_counter() - t_pace) / (PACE_TO - PACE_FROM)
+            steps = int((r.minutes * 60 - (t_pace - t_train)) / pace) + PACE_FROM
+            print(f"{pace * 1e3:.1f} ms a step -> {steps} steps", flush=True)
+        if step % 50 == 0 or step == steps:
+            rec = {
+                "step": step, "epoch": epoch_no, "loss": round(main.item(), 4),
+                "mtp_loss": round(mtp.item(), 4), "aux": round(aux.item(), 4),
+                "lr": opt.param_groups[0]["lr"],
+                "seconds": round(time.perf_counter() - t_train, 1),
+            }  # fmt: skip
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            if step % 500 == 0:
+                print(rec, flush=True)
+    _sync(dev)
+    train_s = time.perf_counter() - t_train
+    model.eval()
+    tensors = model.gguf_tensors()
+    write_gguf(out, SPEC, vocab, synth_tensors(SPEC), _encoded(tensors, SPEC), TITLE)
+    for qtype, path in (also or {}).items():
+        spec = SPEC.with_qtype("experts", qtype)
+        write_gguf(path, spec, vocab, synth_tensors(spec), _encoded(tensors, spec), TITLE)
+    record = {
+        "recipe": r.__dict__ | {"steps": steps}, "pairs": len(phrasings[0]),
+        "tokens_per_phrasing": int(len(encoded[0].ids)), "epochs": epoch_no,
+        "data_seconds": round(t_data, 1), "train_seconds": round(train_s, 1),
+        "gguf_bytes": out.stat().st_size,
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }  # fmt: skip
+    (log_dir / "build.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _encoded(tensors: dict[str, torch.Tensor], spec: SynthSpec) -> Iterator[np.ndarray]:
+    """Each tensor encoded in its group's quant type, in the writer's order."""
+    for name, (shape, qtype) in synth_tensors(spec).items():
+        x = tensors[name].numpy().astype(np.float32)
+        assert x.shape == shape, (name, x.shape, shape)
+        yield x if qtype == Q.F32 else gq.quantize(x, qtype)
+
