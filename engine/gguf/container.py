@@ -36,7 +36,10 @@ Metadata and the tensor table are read with `struct.unpack_from` over a memoryvi
 map, arrays of numbers with `np.frombuffer`; that opens a 152k-token vocabulary in a fraction
 of a second where `GGUFReader` (one numpy view per value) takes seconds.
 
-Every problem is a one-line `GGUFError` naming the file.
+Every problem is a one-line `GGUFError` naming the file. Every number of the header is checked
+against the bytes that are left and against the sane limits below before anything is built
+from it, so a hostile header (a count of 2^63, a string longer than the file) fails in
+microseconds instead of allocating or looping.
 """
 
 from __future__ import annotations
@@ -55,6 +58,21 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 16  # ggml has 4; more than this is a corrupt tensor table, not a tensor
+HEADER_BYTES = 24  # magic, version, tensor_count, kv_count
+
+# Sane limits, far above any published model and far below what would take minutes or memory.
+MAX_TENSORS = 1 << 20  # DeepSeek-V3 has ~1,100 tensors; 256 unmerged experts x 61 x 3 is 47k
+MAX_KVS = 1 << 20  # real files hold ~50 keys
+MAX_KEY_BYTES = (1 << 16) - 1  # the GGUF spec's limit on a key
+MAX_TENSOR_NAME_BYTES = 63  # ggml's GGML_MAX_NAME (64 with the terminator), as llama.cpp checks
+MAX_STRING_BYTES = 1 << 26  # one string value; a chat template is ~10 KB
+MAX_ARRAY_ITEMS = 1 << 24  # a 262,144-token vocabulary and its merges are far below
+MAX_ARRAY_DEPTH = 8  # arrays of arrays (llama.cpp reads none; gguf-py reads any)
+MAX_ELEMENTS = (1 << 63) - 1  # ggml counts elements in int64
+
+# The fewest bytes one entry can take, to check a count against the bytes left before the loop.
+MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 
 # GGUF metadata value types (numbering of gguf.GGUFValueType).
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL = range(8)
@@ -84,6 +102,10 @@ _TYPED_TENSORS: dict[GGMLQuantizationType, np.dtype] = {
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _U64X2 = struct.Struct("<QQ")
+# The fewest bytes one array item of a type takes: a string its length, an array its header.
+_MIN_ITEM_BYTES: dict[int, int] = {
+    **{t: st.size for t, st in _SCALARS.items()}, T_STRING: 8, T_ARRAY: 4 + 8,
+}
 
 
 @dataclass(frozen=True)
@@ -125,12 +147,20 @@ class _Parser:
         self.off = 0
         self.where = "the header"  # what is being read, for error messages
 
-    def need(self, n: int) -> None:
+    def need(self, n: int, what: str = "") -> None:
+        """`n` more bytes must be in the file; `what` names the number that asks for them."""
         if self.off + n > self.size:
             raise _Corrupt(
-                f"{self.where} needs {n:,} bytes at byte {self.off:,} but the file ends at "
-                f"byte {self.size:,}"
+                f"{self.where}{': ' + what if what else ''} needs {n:,} bytes at byte "
+                f"{self.off:,} but the file ends at byte {self.size:,}"
             )
+
+    def count(self, what: str, n: int, limit: int, item_bytes: int) -> None:
+        """Check a count read from the file: at most `limit`, and `n` items of at least
+        `item_bytes` each must fit in the bytes left (before any loop or list is made)."""
+        if n > limit:
+            raise _Corrupt(f"{self.where}: {what} {n:,} is more than the limit of {limit:,}")
+        self.need(n * item_bytes, f"{what} {n:,}")
 
     def u32(self) -> int:
         self.need(4)
@@ -144,16 +174,18 @@ class _Parser:
         self.off += 8
         return v
 
-    def raw_string(self) -> memoryview:
+    def raw_string(self, limit: int = MAX_STRING_BYTES, what: str = "string") -> memoryview:
         n = self.u64()
-        self.need(n)
+        if n > limit:
+            raise _Corrupt(f"{self.where}: {what} length {n:,} is more than the limit of {limit:,}")
+        self.need(n, f"{what} length {n:,}")
         start = self.off
         self.off += n
         return self.buf[start : self.off]
 
-    def name(self, what: str) -> str:
+    def name(self, what: str, limit: int) -> str:
         """A key or tensor name: invalid UTF-8 there is corruption, as in GGUFReader."""
-        raw = self.raw_string()
+        raw = self.raw_string(limit, what)
         try:
             return str(raw, "utf-8")
         except UnicodeDecodeError:
@@ -178,17 +210,17 @@ class _Parser:
         count = self.u64()
         if count == 0:
             return []  # GGUFReader never looks at an empty array's item type
+        if itype not in _MIN_ITEM_BYTES:
+            raise _Corrupt(f"{self.where} is an array of unknown value type {itype}")
+        self.count("array length", count, MAX_ARRAY_ITEMS, _MIN_ITEM_BYTES[itype])
         dtype = _DTYPES.get(itype)
         if dtype is not None:  # numbers: one frombuffer
-            self.need(count * dtype.itemsize)
             out = np.frombuffer(self.buf, dtype, count, self.off).tolist()
             self.off += count * dtype.itemsize
             return out
         if itype == T_STRING:
             return self.strings(count)
-        if itype == T_ARRAY:
-            return _flatten(*self.items(itype, count))
-        raise _Corrupt(f"{self.where} is an array of unknown value type {itype}")
+        return _flatten(*self.items(itype, count, depth=1))
 
     def strings(self, count: int) -> list[str]:
         """`count` consecutive strings: the hot loop of a tokenizer vocabulary."""
@@ -216,24 +248,32 @@ class _Parser:
             f"at byte {self.size:,}"
         )
 
-    def items(self, itype: int, count: int) -> tuple[list[int], list[tuple[int, bytes]]]:
+    def items(
+        self, itype: int, count: int, depth: int
+    ) -> tuple[list[int], list[tuple[int, bytes]]]:
         """Mirror of GGUFReader._get_field_parts for an array of arrays (rare; not fast).
 
         Returns the type chain (ARRAY, then the first item's chain) and the leaves of all
         items flattened, as (value type, raw bytes).
         """
+        if depth > MAX_ARRAY_DEPTH:
+            raise _Corrupt(f"{self.where} nests arrays more than {MAX_ARRAY_DEPTH} deep")
+        if count and itype not in _MIN_ITEM_BYTES:
+            raise _Corrupt(f"{self.where} has an array item of unknown value type {itype}")
+        self.count("array length", count, MAX_ARRAY_ITEMS,
+                   _MIN_ITEM_BYTES.get(itype, 0))
         types, leaves = [T_ARRAY], []
         for i in range(count):
-            sub_types, sub_leaves = self.item(itype)
+            sub_types, sub_leaves = self.item(itype, depth)
             if i == 0:
                 types += sub_types
             leaves += sub_leaves
         return types, leaves
 
-    def item(self, vtype: int) -> tuple[list[int], list[tuple[int, bytes]]]:
+    def item(self, vtype: int, depth: int) -> tuple[list[int], list[tuple[int, bytes]]]:
         if vtype == T_ARRAY:
             itype = self.u32()
-            return self.items(itype, self.u64())
+            return self.items(itype, self.u64(), depth + 1)
         scalar = _SCALARS.get(vtype)
         if scalar is not None:
             self.need(scalar.size)
@@ -243,6 +283,13 @@ class _Parser:
         if vtype == T_STRING:
             return [vtype], [(vtype, bytes(self.raw_string()))]
         raise _Corrupt(f"{self.where} has an array item of unknown value type {vtype}")
+
+
+def show_value(value: Any) -> str:
+    """A decoded metadata value for an error message, cut short (a hostile one may be a long
+    list)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _text(raw: memoryview | bytes) -> str:
@@ -272,8 +319,15 @@ def read_container(path: str | Path) -> GGUFContainer:
             magic = f.read(4)
     except OSError as exc:
         raise GGUFError(f"{path.name}: cannot read the file ({exc.strerror or exc})") from None
-    if magic != GGUF_MAGIC:
+    if n_file_bytes == 0:
+        raise GGUFError(f"{path.name}: empty file (0 bytes), not a GGUF model; download it again")
+    if magic != GGUF_MAGIC[: len(magic)]:
         raise GGUFError(f"{path.name}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    if n_file_bytes < HEADER_BYTES:
+        raise GGUFError(
+            f"{path.name}: the file is truncated: {n_file_bytes} bytes, where a GGUF header "
+            f"alone takes {HEADER_BYTES}; download it again"
+        )
     try:
         data = np.memmap(path, mode="r")
     except (OSError, ValueError) as exc:
@@ -301,9 +355,12 @@ def _parse(p: _Parser, path: Path, data: np.memmap) -> GGUFContainer:
             f"{path.name}: GGUF version {version} is not supported (versions 2 and 3 are); "
             "convert the model again with a current llama.cpp"
         )
-    p.need(16)
     tensor_count, kv_count = _U64X2.unpack_from(p.buf, p.off)
     p.off += 16
+    p.count("tensor_count", tensor_count, MAX_TENSORS, MIN_TENSOR_INFO_BYTES)
+    p.count("kv_count", kv_count, MAX_KVS, MIN_KV_BYTES)
+    p.need(tensor_count * MIN_TENSOR_INFO_BYTES + kv_count * MIN_KV_BYTES,
+           f"kv_count {kv_count:,} with tensor_count {tensor_count:,}")
     metadata: dict[str, Any] = {
         "GGUF.version": version, "GGUF.tensor_count": tensor_count, "GGUF.kv_count": kv_count,
     }
@@ -312,7 +369,7 @@ def _parse(p: _Parser, path: Path, data: np.memmap) -> GGUFContainer:
 
     for i in range(kv_count):
         p.where = f"metadata entry {i}"
-        key = p.name("metadata key")
+        key = p.name("metadata key", MAX_KEY_BYTES)
         p.where = f"metadata key '{key}'"
         vtype = p.u32()
         value = p.value(vtype)
@@ -324,12 +381,12 @@ def _parse(p: _Parser, path: Path, data: np.memmap) -> GGUFContainer:
     table: list[tuple[str, tuple[int, ...], int, int]] = []
     for i in range(tensor_count):
         p.where = f"tensor info {i}"
-        name = p.name("tensor name")
+        name = p.name("tensor name", MAX_TENSOR_NAME_BYTES)
         p.where = f"the info of tensor '{name}'"
         n_dims = p.u32()
         if n_dims > MAX_DIMS:
-            raise _Corrupt(f"tensor '{name}' has {n_dims:,} dimensions")
-        p.need(8 * n_dims)
+            raise _Corrupt(f"tensor '{name}' has n_dims {n_dims:,}, at most {MAX_DIMS}")
+        p.need(8 * n_dims, f"n_dims {n_dims}")
         dims = struct.unpack_from(f"<{n_dims}Q", p.buf, p.off)
         p.off += 8 * n_dims
         ggml_type = p.u32()
@@ -360,8 +417,24 @@ def _parse(p: _Parser, path: Path, data: np.memmap) -> GGUFContainer:
         n_elements = 1
         for d in dims:
             n_elements *= d
+        if n_elements > MAX_ELEMENTS:
+            raise _Corrupt(
+                f"tensor '{name}' has dimensions {list(dims)}, {n_elements:,} elements, more "
+                "than ggml can count (int64)"
+            )
+        if rel_offset % alignment:
+            raise _Corrupt(
+                f"tensor '{name}' has data offset {rel_offset:,}, not a multiple of the "
+                f"alignment {alignment}"
+            )
         n_bytes = n_elements * type_size // block_size
         offset = data_offset + rel_offset
+        if offset > p.size:
+            raise GGUFError(
+                f"{path.name}: tensor '{name}' has data offset {rel_offset:,}, byte {offset:,} "
+                f"of a file of {p.size:,} bytes; the file is truncated or corrupt, "
+                "download it again"
+            )
         end = offset + n_bytes
         if end > p.size:
             raise GGUFError(

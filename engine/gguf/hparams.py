@@ -1,12 +1,35 @@
-"""Hyper-parameters of a qwen3moe model, read from GGUF metadata and checked against tensors."""
+"""Hyper-parameters of a qwen3moe model, read from GGUF metadata and checked against tensors.
+
+Every number is checked for its type, against a sane limit and against the tensors present
+before anything is built from it: a hostile `block_count` of 4,000,000,000 is one line of
+error, not four billion tensor names.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.errors import GGUFError, ModelError
 from engine.gguf import names
+from engine.gguf.container import show_value
 from engine.gguf.reader import SUPPORTED_QTYPES, ModelFile
+
+# Sane limits (inclusive) of the integer hyper-parameters, `{arch}.` keys: an order of magnitude
+# above the largest published models, so only a corrupt or hostile file is refused.
+HPARAM_LIMITS: dict[str, tuple[int, int]] = {
+    "block_count": (1, 1024),  # Qwen3-235B-A22B has 94, DeepSeek-V3 61 + 1 MTP
+    "nextn_predict_layers": (0, 1024),  # read_hparams runs at most one
+    "embedding_length": (1, 1 << 16),  # Llama-3.1-405B: 16,384
+    "attention.head_count": (1, 1024),  # Llama-3.1-405B: 128
+    "attention.head_count_kv": (1, 1024),
+    "attention.key_length": (2, 4096),  # 128 usually; DeepSeek's MLA: 576
+    "expert_count": (1, 4096),  # Kimi-K2: 384, Qwen3-Next: 512
+    "expert_used_count": (1, 4096),
+    "expert_feed_forward_length": (1, 1 << 18),  # even a dense FFN: 53,248 (405B)
+    "context_length": (1, 1 << 24),  # Llama 4 Scout: 10,485,760
+}
+MAX_VOCAB = 1 << 22  # rows of token_embd; Gemma 3 has 262,144
 
 
 @dataclass(frozen=True)
@@ -44,33 +67,34 @@ def read_hparams(mf: ModelFile) -> HParams:
             f"{mf.path.name}: architecture '{mf.arch or '?'}' is not supported; "
             f"strata runs {', '.join(names.SUPPORTED_ARCHS)} models"
         )
-    n_block = int(mf.require("block_count"))
-    n_nextn = int(mf.key("nextn_predict_layers", 0) or 0)
-    n_embd = int(mf.require("embedding_length"))
-    n_head = int(mf.require("attention.head_count"))
-    head_dim = int(mf.key("attention.key_length", n_embd // max(n_head, 1)))
-    embd = mf.tensor(names.TOKEN_EMBD)
-    hp = HParams(
-        n_vocab=embd.shape[0],
-        n_embd=n_embd,
-        n_layer=n_block - n_nextn,
-        n_nextn=n_nextn,
-        n_head=n_head,
-        n_head_kv=int(mf.key("attention.head_count_kv", n_head)),
-        head_dim=head_dim,
-        n_expert=int(mf.require("expert_count")),
-        n_expert_used=int(mf.require("expert_used_count")),
-        n_ff_exp=int(mf.require("expert_feed_forward_length")),
-        n_ctx_train=int(mf.key("context_length", 4096)),
-        rms_eps=float(mf.key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_base=float(mf.key("rope.freq_base", 10000.0)),
-        has_output=names.OUTPUT in mf.tensors,
-    )
-    if hp.n_layer < 1 or n_nextn < 0 or n_nextn > 1:
+    n_block = _int(mf, "block_count")
+    n_nextn = _int(mf, "nextn_predict_layers", 0)
+    n_embd = _int(mf, "embedding_length")
+    n_head = _int(mf, "attention.head_count")
+    head_dim = _int(mf, "attention.key_length", n_embd // n_head)
+    n_layer = n_block - n_nextn
+    if n_layer < 1 or n_nextn > 1:
         raise ModelError(
             f"{mf.path.name}: block_count {n_block} with nextn_predict_layers {n_nextn} is not "
             "supported (need at least one main block and at most one MTP block)"
         )
+    _check_blocks(mf, n_block)
+    hp = HParams(
+        n_vocab=_vocab_rows(mf),
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_nextn=n_nextn,
+        n_head=n_head,
+        n_head_kv=_int(mf, "attention.head_count_kv", n_head),
+        head_dim=head_dim,
+        n_expert=_int(mf, "expert_count"),
+        n_expert_used=_int(mf, "expert_used_count"),
+        n_ff_exp=_int(mf, "expert_feed_forward_length"),
+        n_ctx_train=_int(mf, "context_length", 4096),
+        rms_eps=_float(mf, "attention.layer_norm_rms_epsilon", 1e-6, below=1.0),
+        rope_base=_float(mf, "rope.freq_base", 10000.0),
+        has_output=names.OUTPUT in mf.tensors,
+    )
     if not 0 < hp.n_expert_used <= hp.n_expert:
         raise ModelError(
             f"{mf.path.name}: expert_used_count {hp.n_expert_used} must be in 1..{hp.n_expert}"
@@ -83,6 +107,79 @@ def read_hparams(mf: ModelFile) -> HParams:
         raise ModelError(f"{mf.path.name}: key_length {head_dim} must be even for NEOX RoPE")
     check_tensors(mf, hp)
     return hp
+
+
+def _int(mf: ModelFile, name: str, default: int | None = None) -> int:
+    """`{arch}.name` as an int inside HPARAM_LIMITS[name] (`default` when absent, else required)."""
+    value = mf.require(name) if default is None else mf.key(name, default)
+    lo, hi = HPARAM_LIMITS[name]
+    if type(value) is not int:  # a bool, float, string or list is a corrupt file
+        raise GGUFError(
+            f"{mf.path.name}: metadata key '{mf.arch}.{name}' = {show_value(value)} is not an "
+            "integer; the file is corrupt"
+        )
+    if not lo <= value <= hi:
+        raise GGUFError(
+            f"{mf.path.name}: metadata key '{mf.arch}.{name}' = {value:,} is outside the sane "
+            f"range {lo:,}..{hi:,}; the file is corrupt"
+        )
+    return value
+
+
+def _float(mf: ModelFile, name: str, default: float, below: float = math.inf) -> float:
+    """`{arch}.name` as a finite float in (0, below)."""
+    value = mf.key(name, default)
+    if type(value) not in (int, float) or not 0 < value < below:  # NaN fails the comparison
+        bound = "" if below == math.inf else f" below {below:g}"
+        raise GGUFError(
+            f"{mf.path.name}: metadata key '{mf.arch}.{name}' = {show_value(value)} is not a "
+            f"positive finite number{bound}; the file is corrupt"
+        )
+    return float(value)
+
+
+def _check_blocks(mf: ModelFile, n_block: int) -> None:
+    """The file's `blk.N.*` tensors are for exactly blocks 0..n_block-1 (one pass over names)."""
+    present: set[int] = set()
+    for name in mf.tensors:
+        if not name.startswith("blk."):
+            continue
+        index = name.split(".", 2)[1]
+        if not (index.isascii() and index.isdigit()):
+            raise GGUFError(
+                f"{mf.path.name}: tensor '{name}' has block index {index!r}, not a number; "
+                "the file is corrupt"
+            )
+        block = int(index)
+        if block >= n_block:
+            raise GGUFError(
+                f"{mf.path.name}: tensor '{name}' is in block {block} but metadata key "
+                f"'{mf.arch}.block_count' = {n_block:,}; the file and its metadata disagree"
+            )
+        present.add(block)
+    if len(present) < n_block:
+        first = min(set(range(n_block)) - present)  # n_block is within HPARAM_LIMITS
+        raise GGUFError(
+            f"{mf.path.name}: metadata key '{mf.arch}.block_count' = {n_block:,} but the file "
+            f"has tensors for {len(present):,} blocks (none for blk.{first}); the file and its "
+            "metadata disagree"
+        )
+
+
+def _vocab_rows(mf: ModelFile) -> int:
+    """The vocabulary size: rows of token_embd, which must be a matrix of sane height."""
+    embd = mf.tensor(names.TOKEN_EMBD)
+    if len(embd.shape) != 2:
+        raise GGUFError(
+            f"{mf.path.name}: tensor '{names.TOKEN_EMBD}' has shape {list(embd.shape)}, expected "
+            "[n_vocab, n_embd]; the file is corrupt"
+        )
+    if not 1 <= embd.shape[0] <= MAX_VOCAB:
+        raise GGUFError(
+            f"{mf.path.name}: tensor '{names.TOKEN_EMBD}' has {embd.shape[0]:,} rows (the "
+            f"vocabulary), outside the sane range 1..{MAX_VOCAB:,}; the file is corrupt"
+        )
+    return embd.shape[0]
 
 
 def expected_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:

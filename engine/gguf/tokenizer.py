@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import TokenizerError
+from engine.gguf.container import show_value
 
 KEY_MODEL = "tokenizer.ggml.model"
 KEY_PRE = "tokenizer.ggml.pre"
@@ -223,20 +224,20 @@ class Tokenizer:
         for key in (KEY_TOKENS, KEY_MERGES):
             if key not in meta:
                 raise TokenizerError(f"metadata key '{key}' is missing; re-export the model")
-        tokens = meta[KEY_TOKENS]
-        types = meta.get(KEY_TYPES, [TokenType.NORMAL] * len(tokens))
+        tokens = _array(meta, KEY_TOKENS, str)
+        types = _array(meta, KEY_TYPES, int) if KEY_TYPES in meta else None
         template = meta.get(KEY_CHAT_TEMPLATE)
         return cls(
             tokens=tokens,
-            token_types=types,
-            merges=meta[KEY_MERGES],
+            token_types=[TokenType.NORMAL] * len(tokens) if types is None else types,
+            merges=_array(meta, KEY_MERGES, str),
             pre=str(meta.get(KEY_PRE, "default")),
-            bos_id=_opt_int(meta.get(KEY_BOS)),
-            eos_id=_opt_int(meta.get(KEY_EOS)),
-            pad_id=_opt_int(meta.get(KEY_PAD)),
+            bos_id=_opt_id(meta, KEY_BOS),
+            eos_id=_opt_id(meta, KEY_EOS),
+            pad_id=_opt_id(meta, KEY_PAD),
             add_bos=bool(meta.get(KEY_ADD_BOS, False)),
             chat_template=str(template) if template else None,
-            extra_eog_ids=[int(meta[k]) for k in (KEY_EOT, KEY_EOM) if k in meta],
+            extra_eog_ids=[i for k in (KEY_EOT, KEY_EOM) if (i := _opt_id(meta, k)) is not None],
         )
 
     @classmethod
@@ -324,5 +325,24 @@ class Tokenizer:
             raise TokenizerError(f"token id {token_id} is outside 0..{len(self.tokens) - 1}")
 
 
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _array(meta: dict[str, Any], key: str, kind: type) -> list[Any]:
+    """A metadata array of `kind` items. The container decodes an array's items to one Python
+    type, so the first item stands for all (no pass over a 152k vocabulary)."""
+    value = meta[key]
+    if not isinstance(value, list) or (value and not isinstance(value[0], kind)):
+        raise TokenizerError(
+            f"metadata key '{key}' = {show_value(value)} is not an array of {kind.__name__} "
+            "values; the file is corrupt, re-export the model"
+        )
+    return value
+
+
+def _opt_id(meta: dict[str, Any], key: str) -> int | None:
+    """An optional token id: an integer (the range is checked against the vocabulary later)."""
+    value = meta.get(key)
+    if value is None or type(value) is int:
+        return value
+    raise TokenizerError(
+        f"metadata key '{key}' = {show_value(value)} is not a token id (an integer); "
+        "the file is corrupt, re-export the model"
+    )
