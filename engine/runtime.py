@@ -22,12 +22,13 @@ from engine.backend import make_backend
 from engine.backend.base import Backend
 from engine.cache_setup import attach_token_graph, detach_token_graph, make_cache, pin_model_file
 from engine.config import EngineOptions, LoanFlags
-from engine.costs import model_costs
+from engine.costs import Shapes, model_costs
 from engine.devices import (
-    default_segment_bytes,
-    default_sim_bytes,
     deferred_regions,
     resolve_device,
+    segment_bytes,
+    sim_device,
+    vram_limit_bytes,
     weight_bytes,
 )
 from engine.errors import FlagError, StrataError
@@ -47,7 +48,7 @@ from engine.memory.arena import Arena
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
 from engine.memory.planner import plan_prompt, plan_startup
-from engine.memory.sizes import MiB, format_mib, parse_size
+from engine.memory.sizes import MiB, format_mib
 from engine.model.loader import Model, load_model
 from engine.model.weights import DecodedLRU
 from engine.phases import PhaseClock
@@ -61,6 +62,37 @@ from engine.synth.demo import resolve_model
 @dataclass(frozen=True)
 class Checkpoint:
     n_tokens: int
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """What startup decides before it allocates: the device, what each item costs, and the
+    memory plan. `Runtime.create` allocates it; `strata plan` prints it."""
+
+    backend: Backend
+    costs: ModelCosts
+    plan_options: PlanOptions
+    plan: StartupPlan
+
+
+def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes) -> DevicePlan:
+    """Open the device, run the guards on the options, the flags and the device's facts
+    (capacity, segment), then plan memory. Every refusal is one FlagError listing them all,
+    raised before anything is allocated or deferred."""
+    device = resolve_device(options.device)
+    costs = model_costs(shapes, options, weight_bytes(device), gpu=device.startswith("cuda"))
+    reserve = options.vram_reserve_mib * MiB
+    limit = vram_limit_bytes(options)
+    backend = make_backend(sim_device(device, costs, reserve, limit), limit,
+                           elastic=options.vram_elastic)
+    capacity = backend.capacity_bytes
+    seg = segment_bytes(options, capacity)
+    violations = validate(options, flags, device, shapes.has_mtp, shapes.hp.has_output,
+                          segment_bytes=seg, capacity_bytes=capacity)
+    if violations:
+        raise FlagError(violations)
+    plan_options = Runtime.plan_options_for(options, flags, reserve, seg, device)
+    return DevicePlan(backend, costs, plan_options, plan_startup(capacity, costs, plan_options))
 
 
 class Runtime:
@@ -103,21 +135,11 @@ class Runtime:
         path = resolve_model(options.model, progress=lambda d, t: publish(Loading("building model", d, t)))
         publish(Loading("opening model", 0, 1))
         rt.model = load_model(path, build=False)
-        device = resolve_device(options.device)
-        violations = validate(options, flags, device, rt.model.has_mtp, rt.model.hp.has_output)
-        if violations:
-            raise FlagError(violations)
-        rt.costs = model_costs(rt.model, options, weight_bytes(device), gpu=device.startswith("cuda"))
-        reserve = options.vram_reserve_mib * MiB
-        if device == "sim":
-            device = f"sim:{default_sim_bytes(rt.costs, reserve) // MiB}MiB"
-        limit = parse_size(options.vram_limit, what="--vram-limit") if options.vram_limit else None
-        rt.backend = make_backend(device, limit, elastic=options.vram_elastic)
-        capacity = rt.backend.capacity_bytes
-        seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
-        rt.plan_options = cls.plan_options_for(options, flags, reserve, seg, device)
-        rt.plan = plan_startup(capacity, rt.costs, rt.plan_options)
-        rt.ledger = Ledger(rt.backend, capacity, segment_bytes=seg,
+        planned = plan_device(options, flags, Shapes.of(rt.model))
+        rt.backend, rt.costs = planned.backend, planned.costs
+        rt.plan_options, rt.plan = planned.plan_options, planned.plan
+        rt.ledger = Ledger(rt.backend, rt.backend.capacity_bytes,
+                           segment_bytes=rt.plan_options.segment_bytes,
                            on_change=lambda s: publish(LedgerChanged.of(s)))
         rt._build(on_trace)
         publish(Ready(summary=rt.summary(), device=rt.backend.name))
@@ -213,7 +235,8 @@ class Runtime:
     def validate(self, options: EngineOptions, flags: LoanFlags) -> list[str]:
         """The guards, plus what cannot change without a restart (a runtime change)."""
         v = validate(options, flags, self.backend.name, self.model.has_mtp,
-                     self.model.hp.has_output)
+                     self.model.hp.has_output, segment_bytes=self.ledger.segment_bytes,
+                     capacity_bytes=self.backend.capacity_bytes)
         for name in self.RESTART_FIELDS:
             if getattr(options, name) != getattr(self.options, name) and not v:
                 v.append(f"--{name.replace('_', '-')} cannot change while running; restart strata")
