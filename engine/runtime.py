@@ -45,9 +45,9 @@ from engine.experts.cache import LENT, ExpertCache
 from engine.guards import validate
 from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
 from engine.memory.arena import Arena
-from engine.memory.ledger import Ledger
+from engine.memory.ledger import REGION_NAMES, Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
-from engine.memory.planner import plan_prompt, plan_startup
+from engine.memory.planner import plan_loan, plan_prompt, plan_startup
 from engine.memory.sizes import MiB, format_mib
 from engine.model.loader import Model, load_model
 from engine.model.weights import DecodedLRU
@@ -114,6 +114,7 @@ class Runtime:
         self.resources: ResourceSet
         self.spec: Any = None  # SpecDecoder when --mtp --spec T
         self.startup_loan_pending = False
+        self.prefilled = False  # a request's prefill has completed (the startup loan is over)
         self.retained_geometry: PromptGeometry | None = None
         self.active_lent: Any = None  # LentRange while the prompt path holds cache slots
         self.faults = Faults()
@@ -271,11 +272,21 @@ class Runtime:
 
     # -- actions -----------------------------------------------------------------------------
     def apply(self, options: EngineOptions, flags: LoanFlags) -> None:
-        """Flags/options accepted by `validate` take effect from the next request."""
+        """Flags/options accepted by `validate` take effect from the next request.
+
+        Until a request has been prefilled, what the startup loan defers follows the new flags
+        (`follow_deferral`); afterwards every decode-only region is resident between requests
+        and a loan releases only what the flags of its own request say. If a region cannot be
+        restored, this raises with the engine and its flags as they were.
+        """
+        if not self.prefilled:
+            self.follow_deferral(deferred_regions(flags, options), armed=flags.elastic_loan)
         if options.prefill != self.options.prefill:
             self.plan_options = replace(self.plan_options, prefill=options.prefill)
             self.plan = replace(self.plan, prompt=self._prompt_plan(options.prefill))
             self.retained_geometry = None
+        if not self.prefilled:
+            self._plan_deferred()
         if self.spec is not None:
             self.spec.n_window = max(options.spec, 1)
             self.spec.always = options.spec_always
@@ -284,6 +295,45 @@ class Runtime:
         if graph_changed:  # --no-token-graph toggled: decode steps eager / captured from now on
             detach_token_graph(self)
             attach_token_graph(self)
+
+    def follow_deferral(self, deferred: frozenset[str], armed: bool) -> None:
+        """Before the first request: hold the decode-only regions as an engine started with
+        other flags would. Restore (draft head -> MTP experts -> head -> verifier) what
+        `deferred` no longer names, release what it adds, and arm the startup loan or not. A
+        failed restore gives back what this call restored and raises; nothing has changed."""
+        assert not self.prefilled, "after the first request every region stays resident"
+        restore = [r for r in reversed(self.resources.items)
+                   if r.region not in deferred and not r.resident]
+        release = [r for r in self.resources.items if r.region in deferred and r.resident]
+        done: list[DecodeResource] = []
+        try:
+            for r in restore:
+                self.faults.hit(f"flags:restore:{r.region}")
+                r.restore()
+                done.append(r)
+        except BaseException:
+            for r in done:
+                r.release()
+            raise
+        for r in release:
+            r.release()
+        self.plan_options = replace(self.plan_options, deferred=deferred)
+        self.startup_loan_pending = armed
+        parts = [f"restored {', '.join(r.label for r in restore)}"] if restore else []
+        parts += [f"deferred {', '.join(r.label for r in release)}"] if release else []
+        if parts:
+            self._trace(f"strata loan: flags changed before the first request: {'; '.join(parts)}")
+
+    def _plan_deferred(self) -> None:
+        """The startup plan's deferred regions and startup geometry for `plan_options.deferred`
+        (what `plan_startup` would give with these flags: the cache does not move)."""
+        p, deferred = self.plan, self.plan_options.deferred
+        every = sorted((*p.regions, *p.deferred), key=lambda r: REGION_NAMES.index(r.name))
+        plan = replace(p, regions=tuple(r for r in every if r.name not in deferred),
+                       deferred=tuple(r for r in every if r.name in deferred))
+        freed = sum(r.n_segments for r in plan.deferred) * plan.segment_bytes
+        startup = plan_loan(plan, freed, self.costs, self.plan_options) if freed else plan.prompt
+        self.plan = replace(plan, startup_prompt=startup)
 
     def rollback(self, cp: Checkpoint) -> None:
         self.session.truncate(min(cp.n_tokens, len(self.session.tokens)))
@@ -369,6 +419,7 @@ class Runtime:
                 self.startup_loan_pending = True
             self.publish_cache()
             raise
+        self.prefilled = True
         self.publish_cache()
         self.publish_gpu(force=True)
         return logits, res
