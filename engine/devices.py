@@ -1,11 +1,13 @@
 """Device choice and default sizes: which device `auto` means, the simulated device's size
-and segment, the bytes of a dense weight, and which decode-only regions a loan defers."""
+(capped by `--vram-limit`) and segment, the bytes of a dense weight, and which decode-only
+regions a loan defers."""
 
 from __future__ import annotations
 
 from engine.config import EngineOptions, LoanFlags
+from engine.errors import FlagError
 from engine.memory.plan_types import ModelCosts
-from engine.memory.sizes import MiB
+from engine.memory.sizes import MiB, parse_size
 
 
 def default_segment_bytes(capacity_bytes: int) -> int:
@@ -15,6 +17,38 @@ def default_segment_bytes(capacity_bytes: int) -> int:
     while seg * 64 < capacity_bytes and seg < 512 * MiB:
         seg *= 2
     return seg
+
+
+def segment_bytes(options: EngineOptions, capacity_bytes: int) -> int:
+    """The ledger's segment: `--vram-segment-mib`, else the default for this capacity."""
+    if options.vram_segment_mib:
+        return options.vram_segment_mib * MiB
+    return default_segment_bytes(capacity_bytes)
+
+
+def vram_limit_bytes(options: EngineOptions) -> int | None:
+    """`--vram-limit` in bytes (None without one); FlagError on a value that is not a size."""
+    return parse_size(options.vram_limit, what="--vram-limit") if options.vram_limit else None
+
+
+def sim_device(device: str, costs: ModelCosts, reserve_bytes: int, limit_bytes: int | None) -> str:
+    """The device as `make_backend` takes it. The simulated device gets its size: the one
+    given (`sim:SIZE`) or `default_sim_bytes`, capped by `--vram-limit` as a GPU's budget is
+    (`sim:N` in bytes). Other devices, and a size that does not parse (`make_backend` names
+    it), are returned as they are."""
+    kind, _, size = device.partition(":")
+    if kind.strip().lower() != "sim":
+        return device
+    if not size:
+        n_bytes = default_sim_bytes(costs, reserve_bytes)
+    elif limit_bytes is None:
+        return device
+    else:
+        try:
+            n_bytes = parse_size(size)
+        except FlagError:
+            return device
+    return f"sim:{min(n_bytes, limit_bytes or n_bytes)}"
 
 
 def default_sim_bytes(costs: ModelCosts, reserve_bytes: int) -> int:

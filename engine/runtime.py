@@ -22,12 +22,13 @@ from engine.backend import make_backend
 from engine.backend.base import Backend
 from engine.cache_setup import attach_token_graph, detach_token_graph, make_cache, pin_model_file
 from engine.config import EngineOptions, LoanFlags
-from engine.costs import model_costs
+from engine.costs import Shapes, model_costs
 from engine.devices import (
-    default_segment_bytes,
-    default_sim_bytes,
     deferred_regions,
     resolve_device,
+    segment_bytes,
+    sim_device,
+    vram_limit_bytes,
     weight_bytes,
 )
 from engine.errors import FlagError, StrataError
@@ -44,10 +45,10 @@ from engine.experts.cache import LENT, ExpertCache
 from engine.guards import validate
 from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
 from engine.memory.arena import Arena
-from engine.memory.ledger import Ledger
+from engine.memory.ledger import REGION_NAMES, Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
-from engine.memory.planner import plan_prompt, plan_startup
-from engine.memory.sizes import MiB, format_mib, parse_size
+from engine.memory.planner import plan_loan, plan_prompt, plan_startup
+from engine.memory.sizes import MiB, format_mib
 from engine.model.loader import Model, load_model
 from engine.model.weights import DecodedLRU
 from engine.phases import PhaseClock
@@ -61,6 +62,37 @@ from engine.synth.demo import resolve_model
 @dataclass(frozen=True)
 class Checkpoint:
     n_tokens: int
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """What startup decides before it allocates: the device, what each item costs, and the
+    memory plan. `Runtime.create` allocates it; `strata plan` prints it."""
+
+    backend: Backend
+    costs: ModelCosts
+    plan_options: PlanOptions
+    plan: StartupPlan
+
+
+def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes) -> DevicePlan:
+    """Open the device, run the guards on the options, the flags and the device's facts
+    (capacity, segment), then plan memory. Every refusal is one FlagError listing them all,
+    raised before anything is allocated or deferred."""
+    device = resolve_device(options.device)
+    costs = model_costs(shapes, options, weight_bytes(device), gpu=device.startswith("cuda"))
+    reserve = options.vram_reserve_mib * MiB
+    limit = vram_limit_bytes(options)
+    backend = make_backend(sim_device(device, costs, reserve, limit), limit,
+                           elastic=options.vram_elastic)
+    capacity = backend.capacity_bytes
+    seg = segment_bytes(options, capacity)
+    violations = validate(options, flags, device, shapes.has_mtp, shapes.hp.has_output,
+                          segment_bytes=seg, capacity_bytes=capacity)
+    if violations:
+        raise FlagError(violations)
+    plan_options = Runtime.plan_options_for(options, flags, reserve, seg, device)
+    return DevicePlan(backend, costs, plan_options, plan_startup(capacity, costs, plan_options))
 
 
 class Runtime:
@@ -82,6 +114,7 @@ class Runtime:
         self.resources: ResourceSet
         self.spec: Any = None  # SpecDecoder when --mtp --spec T
         self.startup_loan_pending = False
+        self.prefilled = False  # a request's prefill has completed (the startup loan is over)
         self.retained_geometry: PromptGeometry | None = None
         self.active_lent: Any = None  # LentRange while the prompt path holds cache slots
         self.faults = Faults()
@@ -103,21 +136,11 @@ class Runtime:
         path = resolve_model(options.model, progress=lambda d, t: publish(Loading("building model", d, t)))
         publish(Loading("opening model", 0, 1))
         rt.model = load_model(path, build=False)
-        device = resolve_device(options.device)
-        violations = validate(options, flags, device, rt.model.has_mtp, rt.model.hp.has_output)
-        if violations:
-            raise FlagError(violations)
-        rt.costs = model_costs(rt.model, options, weight_bytes(device), gpu=device.startswith("cuda"))
-        reserve = options.vram_reserve_mib * MiB
-        if device == "sim":
-            device = f"sim:{default_sim_bytes(rt.costs, reserve) // MiB}MiB"
-        limit = parse_size(options.vram_limit, what="--vram-limit") if options.vram_limit else None
-        rt.backend = make_backend(device, limit, elastic=options.vram_elastic)
-        capacity = rt.backend.capacity_bytes
-        seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
-        rt.plan_options = cls.plan_options_for(options, flags, reserve, seg, device)
-        rt.plan = plan_startup(capacity, rt.costs, rt.plan_options)
-        rt.ledger = Ledger(rt.backend, capacity, segment_bytes=seg,
+        planned = plan_device(options, flags, Shapes.of(rt.model))
+        rt.backend, rt.costs = planned.backend, planned.costs
+        rt.plan_options, rt.plan = planned.plan_options, planned.plan
+        rt.ledger = Ledger(rt.backend, rt.backend.capacity_bytes,
+                           segment_bytes=rt.plan_options.segment_bytes,
                            on_change=lambda s: publish(LedgerChanged.of(s)))
         rt._build(on_trace)
         publish(Ready(summary=rt.summary(), device=rt.backend.name))
@@ -213,7 +236,8 @@ class Runtime:
     def validate(self, options: EngineOptions, flags: LoanFlags) -> list[str]:
         """The guards, plus what cannot change without a restart (a runtime change)."""
         v = validate(options, flags, self.backend.name, self.model.has_mtp,
-                     self.model.hp.has_output)
+                     self.model.hp.has_output, segment_bytes=self.ledger.segment_bytes,
+                     capacity_bytes=self.backend.capacity_bytes)
         for name in self.RESTART_FIELDS:
             if getattr(options, name) != getattr(self.options, name) and not v:
                 v.append(f"--{name.replace('_', '-')} cannot change while running; restart strata")
@@ -248,11 +272,21 @@ class Runtime:
 
     # -- actions -----------------------------------------------------------------------------
     def apply(self, options: EngineOptions, flags: LoanFlags) -> None:
-        """Flags/options accepted by `validate` take effect from the next request."""
+        """Flags/options accepted by `validate` take effect from the next request.
+
+        Until a request has been prefilled, what the startup loan defers follows the new flags
+        (`follow_deferral`); afterwards every decode-only region is resident between requests
+        and a loan releases only what the flags of its own request say. If a region cannot be
+        restored, this raises with the engine and its flags as they were.
+        """
+        if not self.prefilled:
+            self.follow_deferral(deferred_regions(flags, options), armed=flags.elastic_loan)
         if options.prefill != self.options.prefill:
             self.plan_options = replace(self.plan_options, prefill=options.prefill)
             self.plan = replace(self.plan, prompt=self._prompt_plan(options.prefill))
             self.retained_geometry = None
+        if not self.prefilled:
+            self._plan_deferred()
         if self.spec is not None:
             self.spec.n_window = max(options.spec, 1)
             self.spec.always = options.spec_always
@@ -261,6 +295,45 @@ class Runtime:
         if graph_changed:  # --no-token-graph toggled: decode steps eager / captured from now on
             detach_token_graph(self)
             attach_token_graph(self)
+
+    def follow_deferral(self, deferred: frozenset[str], armed: bool) -> None:
+        """Before the first request: hold the decode-only regions as an engine started with
+        other flags would. Restore (draft head -> MTP experts -> head -> verifier) what
+        `deferred` no longer names, release what it adds, and arm the startup loan or not. A
+        failed restore gives back what this call restored and raises; nothing has changed."""
+        assert not self.prefilled, "after the first request every region stays resident"
+        restore = [r for r in reversed(self.resources.items)
+                   if r.region not in deferred and not r.resident]
+        release = [r for r in self.resources.items if r.region in deferred and r.resident]
+        done: list[DecodeResource] = []
+        try:
+            for r in restore:
+                self.faults.hit(f"flags:restore:{r.region}")
+                r.restore()
+                done.append(r)
+        except BaseException:
+            for r in done:
+                r.release()
+            raise
+        for r in release:
+            r.release()
+        self.plan_options = replace(self.plan_options, deferred=deferred)
+        self.startup_loan_pending = armed
+        parts = [f"restored {', '.join(r.label for r in restore)}"] if restore else []
+        parts += [f"deferred {', '.join(r.label for r in release)}"] if release else []
+        if parts:
+            self._trace(f"strata loan: flags changed before the first request: {'; '.join(parts)}")
+
+    def _plan_deferred(self) -> None:
+        """The startup plan's deferred regions and startup geometry for `plan_options.deferred`
+        (what `plan_startup` would give with these flags: the cache does not move)."""
+        p, deferred = self.plan, self.plan_options.deferred
+        every = sorted((*p.regions, *p.deferred), key=lambda r: REGION_NAMES.index(r.name))
+        plan = replace(p, regions=tuple(r for r in every if r.name not in deferred),
+                       deferred=tuple(r for r in every if r.name in deferred))
+        freed = sum(r.n_segments for r in plan.deferred) * plan.segment_bytes
+        startup = plan_loan(plan, freed, self.costs, self.plan_options) if freed else plan.prompt
+        self.plan = replace(plan, startup_prompt=startup)
 
     def rollback(self, cp: Checkpoint) -> None:
         self.session.truncate(min(cp.n_tokens, len(self.session.tokens)))
@@ -346,6 +419,7 @@ class Runtime:
                 self.startup_loan_pending = True
             self.publish_cache()
             raise
+        self.prefilled = True
         self.publish_cache()
         self.publish_gpu(force=True)
         return logits, res

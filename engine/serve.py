@@ -202,7 +202,7 @@ class ServeLoop:
         rt, tok = self.rt, self.rt.model.tokenizer
         timing = Timing()
         pieces: list[str] = []
-        reuse = rt.session.common_prefix(ids)
+        reuse = rt.session.reusable(ids)  # what a rollback keeps
         t0 = time.perf_counter()
         try:
             logits = self._prefill(ids, timing)
@@ -224,7 +224,7 @@ class ServeLoop:
             if self._cancel.is_set():
                 raise Cancelled("cancelled")
         except BaseException as exc:
-            rt.rollback(Checkpoint(min(reuse, len(ids) - 1)))
+            rt.rollback(Checkpoint(reuse))
             self._done(timing, cancelled=True)
             if isinstance(exc, Cancelled):
                 return Reply("".join(pieces), timing, cancelled=True)
@@ -241,9 +241,7 @@ class ServeLoop:
 
     def _prefill(self, ids: list[int], timing: Timing) -> np.ndarray:
         rt = self.rt
-        reuse = rt.session.common_prefix(ids)
-        if reuse == len(ids):  # the last prompt token is always recomputed for its logits
-            reuse -= 1
+        reuse = rt.session.reusable(ids)
         if rt.spec is not None:  # the draft must continue from the kept tokens too
             reuse = rt.spec.begin(rt.session, ids, reuse)
         rt.session.truncate(reuse)

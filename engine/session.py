@@ -105,6 +105,13 @@ class Session:
             n += 1
         return n
 
+    def reusable(self, ids: list[int]) -> int:
+        """How many leading tokens of prompt `ids` a request keeps from this KV: the common
+        prefix, but never all of `ids` (the last prompt token is always recomputed, its
+        logits give the first new token). The one owner of that rule: the serve loop, the
+        speculative decoder and `generate` ask here."""
+        return min(self.common_prefix(ids), max(len(ids) - 1, 0))
+
     def forward(self, ids: list[int], logits: str = "last", scratch: Any = None) -> Any:
         """Append ids to the sequence in one forward pass; returns logits per `logits`."""
         pos0 = len(self.tokens)
@@ -160,9 +167,7 @@ class Session:
     ) -> Iterator[int]:
         """Prefill the fresh part of `prompt_ids` (reusing a common prefix), then decode."""
         timing = timing if timing is not None else Timing()
-        reuse = self.common_prefix(prompt_ids)
-        if reuse == len(prompt_ids):  # always recompute at least the last token
-            reuse -= 1
+        reuse = self.reusable(prompt_ids)
         self.truncate(reuse)
         fresh = prompt_ids[reuse:]
         timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = (

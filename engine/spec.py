@@ -288,6 +288,10 @@ class SpecDecoder:
                 self.draft.truncate(n_keep)
             failure = sys.exc_info()[1]
             if failure is None or isinstance(failure, GeneratorExit):  # done, or closed early
+                if hidden is not None and emitted:  # it ended at the first token: the draft
+                    # reads the prompt now, or the next request would recompute all of it
+                    self.draft.observe(session, pos0, hidden,
+                                       [*session.tokens[pos0 + 1 : n_start], emitted[0]])
                 self._catch_up(session)  # the next request continues from every kept position
             else:  # an error: no more device work; the next request re-reads what the draft lacks
                 self._unseen = None
@@ -306,10 +310,7 @@ class SpecDecoder:
         """Prefill the fresh part of `prompt_ids` (reusing a common prefix), then decode with
         drafts: `Session.generate`'s contract."""
         timing = timing if timing is not None else Timing()
-        reuse = session.common_prefix(prompt_ids)
-        if reuse == len(prompt_ids):  # always recompute at least the last token
-            reuse -= 1
-        keep = self.begin(session, prompt_ids, reuse)
+        keep = self.begin(session, prompt_ids, session.reusable(prompt_ids))
         session.truncate(keep)
         fresh = prompt_ids[keep:]
         timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = (

@@ -112,3 +112,37 @@ def test_trace_line_never_shares_the_text_line(monkeypatch: pytest.MonkeyPatch) 
     out.line("strata serve: done")
     assert screen.getvalue() == ("once upon a time\ntoken graph: 1 row 5 x 2.00 ms GPU\n"
                                  "next\nstrata serve: done\n")
+
+
+def _plan(capsys: pytest.CaptureFixture[str], model: Path, *args: str) -> tuple[int, str, str]:
+    return run(capsys, "plan", "--model", str(model), "--device", "sim:64MiB", *args)
+
+
+def _slots(plan: str) -> int:
+    line = next(x for x in plan.splitlines() if x.startswith("expert cache "))
+    return int(line.split()[2].replace(",", ""))
+
+
+def test_vram_limit_caps_the_simulated_device(demo_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--vram-limit on the simulated device: its capacity becomes min(size, limit), in
+    `strata plan` and in the engine alike; a limit above the size changes nothing."""
+    from engine.config import EngineOptions
+    from engine.serve import ServeLoop
+
+    rc, full, _ = _plan(capsys, demo_path)
+    assert rc == 0 and "device  sim:64MiB = 64.0 MiB" in full
+    rc, limited, _ = _plan(capsys, demo_path, "--vram-limit", "30MiB")
+    assert rc == 0 and "device  sim:64MiB (--vram-limit 30MiB) = 30.0 MiB" in limited
+    assert _slots(limited) < _slots(full)
+    rc, above, _ = _plan(capsys, demo_path, "--vram-limit", "1GiB")
+    assert rc == 0 and "= 64.0 MiB" in above and _slots(above) == _slots(full)
+    rc, _, err = _plan(capsys, demo_path, "--vram-limit", "8MiB")
+    assert rc == 2 and err.count("\n") == 1 and "the device budget is 8.0 MiB" in err, err
+    loop = ServeLoop.create(EngineOptions(model=str(demo_path), device="sim:64MiB",
+                                          vram_limit="30MiB"))
+    assert loop.rt.backend.capacity_bytes == 30 << 20
+    assert loop.rt.cache is not None and loop.rt.cache.n_slots == _slots(limited)
+    rc, _, err = run(capsys, "run", "--model", str(demo_path), "--prompt", "hi", "--max-new",
+                     "2", "--vram-limit", "8MiB")
+    assert rc == 2 and "the device budget is 8.0 MiB" in err, err

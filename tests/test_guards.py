@@ -9,8 +9,10 @@ import pytest
 
 from engine.cli import main
 from engine.config import EngineOptions, LoanFlags
+from engine.devices import segment_bytes
 from engine.errors import FlagError
 from engine.guards import validate
+from engine.memory.sizes import GiB, MiB
 
 GOOD = EngineOptions(serve=True, vram_elastic=True, mtp=True, spec=4)
 ALL = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
@@ -123,3 +125,72 @@ def test_a_bad_flash_kernel_choice_is_refused_on_cuda(monkeypatch: pytest.Monkey
     for ok in ("fa2", "auto", ""):
         monkeypatch.setenv("STRATA_FLASH", ok)
         assert validate(options, LoanFlags(), "cuda:0", True, True) == []
+
+
+@pytest.mark.parametrize(("capacity_gib", "default_mib"), [(2, 32), (1, 16)])
+def test_the_default_cuda_segment_is_checked(capacity_gib: int, default_mib: int) -> None:
+    """Without --vram-segment-mib a CUDA device of a few GiB gets segments below 64 MiB: the
+    loan is refused with the default's size and what to pass (a pure check, no GPU)."""
+    capacity = capacity_gib * GiB
+    seg = segment_bytes(GOOD, capacity)
+    assert seg == default_mib * MiB
+    v = validate(GOOD, ALL, "cuda:0", True, True, segment_bytes=seg, capacity_bytes=capacity)
+    assert (f"STRATA_PREFILL_ELASTIC_LOAN=1 needs segments >= 64 MiB on CUDA; the default "
+            f"segment of this device is {default_mib}.0 MiB: pass --vram-segment-mib 64") in v
+    assert validate(GOOD, LoanFlags(), "cuda:0", True, True, segment_bytes=seg,
+                    capacity_bytes=capacity) == []  # no loan: no floor
+    explicit = GOOD.with_changes(vram_segment_mib=64)
+    assert validate(explicit, ALL, "cuda:0", True, True, segment_bytes=segment_bytes(
+        explicit, capacity), capacity_bytes=capacity) == []
+    # the simulated device has no floor; a large GPU's default is already >= 64 MiB
+    assert validate(GOOD, ALL, "sim", True, True, segment_bytes=seg, capacity_bytes=capacity) == []
+    big = 80 * GiB
+    assert validate(GOOD, ALL, "cuda:0", True, True, segment_bytes=segment_bytes(GOOD, big),
+                    capacity_bytes=big) == []
+
+
+def test_a_segment_larger_than_the_device_says_so() -> None:
+    options = EngineOptions(vram_segment_mib=64)
+    (problem,) = validate(options, LoanFlags(), "sim", True, True, segment_bytes=64 * MiB,
+                          capacity_bytes=44 * MiB)
+    assert problem.startswith("--vram-segment-mib 64 is larger than the whole device (44.0 MiB)")
+    assert "default segment here is 1.0 MiB" in problem and "--device sim:SIZE" in problem
+    assert "budget is 0.0" not in problem
+    limited = options.with_changes(vram_limit="48MiB")
+    (problem,) = validate(limited, LoanFlags(), "cuda:0", True, True, segment_bytes=64 * MiB,
+                          capacity_bytes=48 * MiB)
+    assert "a larger --vram-limit" in problem
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_refuses_what_run_refuses(demo_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`strata plan` runs the same guards as `strata run`: the same one line, exit 2."""
+    monkeypatch.setenv("STRATA_PREFILL_ELASTIC_LOAN", "1")
+    monkeypatch.setenv("STRATA_PREFILL_HEAD_LOAN", "1")
+    args = ["--model", str(demo_path), "--batch-slots", "2"]
+    rc_plan, out, err_plan = _cli(capsys, "plan", *args)
+    rc_run, _, err_run = _cli(capsys, "run", "--prompt", "hi", *args)
+    assert rc_plan == rc_run == 2 and not out
+    assert err_plan == err_run and err_plan.count("\n") == 1 and "Traceback" not in err_plan
+    for needle in ("--serve", "--vram-elastic", "--batch-slots 2", "needs --mtp"):
+        assert needle in err_plan, err_plan
+    ok = ["--serve", "--vram-elastic", "--mtp", "--spec", "4"]
+    rc, out, err = _cli(capsys, "plan", "--model", str(demo_path), *ok)
+    assert rc == 0 and "deferred at startup: head.native, verifier" in out, err
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_a_segment_larger_than_the_demo_device(command: str, demo_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    extra = ["--prompt", "hi"] if command == "run" else []
+    rc, _, err = _cli(capsys, command, "--model", str(demo_path), "--mtp", "--spec", "4",
+                      "--vram-segment-mib", "64", *extra)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "--vram-segment-mib 64 is larger than the whole device" in err
+    assert "budget is 0.0 MiB" not in err

@@ -172,3 +172,25 @@ def test_cli_shows_a_loan_end_to_end(demo_path: Path, tmp_path: Path,
              "strata serve: prompt 1500 tokens"]
     positions = [err.find(s) for s in order]
     assert all(p >= 0 for p in positions) and positions == sorted(positions), err
+
+
+def test_a_one_token_answer_does_not_inflate_the_next_fresh_count(demo_path: Path,
+                                                                  texts: list[str]) -> None:
+    """With --mtp --spec 4, a request that generated one token left the draft without the
+    prompt, so the next request recomputed all of it and its fresh count crossed the repeat
+    threshold: a repeat loan for a 40-token message. Now it reuses what plain decoding does."""
+    bus = EventBus()
+    steps: list[LoanStep] = []
+    bus.subscribe(lambda e: steps.append(e) if isinstance(e, LoanStep) else None)
+    loop, conv = make(demo_path, bus=bus), Conversation()
+    ref, ref_conv = ServeLoop.create(EngineOptions(model=str(demo_path), ctx=4096)), Conversation()
+    for text in texts[:2]:
+        n = len(steps)
+        got = loop.chat(conv, text, max_new=1)
+        want = ref.chat(ref_conv, text, max_new=1)
+        loop.rt.check_integrity()
+        assert got.text == want.text
+        assert (got.timing.reused_tokens, got.timing.fresh_tokens) == (
+            want.timing.reused_tokens, want.timing.fresh_tokens), got.timing.line()
+    assert want.timing.reused_tokens > 1000
+    assert not [s for s in steps[n:] if s.step == "release"]  # 40 fresh tokens: no repeat loan

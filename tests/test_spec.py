@@ -136,6 +136,34 @@ def test_multi_turn_reuses_the_prefix_like_plain_decoding(model: Model) -> None:
         ids = ids + a + prompt(6, seed=50 + turn)
 
 
+@pytest.mark.parametrize("end", ["max_new", "stop"])
+def test_a_one_token_turn_keeps_the_prefix_for_the_next(model: Model, end: str) -> None:
+    """A turn that ends at its first token (max_new 1, or a stop id) still lets the draft
+    read the prompt: the next turn reuses what plain decoding reuses, not 0 tokens."""
+    dec = SpecDecoder.with_mtp(model, 4)
+    s_spec, s_plain = Session(model, 512), Session(model, 512)
+    ids = prompt(40, seed=7)
+    for turn in range(3):
+        first = plain(model, ids, 1, 8)[0]
+        max_new, stops = (1, frozenset()) if end == "max_new" else (5, frozenset(first))
+        t_spec, t_plain = Timing(), Timing()
+        a = list(dec.generate(s_spec, ids, max_new, GREEDY, 8, stop_ids=stops, timing=t_spec))
+        b = list(s_plain.generate(ids, max_new, GREEDY, 8, stop_ids=stops, timing=t_plain))
+        assert a == b == first and s_spec.tokens == s_plain.tokens == ids
+        if turn:  # a chat's next prompt holds the answer: nothing more to recompute
+            assert t_spec.reused_tokens == t_plain.reused_tokens > 0, (turn, t_spec.line())
+            assert t_spec.fresh_tokens == t_plain.fresh_tokens
+        dec.check_integrity()
+        ids = ids + a + prompt(6, seed=60 + turn)
+    # a next prompt that does not hold the answer: the MTP cell of the last KV token is
+    # rebuilt (it pairs that token's hidden with the next token), nothing more
+    held = list(s_spec.tokens)
+    other = [t for t in prompt(7, seed=99) if t != first[0]][:6]
+    t = Timing()
+    list(dec.generate(s_spec, held + other, 1, GREEDY, 8, timing=t))
+    assert t.reused_tokens == len(held) - 1
+
+
 def test_release_restore_between_requests_keeps_output(model: Model) -> None:
     """The loan's order: release every decode resource, prefill-free gap, restore, decode."""
     dec = SpecDecoder.with_mtp(model, 4, draft_vocab=300)

@@ -1,4 +1,8 @@
-"""`strata plan`: the startup memory plan of a model on a device, as a table."""
+"""`strata plan`: the startup memory plan of a model on a device, as a table.
+
+It runs the same guards as `strata run` (`engine.runtime.plan_device`): a combination `run`
+refuses is refused here, with the same one line and exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +10,12 @@ import argparse
 from pathlib import Path
 
 from engine.cli.options import add_engine_args, engine_options, loan_flags
-from engine.costs import Shapes, model_costs
-from engine.devices import (
-    default_segment_bytes,
-    default_sim_bytes,
-    deferred_regions,
-    resolve_device,
-    weight_bytes,
-)
-from engine.memory.planner import format_plan_table, plan_startup
-from engine.memory.sizes import MiB, format_mib, parse_size
+from engine.costs import Shapes
+from engine.devices import deferred_regions, resolve_device
+from engine.memory.planner import format_plan_table
+from engine.memory.sizes import format_mib
 from engine.model.loader import load_model
-from engine.runtime import Runtime
+from engine.runtime import plan_device
 from engine.synth.demo import resolve_model
 from engine.synth.model import PRESETS
 
@@ -29,22 +27,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def plan_text(args: argparse.Namespace) -> str:
-    """The budget table for the model and device in `args`; allocates nothing."""
+    """The budget table for the model and device in `args`; allocates nothing. FlagError
+    when the guards refuse the options and STRATA_PREFILL_* flags (as `strata run` does)."""
     options, flags = engine_options(args), loan_flags()
     shapes, name = _shapes(options.model)
-    reserve = options.vram_reserve_mib * MiB
+    planned = plan_device(options, flags, shapes)
+    costs, plan = planned.costs, planned.plan
+    capacity, seg = planned.backend.capacity_bytes, plan.segment_bytes
     device = resolve_device(options.device)
-    costs = model_costs(shapes, options, weight_bytes(device), gpu=device.startswith("cuda"))
-    if device == "sim":
-        capacity = default_sim_bytes(costs, reserve)
-    else:
-        from engine.backend import make_backend
-
-        limit = parse_size(options.vram_limit, what="--vram-limit") if options.vram_limit else None
-        capacity = make_backend(device, limit).capacity_bytes
-    seg = options.vram_segment_mib * MiB if options.vram_segment_mib else default_segment_bytes(capacity)
-    opts = Runtime.plan_options_for(options, flags, reserve, seg, device)
-    plan = plan_startup(capacity, costs, opts)
+    if options.vram_limit:
+        device += f" (--vram-limit {options.vram_limit})"
     hp = shapes.hp
     head = [
         (
