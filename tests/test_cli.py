@@ -112,3 +112,124 @@ def test_trace_line_never_shares_the_text_line(monkeypatch: pytest.MonkeyPatch) 
     out.line("strata serve: done")
     assert screen.getvalue() == ("once upon a time\ntoken graph: 1 row 5 x 2.00 ms GPU\n"
                                  "next\nstrata serve: done\n")
+
+
+def refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run the CLI, expect exit code 2 and one `strata: error:` line; return that line."""
+    try:  # argparse errors exit from inside parse_args; ours return the code
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("strata: error:") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_messages_name_only_flags_that_exist() -> None:
+    """Every `--flag` in an engine or app string is an option of some command (an error once
+    told users to lower --max-context; the flag is --ctx)."""
+    import argparse
+    import re
+    import tokenize
+
+    from app.cli import APP_COMMANDS
+    from engine.cli import build_parser
+
+    FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")  # not CSS's switch--slider
+    known = set()
+    todo = [build_parser(APP_COMMANDS)]
+    while todo:
+        parser = todo.pop()
+        for action in parser._actions:
+            known.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
+    root = Path(__file__).resolve().parents[1]
+    named = {}
+    for path in [*root.glob("engine/**/*.py"), *root.glob("app/**/*.py")]:
+        # the development tools (`python -m engine.graph_profile`) have parsers of their own
+        known.update(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', path.read_text()))
+        with path.open("rb") as f:
+            for tok in tokenize.tokenize(f.readline):
+                if tok.type == tokenize.STRING:
+                    for flag in FLAG.findall(tok.string):
+                        named.setdefault(flag, f"{path.relative_to(root)}:{tok.start[0]}")
+    unknown = {flag: where for flag, where in named.items() if flag not in known}
+    assert not unknown, unknown
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"5 17 \xff\xfe 3", "line 1, byte 5: byte 0xff is not UTF-8 text; expected token ids"),
+        (b"5 17\n3 ab\xe9 9", "line 2, byte 9: byte 0xe9 is not UTF-8 text"),
+        ("5\n17 \u00b2 3".encode(), "line 2, byte 5: '\u00b2' is not a token id; expected token"),
+        ("\u0663 5".encode(), "line 1, byte 0: '\u0663' is not a token id"),  # int() reads it as 3
+        (b"5,17,300", "'5,17,300' is not a token id; expected token ids in ASCII decimal"),
+        (b"9" * 6000, "line 1, byte 0: token id 999999999999999999... (6,000 digits) is too large"),
+        (b" \n\t", "no token ids in the file; expected token ids in ASCII decimal"),
+    ],
+    ids=["not-utf8", "not-utf8-line-2", "superscript", "arabic-digit", "commas", "6000-digits",
+         "blank"],
+)
+def test_tokens_file_hostile_content(content: bytes, needle: str, tiny_path: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "t.txt"
+    f.write_bytes(content)
+    err = refused(capsys, "run", "--model", str(tiny_path), "--tokens-file", str(f))
+    assert f"--tokens-file {f}: " in err and needle in err, err
+
+
+def test_tokens_file_is_read_before_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.serve import ServeLoop
+
+    def no_engine(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the engine was built for a file that cannot be read")
+
+    monkeypatch.setattr(ServeLoop, "create", no_engine)
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"5 x")
+    refused(capsys, "run", "--tokens-file", str(f))
+    refused(capsys, "run", "--tokens-file", str(tmp_path))  # a folder
+    refused(capsys, "run", "--tokens-file", "")
+
+
+def test_tokens_file_may_start_with_a_bom(tiny_path: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"\xef\xbb\xbf5 17\r\n300\r\n")  # as Notepad saves it
+    rc, _, err = run(capsys, "run", "--model", str(tiny_path), "--tokens-file", str(f),
+                     "--max-new", "2")
+    assert rc == 0 and "prompt 3 tokens" in err, err
+
+
+@pytest.mark.parametrize(
+    ("prompt", "needle"),
+    [
+        ("", "--prompt is empty (or only whitespace); give the user message"),
+        (" \n\t", "--prompt is empty (or only whitespace)"),
+        ("a\udcffb", "--prompt holds byte 0xff at byte 1, which is not UTF-8 text"),  # argv bytes
+    ],
+)
+def test_bad_prompt(prompt: str, needle: str, tiny_path: Path,
+                    capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(capsys, "run", "--model", str(tiny_path), "--prompt", prompt)
+    assert needle in err, err
+
+
+def test_non_utf8_prompt_from_a_shell(tiny_path: Path) -> None:
+    """The bytes reach Python through argv as a real shell passes them."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable.encode(), b"-m", b"engine.cli", b"run", b"--model",
+           bytes(tiny_path), b"--prompt", b"caf\xe9"]
+    p = subprocess.run(cmd, capture_output=True, timeout=120,
+                       env={**os.environ, "PYTHONUTF8": "1"})
+    err = p.stderr.decode()
+    assert p.returncode == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "--prompt holds byte 0xe9 at byte 3, which is not UTF-8 text" in err
