@@ -233,3 +233,60 @@ def test_non_utf8_prompt_from_a_shell(tiny_path: Path) -> None:
     err = p.stderr.decode()
     assert p.returncode == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "--prompt holds byte 0xe9 at byte 3, which is not UTF-8 text" in err
+
+
+MAKE_MODEL_REFUSALS = [
+    (["--layers", "0"], "--layers 0 must be at least 1"),
+    (["--layers", "-3"], "--layers -3 must be at least 1"),
+    (["--experts", "0"], "--experts 0 must be at least 1"),
+    (["--top-k", "9"], "--top-k 9 must be at most --experts 8"),
+    (["--top-k", "0"], "--top-k 0 must be at least 1"),
+    (["--heads", "3"], "--heads 3 must be a multiple of --kv-heads 2"),
+    (["--kv-heads", "0"], "--kv-heads 0 must be at least 1"),
+    (["--head-dim", "15"], "--head-dim 15 must be even"),
+    (["--hidden", "48"], "rows of --hidden 48 values must be a multiple of 32 for Q8_0 "
+                         "(embd, output, attn) and Q4_0 (experts)"),
+    (["--ff", "40"], "rows of --ff 40 values must be a multiple of 32 for Q4_0 (experts)"),
+    (["--qtype", "experts=Q4_K"], "rows of --hidden 64 values must be a multiple of 256"),
+    (["--vocab", "10"], "--vocab 10 must be in 259..1048576"),
+    (["--mtp", "2"], "--mtp 2 must be 0 or 1"),
+    (["--ctx", "0"], "--ctx 0 must be at least 1"),
+    (["--seed", "-1"], "--seed -1 must be >= 0"),
+    (["--layers", "100000000", "--hidden", "4096"], "GiB free; give smaller shapes"),
+]
+
+
+@pytest.mark.parametrize(("flags", "needle"), MAKE_MODEL_REFUSALS,
+                         ids=[" ".join(flags) for flags, _ in MAKE_MODEL_REFUSALS])
+def test_make_model_refuses_before_writing(flags: list[str], needle: str, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "m.gguf"
+    err = refused(capsys, "make-model", str(out), "--preset", "tiny", *flags)
+    assert needle in err, err
+    assert not any(tmp_path.iterdir())  # nothing written, not even the .part file
+
+
+def test_make_model_lists_every_problem_at_once(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(capsys, "make-model", str(tmp_path / "m.gguf"), "--preset", "tiny",
+                  "--layers", "0", "--experts", "0", "--mtp", "5")
+    assert err == ("strata: error: make-model --preset tiny: --layers 0 must be at least 1; "
+                   "--experts 0 must be at least 1; --mtp 5 must be 0 or 1 (MTP blocks after the "
+                   "main ones)\n")
+
+
+def test_every_preset_is_a_valid_spec() -> None:
+    from engine.synth.model import PRESETS
+
+    for name, spec in PRESETS.items():
+        assert spec.problems() == [], name
+    assert 17 * 2**30 < PRESETS["qwen3-30b-a3b"].tensor_bytes() < 18 * 2**30  # "about 17 GB"
+
+
+def test_a_model_make_model_accepts_runs(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "m.gguf"
+    assert main(["make-model", str(out), "--preset", "tiny", "--layers", "1", "--hidden", "96",
+                 "--mtp", "0"]) == 0
+    rc, text, err = run(capsys, "run", "--model", str(out), "--prompt", "hi", "--max-new", "2")
+    assert rc == 0 and "2 generated" in err, err
