@@ -60,6 +60,8 @@ def test_logits_shape(tiny_path: Path, tmp_path: Path, capsys: pytest.CaptureFix
         (["run", "--prompt", "x", "--kv", "q2"], "invalid choice: 'q2'"),
         (["run"], "one of the arguments --prompt --tokens-file is required"),
         (["logits", "demo", "--tokens", "1,x", "--out", "/tmp/x.npy"], "must be comma-separated"),
+        (["logits", "demo", "--tokens", "1,\u0663", "--out", "/tmp/x.npy"], "comma-separated"),
+        (["logits", "demo", "--tokens", "1," + "9" * 5000, "--out", "/tmp/x.npy"], "must be"),
         (["make-model", "/tmp/x.gguf", "--qtype", "experts=Q9_9"], "--qtype experts=Q9_9"),
         (["bogus"], "invalid choice: 'bogus'"),
         (["run", "--prompt", "x", "--kv", "q4_0"], "--kv q4_0 needs a head size"),
