@@ -230,7 +230,7 @@ def test_non_utf8_prompt_from_a_shell(tiny_path: Path) -> None:
 
     cmd = [sys.executable.encode(), b"-m", b"engine.cli", b"run", b"--model",
            bytes(tiny_path), b"--prompt", b"caf\xe9"]
-    p = subprocess.run(cmd, capture_output=True, timeout=120,
+    p = subprocess.run(cmd, capture_output=True, timeout=120, check=False,
                        env={**os.environ, "PYTHONUTF8": "1"})
     err = p.stderr.decode()
     assert p.returncode == 2 and err.count("\n") == 1 and "Traceback" not in err, err
@@ -246,8 +246,8 @@ MAKE_MODEL_REFUSALS = [
     (["--heads", "3"], "--heads 3 must be a multiple of --kv-heads 2"),
     (["--kv-heads", "0"], "--kv-heads 0 must be at least 1"),
     (["--head-dim", "15"], "--head-dim 15 must be even"),
-    (["--hidden", "48"], "rows of --hidden 48 values must be a multiple of 32 for Q8_0 "
-                         "(embd, output, attn) and Q4_0 (experts)"),
+    (["--hidden", "48"], ("rows of --hidden 48 values must be a multiple of 32 for Q8_0 "
+                          "(embd, output, attn) and Q4_0 (experts)")),
     (["--ff", "40"], "rows of --ff 40 values must be a multiple of 32 for Q4_0 (experts)"),
     (["--qtype", "experts=Q4_K"], "rows of --hidden 64 values must be a multiple of 256"),
     (["--vocab", "10"], "--vocab 10 must be in 259..1048576"),
@@ -290,5 +290,5 @@ def test_a_model_make_model_accepts_runs(tmp_path: Path,
     out = tmp_path / "m.gguf"
     assert main(["make-model", str(out), "--preset", "tiny", "--layers", "1", "--hidden", "96",
                  "--mtp", "0"]) == 0
-    rc, text, err = run(capsys, "run", "--model", str(out), "--prompt", "hi", "--max-new", "2")
+    rc, _, err = run(capsys, "run", "--model", str(out), "--prompt", "hi", "--max-new", "2")
     assert rc == 0 and "2 generated" in err, err
