@@ -53,8 +53,8 @@ class LoanFlags:
     def from_env(cls, env: Mapping[str, str] | None = None) -> LoanFlags:
         """Read the STRATA_PREFILL_* variables; every bad value is reported at once.
 
-        A STRATA_PREFILL_* name that is none of the six is not an error,
-        but each one gets a warning naming the closest real name.
+        A STRATA_PREFILL_* name that is none of the six is not an error, but each one gets a
+        warning (in `warnings`) naming the closest real name.
         """
         env = os.environ if env is None else env
         values: dict[str, object] = {}

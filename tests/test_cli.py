@@ -165,12 +165,12 @@ def test_messages_name_only_flags_that_exist() -> None:
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
-        (b"5 17 \xff\xfe 3", "line 1, byte 5: byte 0xff is not UTF-8 text; expected token ids"),
-        (b"5 17\n3 ab\xe9 9", "line 2, byte 9: byte 0xe9 is not UTF-8 text"),
-        ("5\n17 \u00b2 3".encode(), "line 2, byte 5: '\u00b2' is not a token id; expected token"),
-        ("\u0663 5".encode(), "line 1, byte 0: '\u0663' is not a token id"),  # int() reads it as 3
+        (b"5 17 \xff\xfe 3", "line 1, byte offset 5: byte 0xff is not UTF-8 text; expected"),
+        (b"5 17\n3 ab\xe9 9", "line 2, byte offset 9: byte 0xe9 is not UTF-8 text"),
+        ("5\n17 \u00b2 3".encode(), "line 2, byte offset 5: '\u00b2' is not a token id; expected"),
+        ("\u0663 5".encode(), "line 1, byte offset 0: '\u0663' is not a token id"),  # int(): 3
         (b"5,17,300", "'5,17,300' is not a token id; expected token ids in ASCII decimal"),
-        (b"9" * 6000, "line 1, byte 0: token id 999999999999999999... (6,000 digits) is too large"),
+        (b"9" * 6000, "byte offset 0: token id 999999999999999999... (6,000 digits) is too large"),
         (b" \n\t", "no token ids in the file; expected token ids in ASCII decimal"),
     ],
     ids=["not-utf8", "not-utf8-line-2", "superscript", "arabic-digit", "commas", "6000-digits",

@@ -72,7 +72,7 @@ def check_token_ids(path: str, ids: list[int], n_vocab: int) -> None:
 
 def _where(data: bytes, offset: int) -> str:
     line = data.count(b"\n", 0, offset) + 1
-    return f"line {line}, byte {offset}"
+    return f"line {line}, byte offset {offset}"
 
 
 def _not_an_id(data: bytes, offset: int, word: bytes) -> str:
