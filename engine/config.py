@@ -6,7 +6,9 @@ guards' job (`engine.guards.validate`).
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
@@ -23,8 +25,12 @@ ENV_NAMES = {
     "repeat_loan": "STRATA_PREFILL_REPEAT_LOAN",
     "repeat_min_tokens": "STRATA_PREFILL_REPEAT_MIN_TOKENS",
 }
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+ENV_PREFIX = "STRATA_PREFILL_"
+# Spellings of a boolean, in any case and with surrounding spaces ignored; empty is off.
+TRUE_SPELLINGS = ("1", "true", "yes", "on")
+FALSE_SPELLINGS = ("0", "false", "no", "off", "")
+BOOLEAN_SPELLINGS = "1, true, yes, on or 0, false, no, off (any case; empty is off)"
+_INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() would also take '1_000', '١٢'
 
 
 @dataclass(frozen=True)
@@ -39,9 +45,17 @@ class LoanFlags:
     repeat_min_tokens: int = REPEAT_MIN_DEFAULT
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
+    def __post_init__(self) -> None:
+        if self.repeat_min_tokens < 0:
+            raise FlagError(_negative_repeat_min(self.repeat_min_tokens))
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LoanFlags:
-        """Read the STRATA_PREFILL_* variables; every bad value is reported at once."""
+        """Read the STRATA_PREFILL_* variables; every bad value is reported at once.
+
+        A STRATA_PREFILL_* name that is none of the six is not an error, but each one gets a
+        warning (in `warnings`) naming the closest real name.
+        """
         env = os.environ if env is None else env
         values: dict[str, object] = {}
         errors: list[str] = []
@@ -50,26 +64,37 @@ class LoanFlags:
             if raw is None:
                 continue
             if name == "repeat_min_tokens":
-                try:
-                    values[name] = int(raw.strip())
-                except ValueError:
-                    errors.append(f"{var}={raw!r} is not an integer; give a token count such as 1024")
+                n = _parse_count(raw)
+                if n is None:
+                    errors.append(
+                        f"{var}={raw!r} is not an integer; give a token count such as 1024"
+                    )
+                elif n < 0:
+                    errors.append(_negative_repeat_min(n))
+                else:
+                    values[name] = n
                 continue
             value = raw.strip().lower()
-            if value in _TRUE:
+            if value in TRUE_SPELLINGS:
                 values[name] = True
-            elif value in _FALSE:
+            elif value in FALSE_SPELLINGS:
                 values[name] = False
             else:
-                errors.append(f"{var}={raw!r} is not a boolean; use 1 or 0")
+                errors.append(f"{var}={raw!r} is not a boolean; use {BOOLEAN_SPELLINGS}")
         if errors:
             raise FlagError(errors)
-        return cls.make(**values)  # type: ignore[arg-type]
+        flags = cls.make(**values)  # type: ignore[arg-type]
+        unknown = tuple(unknown_env_warning(var) for var in sorted(env)
+                        if var.startswith(ENV_PREFIX) and var not in ENV_NAMES.values())
+        return replace(flags, warnings=unknown + flags.warnings) if unknown else flags
 
     @classmethod
     def make(cls, **values: object) -> LoanFlags:
-        """Construct with the repeat threshold clamped to >= 256 (with a warning)."""
+        """Construct with the repeat threshold clamped to >= 256 (with a warning); a negative
+        threshold is a FlagError."""
         n = int(values.get("repeat_min_tokens", REPEAT_MIN_DEFAULT))  # type: ignore[arg-type]
+        if n < 0:
+            raise FlagError(_negative_repeat_min(n))
         warnings = []
         if n < REPEAT_MIN_FLOOR:
             warnings.append(
@@ -144,6 +169,32 @@ class EngineOptions:
 
     def with_changes(self, **changes: object) -> EngineOptions:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _parse_count(raw: str) -> int | None:
+    """An integer written in ASCII digits (with an optional sign), else None."""
+    text = raw.strip()
+    if not _INTEGER.fullmatch(text):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than Python converts
+        return None
+
+
+def _negative_repeat_min(n: int) -> str:
+    return (
+        f"{ENV_NAMES['repeat_min_tokens']}={n} is negative; give a token count such as 1024 "
+        f"(values below {REPEAT_MIN_FLOOR} are raised to {REPEAT_MIN_FLOOR})"
+    )
+
+
+def unknown_env_warning(var: str) -> str:
+    """The warning for a STRATA_PREFILL_* name that is not one of the six flags."""
+    real = list(ENV_NAMES.values())
+    cut = [name for name in real if name.startswith(var) or var.startswith(name)]  # ..._MIN
+    close = cut or difflib.get_close_matches(var, real, n=1, cutoff=0.0)
+    return f"{var} is not one of the six loan flags and is ignored; did you mean {close[0]}?"
 
 
 def parse_auto_int(text: str, flag: str) -> int | str:

@@ -130,6 +130,7 @@ class RequestDone(Event):
     line: str = ""
     spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
     drafted_steps: int = 0
+    decoded: bool = True  # a decode step ran (Timing.decoded); else there is no TG to show
 
 
 @dataclass(frozen=True)

@@ -281,7 +281,7 @@ class ServeLoop:
             timing.prefill_s * 1e3, timing.generated, timing.decode_s * 1e3, timing.ttft_s * 1e3,
             timing.drafts_offered, timing.drafts_accepted, timing.bytes_streamed,
             cancelled=cancelled, line=line, spec_steps=timing.spec_steps,
-            drafted_steps=timing.drafted_steps,
+            drafted_steps=timing.drafted_steps, decoded=timing.decoded,
         ))
 
 

@@ -194,3 +194,81 @@ def test_a_segment_larger_than_the_demo_device(command: str, demo_path: Path,
     assert rc == 2 and err.count("\n") == 1, err
     assert "--vram-segment-mib 64 is larger than the whole device" in err
     assert "budget is 0.0 MiB" not in err
+
+def test_unknown_prefill_names_warn_with_the_closest_real_one() -> None:
+    f = LoanFlags.from_env({"STRATA_PREFILL_ELASTIK_LOAN": "1", "STRATA_PREFILL_REPEAT_MIN": "9",
+                            "STRATA_PREFILL_MTP_LOAN": "1", "STRATA_TRACE": "1"})
+    assert f.mtp_loan and not f.elastic_loan  # the misspelled one does nothing
+    ignored = "is not one of the six loan flags and is ignored; did you mean"
+    assert f.warnings == (
+        f"STRATA_PREFILL_ELASTIK_LOAN {ignored} STRATA_PREFILL_ELASTIC_LOAN?",
+        f"STRATA_PREFILL_REPEAT_MIN {ignored} STRATA_PREFILL_REPEAT_MIN_TOKENS?",
+    )
+
+
+def test_cli_warns_once_per_unknown_name(monkeypatch: pytest.MonkeyPatch, tiny_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("STRATA_PREFILL_HEAD_LAON", "1")
+    monkeypatch.setenv("STRATA_PREFILL_RETAIN_STARTUP", "1")
+    assert main(["run", "--model", str(tiny_path), "--prompt", "hi", "--max-new", "1"]) == 0
+    warnings = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    ignored = "is not one of the six loan flags and is ignored; did you mean"
+    chunk = "STRATA_PREFILL_RETAIN_STARTUP_CHUNK"
+    assert warnings == [
+        f"strata: warning: STRATA_PREFILL_HEAD_LAON {ignored} STRATA_PREFILL_HEAD_LOAN?",
+        f"strata: warning: STRATA_PREFILL_RETAIN_STARTUP {ignored} {chunk}?",
+    ]
+
+
+@pytest.mark.parametrize("value", ["-1", " -4096 "])
+def test_negative_repeat_threshold_is_an_error(value: str, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("STRATA_PREFILL_REPEAT_MIN_TOKENS", value)
+    assert main(["run", "--prompt", "hi"]) == 2  # refused before any model is read
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err == (
+        f"strata: error: STRATA_PREFILL_REPEAT_MIN_TOKENS={int(value)} is negative; give a token "
+        "count such as 1024 (values below 256 are raised to 256)\n"
+    )
+    with pytest.raises(FlagError, match="REPEAT_MIN_TOKENS=-5 is negative"):
+        LoanFlags().with_changes(repeat_min_tokens=-5)  # the flags panel's path
+    with pytest.raises(FlagError, match="REPEAT_MIN_TOKENS=-5 is negative"):
+        LoanFlags(repeat_min_tokens=-5)
+
+
+@pytest.mark.parametrize(("value", "n"), [("0", 256), ("255", 256), ("256", 256), ("+300", 300)])
+def test_small_repeat_threshold_is_still_clamped(value: str, n: int) -> None:
+    f = LoanFlags.from_env({"STRATA_PREFILL_REPEAT_MIN_TOKENS": value})
+    assert f.repeat_min_tokens == n
+    assert bool(f.warnings) == (int(value) < 256)
+
+
+@pytest.mark.parametrize("value", ["1_000", "\u0661\u0660\u0662\u0664", "1e4", "", "9" * 5000])
+def test_repeat_threshold_takes_ascii_digits_only(value: str) -> None:
+    """int() would read '1_000' and Arabic-Indic digits; a C strtol would not."""
+    with pytest.raises(FlagError, match="is not an integer"):
+        LoanFlags.from_env({"STRATA_PREFILL_REPEAT_MIN_TOKENS": value})
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [("1", True), ("true", True), ("Yes", True), (" ON ", True),
+     ("0", False), ("FALSE", False), ("no", False), ("off", False), ("", False)],
+)
+def test_boolean_spellings(value: str, on: bool) -> None:
+    assert LoanFlags.from_env({"STRATA_PREFILL_REPEAT_LOAN": value}).repeat_loan is on
+
+
+@pytest.mark.parametrize("value", ["2", "y", "enabled", "-1", "tru"])
+def test_other_boolean_spellings_are_refused_with_the_list(value: str,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    monkeypatch.setenv("STRATA_PREFILL_HEAD_LOAN", value)
+    assert main(["run", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"strata: error: STRATA_PREFILL_HEAD_LOAN={value!r} is not a boolean; use 1, true, yes, "
+        "on or 0, false, no, off (any case; empty is off)\n"
+    )

@@ -115,7 +115,7 @@ def test_mandatory_shortfall_table() -> None:
         plan_startup(48 * MiB, COSTS, OPTS)  # 6 segments for 8 needed
     assert str(e.value) == (
         "the mandatory items need 64.0 MiB, the device budget is 48.0 MiB: short by 16.0 MiB; "
-        "lower --max-context, use a smaller KV type or raise the device size"
+        "lower --ctx, use a smaller --kv type or raise the device size"
     )
     lines = e.value.table.splitlines()
     assert [c.strip() for c in lines[0].split("|")[1:-1]] == [

@@ -20,10 +20,11 @@ from engine.sampler import SamplingParams
 from engine.serve import ServeLoop
 from training import corpus, wordnet
 
-STOP = frozenset(
+STOP_WORDS = (
     "a an the of or and to in on by for as at with from that which who any some one its it "
-    "be is are being having has have not no into out up usually especially e.g. etc".split()
+    "be is are being having has have not no into out up usually especially e.g. etc"
 )
+STOP = frozenset(STOP_WORDS.split(" "))
 QUESTION = "What does '{w}' mean?"
 
 

@@ -151,7 +151,7 @@ def build(
         write_gguf(path, spec, vocab, synth_tensors(spec), _encoded(tensors, spec), TITLE)
     record = {
         "recipe": r.__dict__ | {"steps": steps}, "pairs": len(phrasings[0]),
-        "tokens_per_phrasing": int(len(encoded[0].ids)), "epochs": epoch_no,
+        "tokens_per_phrasing": len(encoded[0].ids), "epochs": epoch_no,
         "data_seconds": round(t_data, 1), "train_seconds": round(train_s, 1),
         "gguf_bytes": out.stat().st_size,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",

@@ -121,7 +121,7 @@ def parse_data(text: str, pos_file: str) -> dict[tuple[str, int], Synset]:
             elif sym == "&":
                 s.similar.append(int(target))
             elif sym == "!" and _data_pos(tpos) == pos_file:
-                s.antonyms.append((int(target), int(srctgt[2:], 16) - 1))
+                s.antonyms.append((int(target), int(srctgt[2:4], 16) - 1))  # sstt: target word
         out[(pos_file, offset)] = s
     return out
 

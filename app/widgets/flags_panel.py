@@ -18,6 +18,7 @@ from textual.widget import Widget
 from textual.widgets import Input, Label, Select, Static, Switch
 
 from engine.config import ENV_NAMES, EngineOptions, LoanFlags
+from engine.errors import FlagError
 
 SWITCHES = ("elastic_loan", "mtp_loan", "head_loan", "retain_startup_chunk", "repeat_loan")
 SPEC_CHOICES = (0, 2, 3, 4, 5, 6, 7, 8)
@@ -171,9 +172,12 @@ class FlagsPanel(Widget):
             self.refused([f"{ENV_NAMES['repeat_min_tokens']}={event.value!r} is not an integer"])
             return
         if n != self.flags.repeat_min_tokens:
-            self.post_message(
-                self.Requested(self.flags.with_changes(repeat_min_tokens=n), self.options)
-            )
+            try:
+                flags = self.flags.with_changes(repeat_min_tokens=n)
+            except FlagError as exc:  # a negative threshold
+                self.refused(exc.violations)
+                return
+            self.post_message(self.Requested(flags, self.options))
 
     def on_select_changed(self, event: Select.Changed) -> None:
         event.stop()

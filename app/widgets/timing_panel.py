@@ -42,7 +42,8 @@ class TimingPanel(EventView):
             else "–"
         )
         table.add_row(
-            "PP", rate(d.fresh_tokens, d.prefill_ms), "TG", rate(d.generated, d.decode_ms)
+            "PP", rate(d.fresh_tokens, d.prefill_ms),
+            "TG", rate(d.generated, d.decode_ms) if d.decoded else "–",
         )
         table.add_row("TTFT", fmt_ms(d.ttft_ms) if d.ttft_ms else "–", "drafts", drafts)
         table.add_row(

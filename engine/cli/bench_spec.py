@@ -91,6 +91,9 @@ def bench(
     """Run every window `runs` times, interleaved; returns one row per window, in order."""
     if runs < 1 or max_new < 1 or prompt_tokens < 1:
         raise StrataError("--runs, --max-new and --prompt-tokens must be at least 1")
+    if max_new < 2:  # the first token is sampled from the prompt's logits
+        raise StrataError(f"--max-new {max_new} runs no decode step, so there is no decode "
+                          "speed to measure; give at least 2")
     model = load_model(model_path)
     decoders = {t: SpecDecoder.with_mtp(model, t, draft_vocab) for t in specs if t}
     regular = np.nonzero(np.asarray(model.tokenizer.token_types) == TokenType.NORMAL)[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import numpy as np
 
@@ -22,11 +23,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+_ID = re.compile(r"-?[0-9]{1,18}")  # ASCII digits; no vocabulary comes near 18 of them
+
+
 def parse_tokens(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise StrataError(f"--tokens '{text[:40]}' must be comma-separated integers") from None
+    words = [t for t in text.replace(" ", "").split(",") if t]
+    if not all(_ID.fullmatch(t) for t in words):  # int() also takes '1_0' and '٣'
+        raise StrataError(f"--tokens '{text[:40]}' must be comma-separated integers")
+    ids = [int(t) for t in words]
     if not ids:
         raise StrataError("--tokens is empty; give at least one token id")
     return ids

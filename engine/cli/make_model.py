@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
-from engine.errors import StrataError
+from engine.errors import FlagError, StrataError
 from engine.gguf.reader import SUPPORTED_QTYPES
+from engine.memory.sizes import GiB
 from engine.synth.demo import stderr_progress
 from engine.synth.model import GROUPS, PRESETS, write_model
 
@@ -43,6 +46,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_disk(out: str, n_bytes: int) -> None:
+    """Refuse before writing a file the disk cannot hold."""
+    folder = Path(out).resolve().parent
+    while not folder.exists():  # write_model makes the missing folders
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if n_bytes > free:
+        raise StrataError(
+            f"{out}: the model needs {n_bytes / GiB:,.1f} GiB and {folder} has "
+            f"{free / GiB:,.1f} GiB free; give smaller shapes (--layers, --experts, --ff, --hidden)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     spec = PRESETS[args.preset]
     changes = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()
@@ -57,8 +73,12 @@ def run(args: argparse.Namespace) -> int:
                 f"and TYPE in {', '.join(sorted(supported))}"
             )
         spec = spec.with_qtype(group, qtype.upper())
+    problems = spec.problems({field: f"--{flag.replace('_', '-')}"
+                              for flag, field in SHAPE_FLAGS.items()})
+    if problems:
+        raise FlagError([f"make-model --preset {args.preset}: {problems[0]}", *problems[1:]])
+    check_disk(args.out, spec.tensor_bytes())
     try:
-        spec.hparams()
         path = write_model(args.out, spec, stderr_progress(f"writing {args.out}"))
     except OSError as exc:
         raise StrataError(f"{args.out}: {exc.strerror}") from None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import codecs
+import re
 import sys
 from pathlib import Path
 
@@ -22,29 +24,86 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate from one prompt, headless")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (rendered with the chat template)")
-    src.add_argument("--tokens-file", help="file of whitespace-separated token ids (raw prompt)")
+    src.add_argument("--tokens-file",
+                     help="file of whitespace-separated decimal token ids (a raw prompt)")
     p.add_argument("--max-new", type=int, default=64, help="tokens to generate (default 64)")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
 
 
-def read_tokens_file(path: str, n_vocab: int) -> list[int]:
+_WORD = re.compile(rb"\S+")  # whitespace as bytes.split sees it: ASCII only
+TOKENS_FILE_FORMAT = "token ids in ASCII decimal separated by whitespace, such as '5 17 300'"
+
+
+def read_tokens_file(path: str) -> list[int]:
+    """The token ids of a `--tokens-file` (TOKENS_FILE_FORMAT): a raw prompt, no chat
+    template. Anything else is a StrataError naming the file, the line and byte offset."""
+    if not path:
+        raise StrataError("--tokens-file is empty; give the path of a file of token ids")
     try:
-        text = Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise StrataError(f"--tokens-file {path}: {exc.strerror}") from None
-    words = text.split()
-    bad = next((t for t in words if not t.isdigit()), None)
-    if bad is not None:
-        raise StrataError(f"--tokens-file {path}: '{bad[:20]}' is not a token id")
-    ids = [int(t) for t in words]
+    ids = []
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # Notepad's
+    for m in _WORD.finditer(data, start):
+        word = m.group()
+        if not word.isdigit():  # bytes.isdigit: ASCII digits only
+            raise StrataError(f"--tokens-file {path}: {_not_an_id(data, m.start(), word)}; "
+                              f"expected {TOKENS_FILE_FORMAT}")
+        if len(word) > 18:  # no vocabulary comes close; int() refuses 4,300 digits
+            raise StrataError(f"--tokens-file {path}: {_where(data, m.start())}: token id "
+                              f"{word[:18].decode()}... ({len(word):,} digits) is too large")
+        ids.append(int(word))
     if not ids:
-        raise StrataError(f"--tokens-file {path}: no token ids in the file")
-    out_of_range = [t for t in ids if t >= n_vocab]
-    if out_of_range:
-        raise StrataError(f"--tokens-file {path}: token id {out_of_range[0]} is outside 0..{n_vocab - 1}")
+        raise StrataError(f"--tokens-file {path}: no token ids in the file; expected "
+                          f"{TOKENS_FILE_FORMAT}")
     return ids
+
+
+def check_token_ids(path: str, ids: list[int], n_vocab: int) -> None:
+    """Refuse an id the model's vocabulary does not have."""
+    bad = next((i for i, t in enumerate(ids) if t >= n_vocab), None)
+    if bad is not None:
+        raise StrataError(f"--tokens-file {path}: id number {bad + 1}: token id {ids[bad]} is "
+                          f"outside 0..{n_vocab - 1}, the model's vocabulary")
+
+
+def _where(data: bytes, offset: int) -> str:
+    line = data.count(b"\n", 0, offset) + 1
+    return f"line {line}, byte offset {offset}"
+
+
+def _not_an_id(data: bytes, offset: int, word: bytes) -> str:
+    """Where and what the word at `offset` is: text that is not an id, or a byte that is not
+    UTF-8 text at all (then the offset is that byte's)."""
+    try:
+        text = word.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = offset + exc.start
+        return f"{_where(data, at)}: byte 0x{data[at]:02x} is not UTF-8 text"
+    shown = text if len(text) <= 20 else text[:20] + "..."
+    return f"{_where(data, offset)}: {shown!r} is not a token id"
+
+
+def check_prompt(prompt: str) -> None:
+    """Refuse a `--prompt` that is empty, only whitespace, or not UTF-8 (bytes the shell passed
+    through undecoded arrive as surrogates)."""
+    if not prompt.strip():
+        raise StrataError("--prompt is empty (or only whitespace); give the user message, or "
+                          "use --tokens-file for a raw prompt")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        offset = len(prompt[: exc.start].encode("utf-8"))
+        code = ord(prompt[exc.start])
+        what = (f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF  # surrogateescape
+                else f"U+{code:04X}")
+        raise StrataError(
+            f"--prompt holds {what} at byte {offset}, which is not UTF-8 text; pass the message "
+            "in UTF-8"
+        ) from None
 
 
 def stderr_line(line: str) -> None:
@@ -77,22 +136,26 @@ class _Streams:
 def run(args: argparse.Namespace) -> int:
     if args.max_new < 1:
         raise StrataError(f"--max-new {args.max_new} must be at least 1")
+    if args.prompt is not None:
+        check_prompt(args.prompt)
     params = sampling_params(args)
     options = engine_options(args)
     flags = loan_flags()
     for w in flags.warnings:
         stderr_line(f"strata: warning: {w}")
-    out = _Streams()
-    loop = ServeLoop.create(options, flags, on_trace=out.line)
-    n_vocab = loop.rt.model.hp.n_vocab
-    write = out.text
-    if args.tokens_file:
-        ids = read_tokens_file(args.tokens_file, n_vocab)
+    ids: list[int] = []
+    if args.tokens_file is not None:  # read before the engine is built
+        ids = read_tokens_file(args.tokens_file)
         if len(ids) + args.max_new > options.ctx:
             raise StrataError(
                 f"--tokens-file holds {len(ids)} tokens; with --max-new {args.max_new} that "
                 f"exceeds --ctx {options.ctx}; raise --ctx"
             )
+    out = _Streams()
+    loop = ServeLoop.create(options, flags, on_trace=out.line)
+    write = out.text
+    if args.tokens_file is not None:
+        check_token_ids(args.tokens_file, ids, loop.rt.model.hp.n_vocab)
         reply = loop.complete(ids, params, args.max_new, on_text=write)
     else:
         reply = loop.chat(Conversation(), args.prompt, params, args.max_new, on_text=write)

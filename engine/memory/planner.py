@@ -284,7 +284,7 @@ def _raise_short(need: list[RegionPlan], opts: PlanOptions, n_segments: int, seg
     raise PlanError(
         f"the mandatory items need {format_mib(n_need * seg)} MiB, the device budget is "
         f"{format_mib(n_segments * seg)} MiB: short by {format_mib(short * seg)} MiB; lower "
-        f"--max-context, use a smaller KV type or raise the device size",
+        f"--ctx, use a smaller --kv type or raise the device size",
         format_table(headers, rows, right=[0, 1, 1, 1]),
     )
 

@@ -6,10 +6,11 @@ Tensors are streamed to disk one at a time, so the `qwen3-30b-a3b` preset (about
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,9 +23,11 @@ from gguf import quants as gq
 from engine.gguf import names
 from engine.gguf.hparams import HParams, expected_shapes
 from engine.synth.blocks import random_tensor
-from engine.synth.vocab import VocabSpec, build_vocab, write_vocab
+from engine.synth.vocab import MAX_N_VOCAB, MIN_N_VOCAB, VocabSpec, build_vocab, write_vocab
 
 GROUPS = ("embd", "attn", "router", "experts", "output", "norm", "nextn")
+_POSITIVE = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_expert",
+             "n_expert_used", "n_ff_exp", "n_ctx")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,64 @@ class SynthSpec:
         """Bytes of one (layer, expert) gate+up+down blob as this spec quantizes experts."""
         block, type_bytes = GGML_QUANT_SIZES[Q[self.qtypes["experts"]]]
         return 3 * self.n_ff_exp * self.n_embd // block * type_bytes
+
+    def problems(self, label: Mapping[str, str] | None = None) -> list[str]:
+        """Every reason the engine would refuse this model, or it could not be written, in
+        words; `label` says how the user set a field (make-model: 'n_layer' -> '--layers')."""
+        label = label or {}
+
+        def named(f: str) -> str:
+            return f"{label.get(f, f)} {getattr(self, f)}"
+
+        out = [f"{named(f)} must be at least 1" for f in _POSITIVE if getattr(self, f) < 1]
+        if not 0 <= self.n_nextn <= 1:
+            out.append(f"{named('n_nextn')} must be 0 or 1 (MTP blocks after the main ones)")
+        if self.seed < 0:
+            out.append(f"{named('seed')} must be >= 0")
+        if out:  # the checks below need positive shapes
+            return out
+        if not MIN_N_VOCAB <= self.n_vocab <= MAX_N_VOCAB:
+            out.append(f"{named('n_vocab')} must be in {MIN_N_VOCAB}..{MAX_N_VOCAB}")
+        if self.n_expert_used > self.n_expert:
+            out.append(f"{named('n_expert_used')} must be at most {named('n_expert')}")
+        if self.n_head % self.n_head_kv:
+            out.append(f"{named('n_head')} must be a multiple of {named('n_head_kv')}")
+        if self.head_dim % 2:
+            out.append(f"{named('head_dim')} must be even (NEOX RoPE rotates pairs)")
+        rows = {  # a tensor kind whose rows are not n_embd long -> what sets its row length
+            "attn_output": f"{named('n_head')} x {named('head_dim')}",
+            "ffn_down_exps": named("n_ff_exp"),
+            "attn_q_norm": named("head_dim"),
+            "attn_k_norm": named("head_dim"),
+            "eh_proj": f"2 x {named('n_embd')}",
+        }
+        short: dict[str, dict[str, list[str]]] = {}  # row length -> quant type -> groups
+        for name, (shape, qtype) in synth_tensors(replace(self, n_layer=1)).items():
+            if shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+                kind = next((k for k in rows if f".{k}." in name), "")
+                groups = short.setdefault(rows.get(kind) or named("n_embd"), {})
+                groups.setdefault(qtype.name, [])
+                if _group(name) not in groups[qtype.name]:
+                    groups[qtype.name].append(_group(name))
+        for what, groups in short.items():
+            block = math.lcm(*(GGML_QUANT_SIZES[Q[q]][0] for q in groups))
+            types = " and ".join(f"{q} ({', '.join(g)})" for q, g in groups.items())
+            out.append(f"rows of {what} values must be a multiple of {block} for {types}; "
+                       "change the shape or the type")
+        return out
+
+    def tensor_bytes(self) -> int:
+        """Bytes of every tensor as written; the file adds metadata and padding."""
+
+        def total(n_layer: int, n_nextn: int) -> int:
+            shapes = synth_tensors(replace(self, n_layer=n_layer, n_nextn=n_nextn))
+            return sum(
+                math.prod(shape) // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
+                for shape, qtype in shapes.values()
+            )
+
+        base = total(0, 0)  # blocks are alike: count one of each kind, not all of them
+        return base + self.n_layer * (total(1, 0) - base) + self.n_nextn * (total(0, 1) - base)
 
     def digest(self) -> str:
         """The spec's identity (in cached file names). `centered` counts only when set, so the
