@@ -24,7 +24,9 @@ def loop_for(path: Path, **kw: object) -> ServeLoop:
 @pytest.fixture(scope="module")
 def prompt_ids(demo_path: Path) -> list[int]:
     loop = loop_for(demo_path)
-    return loop.rt.model.tokenizer.encode(calibration_text(700))[:1500]
+    ids = loop.rt.model.tokenizer.encode(calibration_text(2000))[:1500]
+    assert len(ids) == 1500
+    return ids
 
 
 def test_geometries_agree(demo_path: Path, prompt_ids: list[int]) -> None:

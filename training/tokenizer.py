@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
 from engine.gguf.chat_template import CHATML_TEMPLATE
-from engine.gguf.tokenizer import TokenType, bytes_to_unicode, make_pre_tokenizer
+from engine.gguf.tokenizer import Tokenizer, TokenType, bytes_to_unicode, make_pre_tokenizer
 from engine.synth.vocab import PRE, SPECIAL_TOKENS, VocabSpec
 
 
@@ -64,3 +64,12 @@ def train_vocab(texts: Iterable[str], n_vocab: int) -> VocabSpec:
         pad_id=eos,
         chat_template=CHATML_TEMPLATE,
     )
+
+
+def tokenizer_of(vocab: VocabSpec) -> Tokenizer:
+    """The engine's tokenizer over `vocab` (what encodes the training text)."""
+    return Tokenizer(
+        tokens=vocab.tokens, token_types=vocab.token_types, merges=vocab.merges, pre=PRE,
+        bos_id=vocab.bos_id, eos_id=vocab.eos_id, pad_id=vocab.pad_id,
+        chat_template=vocab.chat_template,
+    )  # fmt: skip

@@ -21,12 +21,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
-from engine.gguf.tokenizer import Tokenizer
 from engine.synth.model import PRESETS, SynthSpec, synth_tensors, write_gguf
-from engine.synth.vocab import PRE, VocabSpec
 from training import corpus, data, wordnet
 from training.model import DemoModel
-from training.tokenizer import train_vocab
+from training.tokenizer import tokenizer_of, train_vocab
 
 SPEC: SynthSpec = replace(PRESETS["random-demo"], seed=0)
 TITLE = "strata demo: a 4-layer MoE trained on WordNet (a dictionary to chat with)"
@@ -50,14 +48,6 @@ class Recipe:
     warmup: int = 200
     weight_decay: float = 0.1
     device: str = "cuda"
-
-
-def tokenizer_of(vocab: VocabSpec) -> Tokenizer:
-    return Tokenizer(
-        tokens=vocab.tokens, token_types=vocab.token_types, merges=vocab.merges, pre=PRE,
-        bos_id=vocab.bos_id, eos_id=vocab.eos_id, pad_id=vocab.pad_id,
-        chat_template=vocab.chat_template,
-    )  # fmt: skip
 
 
 def lr_at(step: int, total: int, r: Recipe) -> float:

@@ -9,7 +9,10 @@ from engine.errors import StrataError
 
 COMMANDS = tuple(
     f"engine.cli.{name}"
-    for name in ("run", "logits", "info", "make_model", "plan", "profile", "bench", "bench_spec", "gpu_probe")
+    for name in (
+        "run", "logits", "info", "make_model", "strip_mtp", "plan", "profile", "bench",
+        "bench_spec", "gpu_probe",
+    )
 )
 
 

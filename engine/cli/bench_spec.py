@@ -19,6 +19,7 @@ from engine.cli.options import add_sampling_args, sampling_params
 from engine.errors import FlagError, StrataError
 from engine.gguf.tokenizer import TokenType
 from engine.model.loader import load_model
+from engine.model.weights import DirectExperts
 from engine.sampler import SamplingParams
 from engine.session import Session, Timing
 from engine.spec import SpecDecoder, check_spec
@@ -34,6 +35,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prompt-tokens", type=int, default=32, help="random prompt length (default 32)"
     )
+    p.add_argument(
+        "--prompt", action="append", default=[], metavar="MESSAGE",
+        help="a chat message (rendered with the model's template) instead of random tokens; "
+        "repeat it for several: every run decodes each",
+    )
+    p.add_argument("--spec-always", action="store_true",
+                   help="draft every step (default: the drafting policy decides)")
     p.add_argument("--draft-vocab", type=int, default=0, help="draft head rows (0: all)")
     p.add_argument("--kv", choices=("f16", "int8", "q4_0"), default="f16")
     add_sampling_args(p)
@@ -49,6 +57,8 @@ class BenchRow:
     offered: int = 0
     accepted: int = 0
     hist: dict[int, int] = field(default_factory=dict)
+    spec_steps: int = 0
+    drafted_steps: int = 0
     same_as_plain: bool | None = None  # greedy only: every run's tokens equal --spec 0's
 
     @property
@@ -87,35 +97,56 @@ def bench(
     draft_vocab: int = 0,
     kv: str = "f16",
     seed: int = 0,
+    messages: list[str] | None = None,
+    always: bool = False,
 ) -> list[BenchRow]:
-    """Run every window `runs` times, interleaved; returns one row per window, in order."""
+    """Run every window `runs` times, interleaved; returns one row per window, in order.
+
+    A run decodes one random prompt of `prompt_tokens` tokens, or each of `messages` (chat
+    turns); its tok/s is all tokens generated over all decode time."""
     if runs < 1 or max_new < 1 or prompt_tokens < 1:
         raise StrataError("--runs, --max-new and --prompt-tokens must be at least 1")
     if max_new < 2:  # the first token is sampled from the prompt's logits
         raise StrataError(f"--max-new {max_new} runs no decode step, so there is no decode "
                           "speed to measure; give at least 2")
+    if messages and not all(m.strip() for m in messages):
+        raise StrataError("--prompt is empty; give a message")
     model = load_model(model_path)
     decoders = {t: SpecDecoder.with_mtp(model, t, draft_vocab) for t in specs if t}
-    regular = np.nonzero(np.asarray(model.tokenizer.token_types) == TokenType.NORMAL)[0]
+    experts = DirectExperts(model.experts)  # decoded experts shared: every run as warm
+    for d in decoders.values():
+        d.always = always
+    tok = model.tokenizer
+    chats = [
+        tok.encode(tok.render_chat([{"role": "user", "content": m}], add_generation_prompt=True))
+        for m in messages or []
+    ]
+    regular = np.nonzero(np.asarray(tok.token_types) == TokenType.NORMAL)[0]
     rows = {t: BenchRow(t) for t in specs}
     for r in range(runs):
         rng = np.random.default_rng([seed, r])
-        prompt = [int(t) for t in rng.choice(regular, prompt_tokens)]
-        outputs = {}
+        prompts = chats or [[int(t) for t in rng.choice(regular, prompt_tokens)]]
+        outputs: dict[int, list[list[int]]] = {}
         for t in specs:
-            session = Session(model, n_ctx=prompt_tokens + max_new + 8, kv_kind=kv)
-            timing = Timing()
-            if t == 0:
-                gen = session.generate(prompt, max_new, params, timing=timing)
-            else:
-                gen = decoders[t].generate(session, prompt, max_new, params, timing=timing)
-            outputs[t] = list(gen)
-            row = rows[t]
-            row.tok_s.append(timing.tg_tok_s)
-            row.offered += timing.drafts_offered
-            row.accepted += timing.drafts_accepted
-            for k, n in timing.accepted_hist.items():
-                row.hist[k] = row.hist.get(k, 0) + n
+            row, generated, decode_s = rows[t], 0, 0.0
+            outputs[t] = []
+            for prompt in prompts:
+                session = Session(model, len(prompt) + max_new + 8, kv, experts=experts)
+                timing = Timing()
+                if t == 0:
+                    gen = session.generate(prompt, max_new, params, timing=timing)
+                else:
+                    gen = decoders[t].generate(session, prompt, max_new, params, timing=timing)
+                outputs[t].append(list(gen))
+                if timing.decoded:
+                    generated, decode_s = generated + timing.generated, decode_s + timing.decode_s
+                row.offered += timing.drafts_offered
+                row.accepted += timing.drafts_accepted
+                row.spec_steps += timing.spec_steps
+                row.drafted_steps += timing.drafted_steps
+                for k, n in timing.accepted_hist.items():
+                    row.hist[k] = row.hist.get(k, 0) + n
+            row.tok_s.append(generated / decode_s if decode_s > 0 else 0.0)
         if params.greedy and 0 in outputs:
             for t in specs:
                 same = outputs[t] == outputs[0]
@@ -130,9 +161,9 @@ def format_table(rows: list[BenchRow]) -> str:
     lines = [
         (
             "| spec T | decode tok/s (median) | range | acceptance | mean accepted / step "
-            "| accepted-length histogram | same tokens as spec 0 |"
+            "| accepted-length histogram | drafted steps | same tokens as spec 0 |"
         ),
-        "|---:|---:|---:|---:|---:|---|---|",
+        "|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for row in rows:
         med = statistics.median(row.tok_s)
@@ -141,10 +172,13 @@ def format_table(rows: list[BenchRow]) -> str:
             acc = f"{100 * row.acceptance:.1f}% ({row.accepted}/{row.offered})"
             mean = f"{row.mean_accepted:.2f}"
             hist = " ".join(f"{k}:{n}" for k, n in sorted(row.hist.items()))
+            drafted = f"{100 * row.drafted_steps / max(1, row.spec_steps):.0f}%"
         else:
-            acc = mean = hist = "-"
+            acc = mean = hist = drafted = "-"
         same = {None: "-", True: "yes", False: "NO"}[row.same_as_plain]
-        lines.append(f"| {row.spec} | {med:.1f} | {rng} | {acc} | {mean} | {hist} | {same} |")
+        lines.append(
+            f"| {row.spec} | {med:.1f} | {rng} | {acc} | {mean} | {hist} | {drafted} | {same} |"
+        )
     return "\n".join(lines)
 
 
@@ -160,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
         args.draft_vocab,
         args.kv,
         args.seed,
+        args.prompt,
+        args.spec_always,
     )
     print(format_table(rows))
     return 0
