@@ -30,7 +30,8 @@ def prompt_ids(demo_path: Path) -> list[int]:
 
 
 def test_geometries_agree(demo_path: Path, prompt_ids: list[int]) -> None:
-    """--prefill 256, 1024 and auto: same first-token logits (1e-4), same greedy tokens."""
+    """--prefill 256, 1024 and auto: same first-token logits (to 2e-5 of the largest: float32
+    sums in another order), same greedy tokens."""
     outs = {}
     for prefill in (256, 1024, "auto"):
         # 64 of 128 experts cached; the device has room for a 1,024-token chunk
@@ -43,7 +44,7 @@ def test_geometries_agree(demo_path: Path, prompt_ids: list[int]) -> None:
     ref_logits, ref_text, _ = outs[256]
     assert outs[256][2] == 6 and outs[1024][2] == 2  # 1,500 tokens in 6 and 2 chunks
     for prefill, (logits, text, _) in outs.items():
-        assert np.abs(logits - ref_logits).max() <= 1e-4, prefill
+        assert np.abs(logits - ref_logits).max() <= 2e-5 * np.abs(ref_logits).max(), prefill
         assert text == ref_text, prefill
 
 
