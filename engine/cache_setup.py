@@ -8,14 +8,14 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engine.errors import DeviceError
+from engine.errors import DeviceError, TokenGraphError
 from engine.experts.cache import ExpertCache
 from engine.experts.profile import ExpertProfile
+from engine.experts.provider import CachedExperts
 from engine.experts.residency import residency_readers
 from engine.memory.planner import plan_startup
 from engine.memory.sizes import format_mib
 from engine.model.weights import DecodedLRU
-from engine.prefill import CachedExperts
 from engine.profile_record import default_profile
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def attach_token_graph(rt: Runtime) -> None:
     eagerly."""
     if not token_graph(rt):
         return
-    from engine.token_graph import TokenGraph, TokenGraphError
+    from engine.token_graph import TokenGraph
 
     tr = rt.model.transformer
     tr.on_warning = lambda line: _warn(rt, line)

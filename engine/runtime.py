@@ -42,6 +42,7 @@ from engine.events import (
     TraceLine,
 )
 from engine.experts.cache import LENT, ExpertCache
+from engine.experts.provider import CachedExperts
 from engine.guards import validate
 from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
 from engine.memory.arena import Arena
@@ -52,7 +53,7 @@ from engine.memory.sizes import MiB, format_mib
 from engine.model.loader import Model, load_model
 from engine.model.weights import DecodedLRU
 from engine.phases import PhaseClock
-from engine.prefill import CachedExperts, PrefillResult, run_prompt, shrink_geometry
+from engine.prefill import PrefillResult, run_prompt, shrink_geometry
 from engine.resources import DecodeResource, NativeHead, ResourceSet
 from engine.sampler import Sampler
 from engine.session import Session, Timing

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.draft_head import DraftHead
+from engine.experts.provider import kernel_ffn
 from engine.memory.arena import Arena
 from engine.model.mtp import MTPBlock, MTPDraft, MTPExperts, require_mtp
-from engine.prefill import kernel_ffn
 from engine.resources import DecodeResource
 from engine.spec import SpecDecoder
 from engine.verifier import Verifier
