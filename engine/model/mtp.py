@@ -163,27 +163,6 @@ class MTPBlock:
         # default: a resident, releasable copy of the quantized experts (not the host map)
         self.experts: ExpertProvider = experts or MTPExperts(model.mtp_experts, xp, to_device)
 
-    @property
-    def dense_nbytes(self) -> int:
-        """float32 bytes of the block's dense weights (counted with the dense weights)."""
-        a = self.block.attn
-        arrays = [
-            self.eh_proj,
-            self.enorm,
-            self.hnorm,
-            self.shared_head_norm,
-            self.block.ffn_norm,
-            self.block.router,
-            a.norm,
-            a.wq,
-            a.wk,
-            a.wv,
-            a.wo,
-            a.q_norm,
-            a.k_norm,
-        ]
-        return int(sum(x.nbytes for x in arrays))
-
     def new_kv(self, n_ctx: int, kind: str = "f16", alloc: Callable | None = None) -> KVCache:
         """An empty KV cache for the block (one layer, `n_ctx` cells)."""
         hp = self.hp
