@@ -13,9 +13,9 @@ from engine.memory.arena import Arena
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts
 from engine.model.loader import Model
-from engine.model.mtp import MTPBlock, MTPDraft, MTPExperts, require_mtp
+from engine.model.mtp import MTPBlock, MTPExperts, require_mtp
 from engine.resources import DecodeResource
-from engine.spec import SpecDecoder
+from engine.spec import MTPDraft, SpecDecoder
 from engine.verifier import Verifier
 
 
