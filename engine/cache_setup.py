@@ -1,123 +1,122 @@
 """Startup pieces of a runtime on its device: the expert cache (filled in profile order, its
-residency table staged, seed 003's fallback), the profile it is filled from, and page-locking
-the model file on CUDA."""
+residency table staged, seed 003's fallback), the profile it is filled from, page-locking the
+model file and the token graph on CUDA. Each takes the parts it works on; warnings go to
+`warn`, trace lines to `trace`."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
-from engine.errors import DeviceError
+import numpy as np
+
+from engine.backend.base import Backend
+from engine.errors import DeviceError, TokenGraphError
 from engine.experts.cache import ExpertCache
+from engine.experts.host import HostExperts
 from engine.experts.profile import ExpertProfile
+from engine.experts.provider import CachedExperts
 from engine.experts.residency import residency_readers
+from engine.kv import KVCache
+from engine.loan import Faults
+from engine.memory.ledger import Ledger
+from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
 from engine.memory.planner import plan_startup
 from engine.memory.sizes import format_mib
+from engine.model.loader import Model
+from engine.model.transformer import Transformer
 from engine.model.weights import DecodedLRU
-from engine.prefill import CachedExperts
 from engine.profile_record import default_profile
+from engine.token_graph import TokenGraph
 
-if TYPE_CHECKING:
-    from engine.runtime import Runtime
+Sink = Callable[[str], None]
 
 
-def make_cache(rt: Runtime) -> ExpertCache | None:
-    """Fill the cache in profile order and stage the residency table for its readers.
+def make_cache(
+    ledger: Ledger, host: HostExperts, plan: StartupPlan, costs: ModelCosts,
+    plan_options: PlanOptions, *, profile: Callable[[], ExpertProfile], token_graph: bool,
+    faults: Faults, trace: Sink, warn: Sink,
+) -> tuple[ExpertCache | None, StartupPlan, PlanOptions]:
+    """Fill the cache in profile order and stage the residency table for its readers; returns
+    the cache with the plan and plan options it was made with.
 
     Seed 003: the table is staged whenever borrowing is possible, token graph or not. If
     staging fails and only borrowing needed it, warn, re-plan with owned prompt buffers
     and continue; if the token graph needs it, the error stands.
     """
-    n = rt.plan.n_cache_slots
+    n = plan.n_cache_slots
     if n == 0:
-        return None
-    order = startup_profile(rt).order()
-    cache = ExpertCache(rt.ledger, rt.model.experts, n, on_trace=rt._trace)
+        return None, plan, plan_options
+    order = profile().order()
+    cache = ExpertCache(ledger, host, n, on_trace=trace)
     cache.fill(order)
     readers = residency_readers(
-        profile_present=True, borrow=rt.plan.prompt.borrowed,
-        chunk_tokens=rt.plan.prompt.chunk_tokens,
-        token_graph=token_graph(rt),
+        profile_present=True, borrow=plan.prompt.borrowed,
+        chunk_tokens=plan.prompt.chunk_tokens, token_graph=token_graph,
     )
-    if "stage" in rt.faults.armed:  # test hook: a real device fault on the table upload
-        rt.faults.armed.discard("stage")
-        rt.backend.inject_fault("upload")
+    if "stage" in faults.armed:  # test hook: a real device fault on the table upload
+        faults.armed.discard("stage")
+        ledger.backend.inject_fault("upload")
     warning = cache.stage_residency(readers)
     if warning is None:
-        return cache
-    rt.warnings.append(warning)
-    rt._trace(warning)
-    rt.emit_trace(warning, always=True)
+        return cache, plan, plan_options
+    trace(warning)
+    warn(warning)
     cache.release()
-    rt.plan_options = replace(rt.plan_options, borrow=False)
-    rt.plan = plan_startup(rt.ledger.capacity_bytes, rt.costs, rt.plan_options)
-    if rt.plan.n_cache_slots == 0:
-        return None
-    cache = ExpertCache(rt.ledger, rt.model.experts, rt.plan.n_cache_slots, on_trace=rt._trace)
+    plan_options = replace(plan_options, borrow=False)
+    plan = plan_startup(ledger.capacity_bytes, costs, plan_options)
+    if plan.n_cache_slots == 0:
+        return None, plan, plan_options
+    cache = ExpertCache(ledger, host, plan.n_cache_slots, on_trace=trace)
     cache.fill(order)
-    return cache
+    return cache, plan, plan_options
 
 
-def pin_model_file(rt: Runtime) -> None:
+def pin_model_file(backend: Backend, data: np.ndarray | None, trace: Sink, warn: Sink) -> None:
     """Page-lock the memory-mapped GGUF so expert uploads are one DMA each at full PCIe
     speed; where that fails (not enough lockable memory), uploads go through the
     backend's pinned staging buffer and a warning says so."""
-    data = rt.model.mf.data
     if data is None:
         return
     t0 = time.perf_counter()
     try:
-        rt.backend.pin(data)
+        backend.pin(data)
     except DeviceError as e:
-        rt.warnings.append(f"{e}; expert uploads go through a staging copy (slower)")
-        rt.emit_trace(rt.warnings[-1], always=True)
+        warn(f"{e}; expert uploads go through a staging copy (slower)")
         return
-    rt._trace(f"pinned the model file: {format_mib(data.nbytes)} MiB in "
-              f"{time.perf_counter() - t0:.1f} s")
+    trace(f"pinned the model file: {format_mib(data.nbytes)} MiB in "
+          f"{time.perf_counter() - t0:.1f} s")
 
 
-def attach_token_graph(rt: Runtime) -> None:
+def attach_token_graph(tr: Transformer, kv: KVCache, experts: CachedExperts,
+                       cache: ExpertCache | None, backend: Backend, warn: Sink) -> None:
     """On CUDA (unless --no-token-graph) decode steps replay captured CUDA graphs
     (engine/token_graph.py); where that cannot work here, a warning says why and steps run
     eagerly."""
-    if not token_graph(rt):
-        return
-    from engine.token_graph import TokenGraph, TokenGraphError
-
-    tr = rt.model.transformer
-    tr.on_warning = lambda line: _warn(rt, line)
+    tr.on_warning = warn
     try:
-        tr.token_graph = TokenGraph(tr, rt.session.kv, rt.experts, rt.cache, rt.backend)
+        tr.token_graph = TokenGraph(tr, kv, experts, cache, backend)
     except TokenGraphError as e:
-        _warn(rt, f"strata: warning: {e}; decode steps run eagerly")
+        warn(f"strata: warning: {e}; decode steps run eagerly")
 
 
-def detach_token_graph(rt: Runtime) -> None:
+def detach_token_graph(tr: Transformer) -> None:
     """Drop the captured decode steps; steps run eagerly until `attach_token_graph`."""
-    tr = rt.model.transformer
     if tr.token_graph is not None:
         tr.token_graph.release()
         tr.token_graph = None
 
 
-def _warn(rt: Runtime, line: str) -> None:
-    rt.warnings.append(line)
-    rt.emit_trace(line, always=True)
-
-
-def token_graph(rt: Runtime) -> bool:
-    """Decode steps are captured as a CUDA graph unless --no-token-graph (CUDA only)."""
-    return rt.backend.name.startswith("cuda") and not rt.options.no_token_graph
-
-
-def startup_profile(rt: Runtime) -> ExpertProfile:
-    """The profile the cache is filled from: --expert-profile, else the calibration one."""
-    if rt.options.expert_profile:
-        profile = ExpertProfile.load(rt.options.expert_profile)
-        profile.check_model(rt.model.hp.n_layer, rt.model.hp.n_expert)
+def startup_profile(path: str | None, model: Model, to_host: Callable[[Any], Any],
+                    backend: Backend | None) -> ExpertProfile:
+    """The profile the cache is filled from: --expert-profile, else the calibration one
+    (`backend`: given on CUDA, where the calibration pass runs the MoE kernels)."""
+    if path:
+        profile = ExpertProfile.load(path)
+        profile.check_model(model.hp.n_layer, model.hp.n_expert)
         return profile
     # the calibration pass streams every expert it routes to (the cache is not filled yet)
-    stream = CachedExperts(None, rt.model.experts, DecodedLRU(), rt.to_host,
-                           rt.backend if rt.on_cuda else None)
-    return default_profile(rt.model, stream)
+    stream = CachedExperts(None, model.experts, DecodedLRU(), to_host, backend)
+    return default_profile(model, stream)

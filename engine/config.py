@@ -118,10 +118,6 @@ class LoanFlags:
             for name, var in ENV_NAMES.items()
         }
 
-    @property
-    def any_loan(self) -> bool:
-        return self.elastic_loan
-
 
 @dataclass(frozen=True)
 class EngineOptions:

@@ -40,5 +40,9 @@ class DeviceError(StrataError):
     """The requested device does not exist or cannot be used."""
 
 
+class TokenGraphError(DeviceError):
+    """The decode step could not be captured as a CUDA graph; the engine runs it eagerly."""
+
+
 class LedgerError(StrataError):
     """A reservation does not fit the device budget."""

@@ -97,7 +97,8 @@ class PrefillProgress(Event):
 
 @dataclass(frozen=True)
 class LoanStep(Event):
-    """One step of the loan transaction: release, plan, lend, refill, restore, failed, cancelled."""
+    """One step of the loan transaction: release, plan, restore, failed, cancelled (the lent
+    range and its refill are `CacheChanged` events and trace lines)."""
 
     step: str
     detail: str

@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
+from engine.config import EngineOptions, LoanFlags
 from engine.devices import deferred_regions
 from engine.errors import StrataError
-from engine.events import LoanStep, TraceLine
-from engine.memory.plan_types import PromptGeometry
+from engine.events import EventBus, LoanStep
+from engine.experts.cache import ExpertCache
+from engine.memory.arena import Arena
+from engine.memory.ledger import Ledger
+from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
 from engine.memory.planner import plan_loan
 from engine.memory.sizes import MiB
-from engine.resources import LABELS, DecodeResource
-
-if TYPE_CHECKING:
-    from engine.runtime import Runtime
+from engine.resources import LABELS, DecodeResource, ResourceSet
 
 STARTUP, REPEAT = "startup", "repeat"
 
@@ -55,12 +57,11 @@ class Faults:
             raise InjectedFault(f"fault injected at {step}")
 
 
-def admit(rt: Runtime, n_fresh: int) -> str | None:
+def admit(flags: LoanFlags, startup_loan_pending: bool, n_fresh: int) -> str | None:
     """Which loan this request gets: the startup loan, a repeat loan, or none."""
-    flags = rt.flags
     if not flags.elastic_loan:
         return None
-    if rt.startup_loan_pending:
+    if startup_loan_pending:
         return STARTUP
     if flags.repeat_loan and n_fresh >= flags.repeat_min_tokens:
         return REPEAT
@@ -71,14 +72,31 @@ def _mib(n: int) -> str:
     return f"{n / MiB:.1f} MiB"
 
 
+@dataclass(eq=False)
 class LoanTransaction:
-    """One loan; `geometry` is valid inside the `with` block (see the module docstring)."""
+    """One loan; `geometry` is valid inside the `with` block (see the module docstring).
 
-    def __init__(self, rt: Runtime, kind: str, regions: frozenset[str]):
-        self.rt, self.kind, self.regions = rt, kind, regions
-        self.released: list[DecodeResource] = []  # by this transaction, in release order
-        self.grown = 0
-        self.geometry: PromptGeometry | None = None
+    It acts on the parts it is given and sets no field of the runtime: after a successful
+    startup loan the runtime ends the startup deferral and keeps the geometry."""
+
+    kind: str  # STARTUP or REPEAT
+    regions: frozenset[str]  # the decode-only regions this loan releases
+    resources: ResourceSet
+    ledger: Ledger
+    cache: ExpertCache | None
+    owned: tuple[Arena | None, Arena | None]  # prompt.chunk, prompt.ring (an owned prompt path)
+    plan: StartupPlan
+    plan_options: PlanOptions
+    costs: ModelCosts
+    retained: PromptGeometry | None  # the retained startup geometry a repeat loan may reuse
+    faults: Faults
+    refill_pending: Callable[[], None]  # gives back every slot the prompt path still holds
+    publish_cache: Callable[[], None]  # a CacheChanged event after the cache grows or shrinks
+    bus: EventBus
+    trace: Callable[[str], None]  # a loan line, as a TraceLine and through the CLI's writer
+    released: list[DecodeResource] = field(default_factory=list, init=False)  # in release order
+    grown: int = field(default=0, init=False)
+    geometry: PromptGeometry | None = field(default=None, init=False)
 
     # -- enter: release, plan, grow ------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -92,10 +110,10 @@ class LoanTransaction:
         return self
 
     def _release(self) -> None:
-        rt, t0 = self.rt, time.perf_counter()
+        t0 = time.perf_counter()
         parts = []
-        for r in rt.resources.select(self.regions):
-            rt.faults.hit(f"release:{r.region}")
+        for r in self.resources.select(self.regions):
+            self.faults.hit(f"release:{r.region}")
             if r.resident:
                 n = r.release()
                 self.released.append(r)
@@ -103,51 +121,55 @@ class LoanTransaction:
                 n = r.n_bytes
             parts.append(f"{LABELS[r.region]} {_mib(n)}")
         ms = (time.perf_counter() - t0) * 1e3
-        freed = sum(r.n_bytes for r in rt.resources.select(self.regions))
+        freed = sum(r.n_bytes for r in self.resources.select(self.regions))
         line = f"strata loan: released {', '.join(parts) or 'nothing'} in {ms:.1f} ms"
         self._step("release", line, freed, ms)
 
     def _plan(self) -> PromptGeometry:
-        rt, t0 = self.rt, time.perf_counter()
-        rt.faults.hit("plan")
-        retained = rt.retained_geometry if rt.flags.retain_startup_chunk else None
+        t0 = time.perf_counter()
+        self.faults.hit("plan")
+        retained = self.retained
         if self.kind == REPEAT and retained is not None and self._fits(retained):
             g, how = retained, "retained startup geometry"
         else:
-            g, how = plan_loan(rt.plan, rt.ledger.free_bytes, rt.costs, rt.plan_options), "re-planned"
+            free = self.ledger.free_bytes
+            g, how = plan_loan(self.plan, free, self.costs, self.plan_options), "re-planned"
         ms = (time.perf_counter() - t0) * 1e3
         self._step("plan", f"strata loan: prompt plan {g.label} ({how}, {self.kind} loan)", 0, ms)
         return g
 
     def _fits(self, g: PromptGeometry) -> bool:
-        rt = self.rt
-        if not g.borrowed or rt.cache is None:
+        if not g.borrowed or self.cache is None:
             return True
-        extra = self._growable()
-        return g.n_lent_slots <= rt.plan_options.lendable_slots(rt.cache.n_slots, rt.costs) + extra
+        lendable = self.plan_options.lendable_slots(self.cache.n_slots, self.costs)
+        return g.n_lent_slots <= lendable + self._growable()
 
     def _growable(self) -> int:
-        rt = self.rt
-        assert rt.cache is not None
-        region = rt.cache.region
-        spare = region.mapped_bytes - region.used_bytes + rt.ledger.free_bytes
-        return spare // rt.cache.blob_bytes
+        assert self.cache is not None
+        region = self.cache.region
+        spare = region.mapped_bytes - region.used_bytes + self.ledger.free_bytes
+        return spare // self.cache.blob_bytes
 
     def _grow(self) -> None:
-        rt = self.rt
-        rt.faults.hit("grow")
+        self.faults.hit("grow")
         g = self.geometry
         assert g is not None
-        if not g.borrowed or rt.cache is None:
-            rt.grow_owned_prompt(g)
+        if not g.borrowed or self.cache is None:
+            self._grow_owned(g)
             return
-        lendable = rt.plan_options.lendable_slots(rt.cache.n_slots, rt.costs)
+        lendable = self.plan_options.lendable_slots(self.cache.n_slots, self.costs)
         need = max(0, g.n_lent_slots - lendable)
         n = min(self._growable(), max(need, 0))
         if n:
-            rt.cache.grow(n)
+            self.cache.grow(n)
             self.grown = n
-        rt.publish_cache()
+        self.publish_cache()
+
+    def _grow_owned(self, g: PromptGeometry) -> None:
+        """An owned prompt path: grow prompt.chunk / prompt.ring to fit `g`."""
+        for arena, need in zip(self.owned, (g.chunk_bytes, g.ring_bytes)):
+            if arena is not None and arena.region is not None and need > arena.region.used_bytes:
+                self.ledger.grow(arena.name, need - arena.region.used_bytes)
 
     # -- exit: refill, shrink, restore --------------------------------------------------------
     def __exit__(
@@ -163,42 +185,43 @@ class LoanTransaction:
             raise
 
     def _finish(self) -> None:
-        rt = self.rt
-        rt.faults.hit("shrink")
+        self.faults.hit("shrink")
         self._shrink()
-        self._restore(self.rt.resources.select(self.regions))
-        if self.kind == STARTUP:
-            rt.startup_loan_pending = False
-            if rt.flags.retain_startup_chunk:
-                rt.retained_geometry = self.geometry
+        self._restore(self.resources.select(self.regions))
 
     def _undo(self, failed: bool, cancelled: bool = False) -> None:
         """Refill what is still lent, shrink, restore what this transaction released."""
-        rt = self.rt
-        rt.refill_pending()
+        self.refill_pending()
         self._shrink()
         self._restore(self.released)
-        rt.owned_prompt_back()
+        self._owned_back()
         step = "cancelled" if cancelled else "failed"
         self._step(step, f"strata loan: {step}; rolled back to the state before the request")
 
     def _shrink(self) -> None:
-        rt = self.rt
-        if self.grown and rt.cache is not None:
-            rt.cache.shrink(self.grown)
+        if self.grown and self.cache is not None:
+            self.cache.shrink(self.grown)
             self.grown = 0
-            rt.publish_cache()
-        rt.owned_prompt_back()
+            self.publish_cache()
+        self._owned_back()
+
+    def _owned_back(self) -> None:
+        """Shrink the owned prompt regions back to their startup size."""
+        for arena in self.owned:
+            if arena is not None and arena.region is not None:
+                extra = arena.region.used_bytes - arena.n_bytes
+                if extra > 0:
+                    self.ledger.shrink(arena.name, extra)
 
     def _restore(self, items: list[DecodeResource]) -> None:
-        rt, t0 = self.rt, time.perf_counter()
+        t0 = time.perf_counter()
         parts = []
         for r in reversed(items):
             if r.resident:
                 continue
             for attempt in (1, 2):  # a one-shot device fault gets one retry
                 try:
-                    rt.faults.hit(f"restore:{r.region}")
+                    self.faults.hit(f"restore:{r.region}")
                     parts.append(f"{LABELS[r.region]} {_mib(r.restore())}")
                     break
                 except StrataError:
@@ -210,21 +233,22 @@ class LoanTransaction:
             self._step("restore", line, sum(r.n_bytes for r in items), ms)
 
     def _step(self, step: str, line: str, n_bytes: int = 0, ms: float = 0.0) -> None:
-        self.rt.bus.publish(LoanStep(step, line.removeprefix("strata loan: "), n_bytes, ms))
-        self.rt.bus.publish(TraceLine(line))
-        self.rt.emit_trace(line)
+        self.bus.publish(LoanStep(step, line.removeprefix("strata loan: "), n_bytes, ms))
+        self.trace(line)
 
 
-def loan_regions(rt: Runtime) -> frozenset[str]:
-    present = {r.region for r in rt.resources.items}
-    return frozenset(deferred_regions(rt.flags, rt.options) & present)
+def loan_regions(flags: LoanFlags, options: EngineOptions,
+                 resources: ResourceSet) -> frozenset[str]:
+    """The decode-only regions a loan releases: what the flags defer, of what was built."""
+    present = {r.region for r in resources.items}
+    return frozenset(deferred_regions(flags, options) & present)
 
 
-def on_chunk_guard(rt: Runtime, on_chunk: Callable | None) -> Callable:
+def on_chunk_guard(faults: Faults, on_chunk: Callable | None) -> Callable:
     """Wrap the serve loop's chunk callback with the per-chunk fault point."""
 
     def wrapped(c: int, n: int, seconds: float) -> None:
-        rt.faults.hit(f"chunk:{c}")
+        faults.hit(f"chunk:{c}")
         if on_chunk:
             on_chunk(c, n, seconds)
 

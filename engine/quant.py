@@ -60,7 +60,3 @@ def dequantize(t: TensorView) -> np.ndarray:
     """Decode a whole GGUF tensor into float32 with its numpy-order shape."""
     return dequantize_bytes(t.raw, t.qtype, t.shape)
 
-
-def raw_bytes(t: TensorView) -> np.ndarray:
-    """The tensor's payload as a flat uint8 view (zero-copy on the memory map)."""
-    return t.raw.reshape(-1).view(np.uint8)

@@ -20,7 +20,13 @@ import numpy as np
 
 from engine.backend import make_backend
 from engine.backend.base import Backend
-from engine.cache_setup import attach_token_graph, detach_token_graph, make_cache, pin_model_file
+from engine.cache_setup import (
+    attach_token_graph,
+    detach_token_graph,
+    make_cache,
+    pin_model_file,
+    startup_profile,
+)
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes, model_costs
 from engine.devices import (
@@ -42,6 +48,7 @@ from engine.events import (
     TraceLine,
 )
 from engine.experts.cache import LENT, ExpertCache
+from engine.experts.provider import CachedExperts
 from engine.guards import validate
 from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
 from engine.memory.arena import Arena
@@ -52,10 +59,11 @@ from engine.memory.sizes import MiB, format_mib
 from engine.model.loader import Model, load_model
 from engine.model.weights import DecodedLRU
 from engine.phases import PhaseClock
-from engine.prefill import CachedExperts, PrefillResult, run_prompt, shrink_geometry
+from engine.prefill import PrefillResult, run_prompt, shrink_geometry
 from engine.resources import DecodeResource, NativeHead, ResourceSet
 from engine.sampler import Sampler
 from engine.session import Session, Timing
+from engine.spec_setup import build_spec
 from engine.synth.demo import resolve_model
 
 
@@ -171,14 +179,19 @@ class Runtime:
         if self.plan_options.reserve_bytes:
             Arena(self.ledger, "reserve", self.plan_options.reserve_bytes)
         self._trace_fn = on_trace
-        if self.on_cuda:
-            pin_model_file(self)
-        self.cache = make_cache(self)
-        self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), self.to_host,
-                                     self.backend if self.on_cuda else None)
+        cuda = self.backend if self.on_cuda else None
+        if cuda is not None:
+            pin_model_file(cuda, m.mf.data, self._trace, self._warn)
+        self.cache, self.plan, self.plan_options = make_cache(
+            self.ledger, m.experts, self.plan, self.costs, self.plan_options,
+            profile=lambda: startup_profile(o.expert_profile, m, self.to_host, cuda),
+            token_graph=self.token_graph_wanted, faults=self.faults, trace=self._trace,
+            warn=self._warn,
+        )
+        self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), self.to_host, cuda)
         self.session = Session(m, n_ctx=o.ctx, kv_kind=o.kv, xp=self.xp, experts=self.experts,
                                kv_alloc=kv.alloc)
-        attach_token_graph(self)
+        self._attach_token_graph()
         self._owned_prompt()
         items = [DecodeResource("head.native", head, NativeHead(m.transformer, head))]
         if o.mtp:
@@ -198,10 +211,17 @@ class Runtime:
             self.owned_ring = Arena(self.ledger, "prompt.ring", g.ring_bytes)
 
     def _make_spec(self, dense: Arena, kv: Arena) -> list[DecodeResource]:
-        from engine.spec_setup import build_spec
-
-        self.spec, items = build_spec(self, dense, kv)
+        self.spec, items = build_spec(self.options, self.model, self.ledger, self.costs,
+                                      xp=self.xp, weight_dtype=self.weight_dtype,
+                                      on_cuda=self.on_cuda, dense=dense, kv=kv)
+        if self.spec is not None:
+            self.session.on_hidden = self.spec.collect
         return items
+
+    def _attach_token_graph(self) -> None:
+        if self.token_graph_wanted:
+            attach_token_graph(self.model.transformer, self.session.kv, self.experts, self.cache,
+                               self.backend, self._warn)
 
     @property
     def xp(self) -> Any:
@@ -210,6 +230,11 @@ class Runtime:
     @property
     def on_cuda(self) -> bool:
         return self.backend.name.startswith("cuda")
+
+    @property
+    def token_graph_wanted(self) -> bool:
+        """Decode steps are captured as a CUDA graph unless --no-token-graph (CUDA only)."""
+        return self.on_cuda and not self.options.no_token_graph
 
     @property
     def weight_dtype(self) -> Any:
@@ -293,8 +318,8 @@ class Runtime:
         graph_changed = options.no_token_graph != self.options.no_token_graph
         self.options, self.flags = options, flags
         if graph_changed:  # --no-token-graph toggled: decode steps eager / captured from now on
-            detach_token_graph(self)
-            attach_token_graph(self)
+            detach_token_graph(self.model.transformer)
+            self._attach_token_graph()
 
     def follow_deferral(self, deferred: frozenset[str], armed: bool) -> None:
         """Before the first request: hold the decode-only regions as an engine started with
@@ -368,6 +393,11 @@ class Runtime:
         self.bus.publish(TraceLine(line))
         self.emit_trace(line)
 
+    def _warn(self, line: str) -> None:
+        """A warning: kept in `warnings` and always printed."""
+        self.warnings.append(line)
+        self.emit_trace(line, always=True)
+
     def emit_trace(self, line: str, always: bool = False) -> None:
         """Print a line through the CLI's writer: serve lines always, trace and loan lines
         when STRATA_TRACE=1."""
@@ -395,8 +425,8 @@ class Runtime:
         Any failure or cancel leaves ledger, cache and resources as before the call; the
         caller truncates the session back to its checkpoint.
         """
-        kind = admit(self, len(fresh))
-        cb = on_chunk_guard(self, on_chunk)
+        kind = admit(self.flags, self.startup_loan_pending, len(fresh))
+        cb = on_chunk_guard(self.faults, on_chunk)
         on_plan = on_plan or (lambda g, loan: None)
         try:
             if kind is None:
@@ -404,11 +434,15 @@ class Runtime:
                 on_plan(g, False)
                 res = self._run(fresh, g, cb)
             else:
-                with LoanTransaction(self, kind, loan_regions(self)) as tx:
+                with self._loan(kind) as tx:
                     assert tx.geometry is not None
                     g = self._fit_to(tx.geometry, len(fresh))
                     on_plan(g, True)
                     res = self._run(fresh, g, cb)
+                if kind == STARTUP:  # everything restored: the startup loan is over
+                    self.startup_loan_pending = False
+                    if self.flags.retain_startup_chunk:
+                        self.retained_geometry = tx.geometry
             self.faults.hit("logits")
             logits = self.model.transformer.logits(self.session.last_hidden)  # restored head
         except BaseException:
@@ -423,6 +457,18 @@ class Runtime:
         self.publish_cache()
         self.publish_gpu(force=True)
         return logits, res
+
+    def _loan(self, kind: str) -> LoanTransaction:
+        """The loan transaction of one request, on this runtime's parts."""
+        return LoanTransaction(
+            kind, loan_regions(self.flags, self.options, self.resources),
+            resources=self.resources, ledger=self.ledger, cache=self.cache,
+            owned=(self.owned_chunk, self.owned_ring), plan=self.plan,
+            plan_options=self.plan_options, costs=self.costs,
+            retained=self.retained_geometry if self.flags.retain_startup_chunk else None,
+            faults=self.faults, refill_pending=self.refill_pending,
+            publish_cache=self.publish_cache, bus=self.bus, trace=self._trace,
+        )
 
     def _run(self, fresh: list[int], g: PromptGeometry, on_chunk: Callable) -> PrefillResult:
         def chunk_done(c: int, n: int, seconds: float) -> None:
@@ -467,20 +513,6 @@ class Runtime:
                     if attempt == 2:
                         raise
         self.active_lent = None
-
-    def grow_owned_prompt(self, g: PromptGeometry) -> None:
-        """A loan on an owned prompt path: grow prompt.chunk / prompt.ring to fit `g`."""
-        for arena, need in ((self.owned_chunk, g.chunk_bytes), (self.owned_ring, g.ring_bytes)):
-            if arena is not None and arena.region is not None and need > arena.region.used_bytes:
-                self.ledger.grow(arena.name, need - arena.region.used_bytes)
-
-    def owned_prompt_back(self) -> None:
-        """Shrink the owned prompt regions back to their startup size."""
-        for arena in (self.owned_chunk, self.owned_ring):
-            if arena is not None and arena.region is not None:
-                extra = arena.region.used_bytes - arena.n_bytes
-                if extra > 0:
-                    self.ledger.shrink(arena.name, extra)
 
     def decode(self, logits: Any, sampler: Sampler, max_new: int, stop_ids: frozenset[int],
                timing: Timing, cancel: threading.Event) -> Iterator[int]:

@@ -28,9 +28,9 @@ from engine.events import (
     Token,
     TraceLine,
 )
+from engine.experts.provider import StreamCounters
 from engine.loan import Faults
 from engine.memory.plan_types import PromptGeometry
-from engine.prefill import StreamCounters
 from engine.runtime import Checkpoint, Runtime
 from engine.sampler import Sampler, SamplingParams
 from engine.session import Timing

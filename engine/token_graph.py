@@ -25,11 +25,13 @@ the KV cache or the expert-cache region).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from engine.errors import DeviceError
+from engine.errors import TokenGraphError
+from engine.experts.cache import ExpertCache
+from engine.experts.provider import CachedExperts
 from engine.kernels.decode import (
     GRAPH_KV_KINDS,
     ExpertSource,
@@ -38,17 +40,9 @@ from engine.kernels.decode import (
     kv_write_at,
     moe_at,
 )
+from engine.kv import KVCache
 from engine.model.ops import GEMV_ROWS, linear, rms_norm
-
-if TYPE_CHECKING:
-    from engine.experts.cache import ExpertCache
-    from engine.kv import KVCache
-    from engine.model.transformer import ForwardResult, Transformer
-    from engine.prefill import CachedExperts
-
-
-class TokenGraphError(DeviceError):
-    """The decode step could not be captured; the engine runs it eagerly instead."""
+from engine.model.transformer import ForwardResult, Transformer
 
 
 @dataclass
@@ -112,8 +106,6 @@ class TokenGraph:
     # -- the step --------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, pos0: int, logits: str) -> ForwardResult:
         """`Transformer.forward` for a decode step: rows `tokens` [T] at positions pos0.."""
-        from engine.model.transformer import ForwardResult
-
         cp, t = self._cp, len(tokens)
         fingerprint = self._addresses()
         if fingerprint != self._fingerprint:  # an address a graph baked in has moved

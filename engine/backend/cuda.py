@@ -109,7 +109,6 @@ class CudaBackend:
         for ev in self._staging_free:
             ev.record(self._copy_stream)
         self._pinned: dict[int, tuple[int, Any]] = {}  # host ptr -> (n_bytes, owner or None)
-        self._unpin_at_gc: dict[int, weakref.finalize] = {}
         self._n_copy_threads = min(8, os.cpu_count() or 1)
         self._copy_pool = ThreadPoolExecutor(max_workers=self._n_copy_threads)
         self._telemetry: Any = None
@@ -218,8 +217,8 @@ class CudaBackend:
         """Page-lock an existing host array (e.g. a memory-mapped GGUF) for direct DMA.
 
         The pages are also mapped into the device's address space (`mapped_address`). Read-only
-        maps are registered read-only. The registration ends with `unpin` or when
-        `host` is garbage-collected (before a memory map goes away with it)."""
+        maps are registered read-only. The registration ends when `host` is garbage-collected
+        (before a memory map goes away with it)."""
         assert host.flags.c_contiguous, "pin() needs a contiguous array"
         flags = _HOST_REGISTER_MAPPED | (0 if host.flags.writeable else _HOST_REGISTER_READ_ONLY)
         ptr = host.ctypes.data
@@ -230,16 +229,11 @@ class CudaBackend:
                 f"{self.name}: cannot page-lock {format_mib(host.nbytes)} MiB of host memory ({e})"
             ) from None
         self._pinned[ptr] = (host.nbytes, None)
-        self._unpin_at_gc[ptr] = weakref.finalize(host, self._unregister, ptr)
-
-    def unpin(self, host: np.ndarray) -> None:
-        """Undo `pin`."""
-        self._unpin_at_gc.pop(host.ctypes.data).detach()
-        self._unregister(host.ctypes.data)
+        weakref.finalize(host, self._unregister, ptr)  # kept alive by weakref's registry
 
     def _unregister(self, ptr: int) -> None:
         _, owner = self._pinned.pop(ptr)
-        assert owner is None, "unpin() of a host_buffer()"
+        assert owner is None, "a host_buffer() is never unregistered"
         cupy.cuda.runtime.hostUnregister(ptr)
 
     def mapped_address(self, host: np.ndarray) -> int | None:

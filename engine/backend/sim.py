@@ -112,10 +112,6 @@ class SimBackend:
         assert op in _FAULT_OPS, f"unknown op {op!r}; one of {_FAULT_OPS}"
         self._faults[op] = after
 
-    def clear_faults(self) -> None:
-        """Forget every injected fault that has not fired."""
-        self._faults.clear()
-
     def _maybe_fail(self, op: str) -> None:
         left = self._faults.get(op)
         if left is None:

@@ -115,10 +115,6 @@ class ExpertCache:
         return int((self._states == LENT).sum())
 
     @property
-    def n_resident(self) -> int:
-        return int((self._states == RESIDENT).sum())
-
-    @property
     def borrowing_available(self) -> bool:
         """The prompt path may borrow the tail: the table was staged for the borrow reader."""
         return self._borrow_ok

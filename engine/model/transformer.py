@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from engine import phases
+from engine.errors import TokenGraphError
 from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import ModelFile
@@ -96,8 +97,6 @@ class Transformer:
         """
         graph = self.token_graph
         if graph is not None and kv is graph.kv and graph.handles(len(tokens), experts, scratch):
-            from engine.token_graph import TokenGraphError
-
             try:
                 return graph.forward(tokens, pos0, logits)
             except TokenGraphError as e:  # e.g. a weight that needs cuBLAS: run eagerly from now on
