@@ -13,18 +13,23 @@ def write_svg(log: Path, out: Path) -> None:
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
     top = max(max(r[k] for r in rows) for k, _, _ in SERIES)
-    x = lambda s: PAD + (W - 2 * PAD) * s / max(steps)  # noqa: E731
-    y = lambda v: H - PAD - (H - 2 * PAD) * v / top  # noqa: E731
+
+    def x(step: float) -> float:
+        return PAD + (W - 2 * PAD) * step / max(steps)
+
+    def y(v: float) -> float:
+        return H - PAD - (H - 2 * PAD) * v / top
+
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
-        'font-family="sans-serif" font-size="12">',
+        (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+         'font-family="sans-serif" font-size="12">'),
         f'<rect width="{W}" height="{H}" fill="white"/>',
         f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="black"/>',
         f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{H - PAD}" stroke="black"/>',
-        f'<text x="{W / 2}" y="{H - 12}" text-anchor="middle">optimizer step '
-        f"({max(steps):,} steps, {rows[-1]['seconds']:.0f} s on the H200)</text>",
-        f'<text x="14" y="{H / 2}" transform="rotate(-90 14 {H / 2})" text-anchor="middle">'
-        "cross-entropy (nats, reply tokens)</text>",
+        (f'<text x="{W / 2}" y="{H - 12}" text-anchor="middle">optimizer step '
+         f"({max(steps):,} steps, {rows[-1]['seconds']:.0f} s on the H200)</text>"),
+        (f'<text x="14" y="{H / 2}" transform="rotate(-90 14 {H / 2})" text-anchor="middle">'
+         "cross-entropy (nats, reply tokens)</text>"),
     ]
     for v in range(int(top) + 1):
         parts.append(f'<text x="{PAD - 6}" y="{y(v) + 4}" text-anchor="end">{v}</text>')
