@@ -67,7 +67,7 @@ class StrataApp(App[None]):
         self.conv = Conversation()
         self.error_line = ""
         self._prompt_seq: int | None = None  # the stored seq of the prompt being answered
-        self._closing = False  # quitting: a late reply is no longer recorded
+        self._quitting = False  # quitting: a late reply is no longer recorded
 
     def compose(self) -> ComposeResult:
         yield Header(icon="▦")
@@ -194,38 +194,38 @@ class StrataApp(App[None]):
         self.link.send(self.conv, message.prompt, message.draft, cfg.params, cfg.max_new)
 
     async def on_engine_link_reply_done(self, message: EngineLink.ReplyDone) -> None:
-        if self._closing:  # the app quit mid-request; what it showed is stored already
+        if self._quitting:  # the app quit mid-request; what it showed is stored already
             return
         await self._dispatch(self.link.take())  # every token of this request, before closing it
-        self.running = False
         chat, reply = self.query_one(ChatLog), message.reply
         if reply.withdrawn:  # cancelled before any text: the prompt goes back to the input
-            await chat.withdraw()
             self._withdraw(message.conversation)
+            await chat.withdraw()
             self.query_one(Composer).restore(message.draft)
             self.notify("Cancelled; your prompt is back in the input.")
-            return
-        await chat.finish(reply.text, cancelled=reply.cancelled)
-        prompt_seq, self._prompt_seq = self._prompt_seq, None
-        answer = message.conversation.messages[-1]
-        self._record(message.conversation, answer, reply_to=prompt_seq)
-        if reply.cancelled:
-            self.notify("Cancelled; the answer so far is kept.", timeout=3)
+        else:
+            prompt_seq, self._prompt_seq = self._prompt_seq, None
+            answer = message.conversation.messages[-1]
+            self._record(message.conversation, answer, reply_to=prompt_seq)
+            await chat.finish(reply.text, cancelled=reply.cancelled)
+            if reply.cancelled:
+                self.notify("Cancelled; the answer so far is kept.", timeout=3)
+        self.running = False  # last: the exchange is stored and shown
 
     async def on_engine_link_reply_failed(self, message: EngineLink.ReplyFailed) -> None:
-        if self._closing:
+        if self._quitting:
             return
         await self._dispatch(self.link.take())
-        self.running = False
-        await self.query_one(ChatLog).withdraw()
         self._withdraw(message.conversation)
+        await self.query_one(ChatLog).withdraw()
         self.query_one(Composer).restore(message.draft)
         self.notify(message.error, title="Request failed", severity="error", timeout=10)
+        self.running = False
 
     # -- store -------------------------------------------------------------------------------
     def _record(self, conv: Conversation, msg: Message, reply_to: int | None = None) -> int | None:
         """Append one message to the store as it happens; returns its seq (None: not saved)."""
-        if self._closing or self.store is None:
+        if self._quitting or self.store is None:
             return None
         try:
             return self.store.append(conv, msg, reply_to)
@@ -236,7 +236,7 @@ class StrataApp(App[None]):
     def _withdraw(self, conv: Conversation) -> None:
         """Remove the stored prompt of a request that ended without an answer."""
         seq, self._prompt_seq = self._prompt_seq, None
-        if seq is None or self._closing or self.store is None:
+        if seq is None or self._quitting or self.store is None:
             return
         try:
             self.store.withdraw(conv.id, seq)
@@ -258,12 +258,17 @@ class StrataApp(App[None]):
         await self.query_one(ChatLog).show(stored)
         self.notify(f"{n_new} new message(s) from another window.", title="Conversations")
 
-    def _keep_partial(self) -> None:
-        """Quitting mid-answer: store what the answer has shown, marked cancelled."""
-        text = self.query_one(ChatLog).partial
+    async def _keep_partial(self) -> None:
+        """Quitting mid-answer: store what the answer has shown, marked cancelled.
+
+        The prompt stays stored even when no text came yet (the input goes away with the app).
+        """
+        chat = self.query_one(ChatLog)
+        text = chat.partial
         if self._prompt_seq is not None and text:
             self._record(self.conv, Message("assistant", text, cancelled=True), self._prompt_seq)
-        self._closing = True
+        self._quitting = True  # the late reply is neither recorded nor shown
+        await chat.finish(text, cancelled=True)  # closes the stream
 
     def action_cancel(self) -> None:
         if self.running:
@@ -369,6 +374,6 @@ class StrataApp(App[None]):
 
     async def action_quit(self) -> None:
         if self.running:
-            self._keep_partial()
+            await self._keep_partial()
         self.link.cancel()  # a running request rolls back at its next chunk or token
         self.exit()
