@@ -230,7 +230,7 @@ class StrataApp(App[None]):
         try:
             return self.store.append(conv, msg, reply_to)
         except StoreError as exc:
-            self.notify(str(exc), title="Not saved", severity="error", timeout=10)
+            self._store_failed(exc, "Not saved")
             return None
 
     def _withdraw(self, conv: Conversation) -> None:
@@ -241,7 +241,10 @@ class StrataApp(App[None]):
         try:
             self.store.withdraw(conv.id, seq)
         except StoreError as exc:
-            self.notify(str(exc), title="Conversations", severity="error", timeout=10)
+            self._store_failed(exc)
+
+    def _store_failed(self, exc: StoreError, title: str = "Conversations") -> None:
+        self.notify(str(exc), title=title, severity="error", timeout=10)
 
     async def _take_in_stored(self) -> None:
         """Show and include the messages another instance appended to this conversation."""
@@ -249,7 +252,7 @@ class StrataApp(App[None]):
         try:
             stored = self.store.load(self.conv.id)
         except StoreError as exc:
-            self.notify(str(exc), title="Conversations", severity="error", timeout=10)
+            self._store_failed(exc)
             return
         if stored is None or len(stored.messages) <= len(self.conv.messages):
             return
@@ -327,7 +330,7 @@ class StrataApp(App[None]):
         try:
             listed = self.store.list()
         except StoreError as exc:
-            self.notify(str(exc), title="Conversations", severity="error", timeout=10)
+            self._store_failed(exc)
             return
         self.push_screen(ConversationsScreen(listed, self.conv.id), self._open)
 
@@ -336,7 +339,7 @@ class StrataApp(App[None]):
         try:
             conv = self.store.load(conv_id) if conv_id else None
         except StoreError as exc:
-            self.notify(str(exc), title="Conversations", severity="error", timeout=10)
+            self._store_failed(exc)
             return
         if conv is not None:
             self.conv = conv
@@ -349,7 +352,7 @@ class StrataApp(App[None]):
         try:
             path = export_markdown(self.conv, self.export_dir)
         except StoreError as exc:
-            self.notify(str(exc), title="Export", severity="error", timeout=10)
+            self._store_failed(exc, "Export")
             return
         self.notify(f"Exported to {path}", title="Export", timeout=8)
 

@@ -60,8 +60,9 @@ def reference_reply(prompts: list[str], **options: object) -> str:
 
 
 class Gate:
-    """Holds the engine thread at the first event `when` accepts until `release()`: a test
-    presses Esc (or quits) at a known point of a request, however fast the machine is."""
+    """Holds the engine thread at the first event `when` accepts until `release()` (30 s at
+    most, so a failing test does not hang): a test presses Esc (or quits) at a known point of
+    a request, however fast the machine is."""
 
     def __init__(self, bus: EventBus, when: Callable[[Event], bool]):
         self.reached, self._released = threading.Event(), threading.Event()
@@ -71,7 +72,7 @@ class Gate:
     def _on_event(self, event: Event) -> None:
         if not self.reached.is_set() and self._when(event):
             self.reached.set()
-            self._released.wait(60)
+            self._released.wait(30)
 
     def release(self) -> None:
         self._released.set()

@@ -275,6 +275,7 @@ async def test_a_database_that_is_not_one_is_moved_aside_with_one_notification(
 def test_a_data_directory_that_is_a_file_is_one_line_and_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    monkeypatch.setattr(StrataApp, "run", lambda self: pytest.fail("the app started"))
     (tmp_path / "data").write_text("a file")
     monkeypatch.setenv("STRATA_DATA_DIR", str(tmp_path / "data"))
     assert run_app(["--model", "tiny", "--plain"]) == 2
@@ -286,6 +287,7 @@ def test_a_data_directory_that_is_a_file_is_one_line_and_exit_2(
 def test_a_database_from_a_newer_app_is_one_line_and_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    monkeypatch.setattr(StrataApp, "run", lambda self: pytest.fail("the app started"))
     monkeypatch.setenv("STRATA_DATA_DIR", str(tmp_path))
     store = Store.open(tmp_path / DB_NAME)
     store.db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION + 1,))
@@ -294,3 +296,22 @@ def test_a_database_from_a_newer_app_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is newer than this app" in err
     assert (tmp_path / DB_NAME).exists() and not list(tmp_path.glob("*.bad-*"))
+
+
+@async_test
+async def test_a_failed_write_is_a_notification_and_the_chat_goes_on(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    notes: list[Notify] = []
+    async with app.run_test(size=SIZE, message_hook=notes.append) as pilot:
+        await wait_ready(pilot)
+        app.store.db.execute("PRAGMA busy_timeout = 50")
+        holder = sqlite3.connect(tmp_path / DB_NAME)
+        holder.execute("BEGIN IMMEDIATE")  # another writer that does not let go
+        await send(pilot, "hello")
+        holder.rollback()
+        holder.close()
+        titles = [n.notification.title for n in notes if isinstance(n, Notify)]
+        assert titles.count("Not saved") == 2  # the prompt and the answer
+        assert app.query(MessageView).last().content == app.conv.messages[1].content
+        await send(pilot, "again")  # the database is free again: saved as usual
+        assert [r[1] for r in stored(tmp_path)] == ["again", app.conv.messages[3].content]
