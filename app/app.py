@@ -15,7 +15,7 @@ from app.cli.chat import ChatConfig
 from app.commands import FlagCommands
 from app.engine_link import EngineLink
 from app.screens import ConversationsScreen, HelpScreen, LoadingScreen
-from app.store import Store, export_markdown
+from app.store import Store, StoreError, export_markdown
 from app.widgets.base import EventView
 from app.widgets.chat_log import ChatLog
 from app.widgets.dashboard import Dashboard
@@ -23,7 +23,7 @@ from app.widgets.event_log import EventLog
 from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
+from engine.conversation import Conversation, Message
 from engine.events import Event, Loading, PrefillProgress, Token
 
 NARROW_COLUMNS = 100  # below this the dashboard and the chat take turns
@@ -66,6 +66,8 @@ class StrataApp(App[None]):
         self.export_dir = export_dir
         self.conv = Conversation()
         self.error_line = ""
+        self._prompt_seq: int | None = None  # the stored seq of the prompt being answered
+        self._quitting = False  # quitting: a late reply is no longer recorded
 
     def compose(self) -> ComposeResult:
         yield Header(icon="▦")
@@ -77,8 +79,20 @@ class StrataApp(App[None]):
         yield Footer()
 
     async def on_mount(self) -> None:
-        self.store = self.store or Store.open()
-        self.conv = self.store.last() or Conversation()
+        try:
+            self.store = self.store or Store.open()
+            self.conv = self.store.last() or Conversation()
+        except StoreError as exc:
+            self._fail(str(exc))
+            return
+        if self.store.moved_aside is not None:
+            self.notify(
+                f"{self.store.path.name} could not be read as a conversation database; it was "
+                f"moved to {self.store.moved_aside} and a new one was started.",
+                title="Conversations",
+                severity="warning",
+                timeout=20,
+            )
         await self.query_one(ChatLog).show(self.conv)
         self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
         self._set_repeat_threshold(self.config.flags)
@@ -172,29 +186,92 @@ class StrataApp(App[None]):
             return
         self.running = True
         self.query_one(Composer).clear()
+        await self._take_in_stored()
+        # stored before the engine starts: a crash or kill during the request keeps the prompt
+        self._prompt_seq = self._record(self.conv, Message("user", message.prompt))
         await self.query_one(ChatLog).begin_exchange(message.prompt)
         cfg = self.config
         self.link.send(self.conv, message.prompt, message.draft, cfg.params, cfg.max_new)
 
     async def on_engine_link_reply_done(self, message: EngineLink.ReplyDone) -> None:
+        if self._quitting:  # the app quit mid-request; what it showed is stored already
+            return
         await self._dispatch(self.link.take())  # every token of this request, before closing it
-        self.running = False
-        chat = self.query_one(ChatLog)
-        if message.reply.cancelled:
+        chat, reply = self.query_one(ChatLog), message.reply
+        if reply.withdrawn:  # cancelled before any text: the prompt goes back to the input
+            self._withdraw(message.conversation)
             await chat.withdraw()
             self.query_one(Composer).restore(message.draft)
             self.notify("Cancelled; your prompt is back in the input.")
-            return
-        await chat.finish(message.reply.text)
-        assert self.store is not None
-        self.store.save(message.conversation)
+        else:
+            prompt_seq, self._prompt_seq = self._prompt_seq, None
+            answer = message.conversation.messages[-1]
+            self._record(message.conversation, answer, reply_to=prompt_seq)
+            await chat.finish(reply.text, cancelled=reply.cancelled)
+            if reply.cancelled:
+                self.notify("Cancelled; the answer so far is kept.", timeout=3)
+        self.running = False  # last: the exchange is stored and shown
 
     async def on_engine_link_reply_failed(self, message: EngineLink.ReplyFailed) -> None:
+        if self._quitting:
+            return
         await self._dispatch(self.link.take())
-        self.running = False
+        self._withdraw(message.conversation)
         await self.query_one(ChatLog).withdraw()
         self.query_one(Composer).restore(message.draft)
         self.notify(message.error, title="Request failed", severity="error", timeout=10)
+        self.running = False
+
+    # -- store -------------------------------------------------------------------------------
+    def _record(self, conv: Conversation, msg: Message, reply_to: int | None = None) -> int | None:
+        """Append one message to the store as it happens; returns its seq (None: not saved)."""
+        if self._quitting or self.store is None:
+            return None
+        try:
+            return self.store.append(conv, msg, reply_to)
+        except StoreError as exc:
+            self._store_failed(exc, "Not saved")
+            return None
+
+    def _withdraw(self, conv: Conversation) -> None:
+        """Remove the stored prompt of a request that ended without an answer."""
+        seq, self._prompt_seq = self._prompt_seq, None
+        if seq is None or self._quitting or self.store is None:
+            return
+        try:
+            self.store.withdraw(conv.id, seq)
+        except StoreError as exc:
+            self._store_failed(exc)
+
+    def _store_failed(self, exc: StoreError, title: str = "Conversations") -> None:
+        self.notify(str(exc), title=title, severity="error", timeout=10)
+
+    async def _take_in_stored(self) -> None:
+        """Show and include the messages another instance appended to this conversation."""
+        assert self.store is not None
+        try:
+            stored = self.store.load(self.conv.id)
+        except StoreError as exc:
+            self._store_failed(exc)
+            return
+        if stored is None or len(stored.messages) <= len(self.conv.messages):
+            return
+        n_new = len(stored.messages) - len(self.conv.messages)
+        self.conv = stored
+        await self.query_one(ChatLog).show(stored)
+        self.notify(f"{n_new} new message(s) from another window.", title="Conversations")
+
+    async def _keep_partial(self) -> None:
+        """Quitting mid-answer: store what the answer has shown, marked cancelled.
+
+        The prompt stays stored even when no text came yet (the input goes away with the app).
+        """
+        chat = self.query_one(ChatLog)
+        text = chat.partial
+        if self._prompt_seq is not None and text:
+            self._record(self.conv, Message("assistant", text, cancelled=True), self._prompt_seq)
+        self._quitting = True  # the late reply is neither recorded nor shown
+        await chat.finish(text, cancelled=True)  # closes the stream
 
     def action_cancel(self) -> None:
         if self.running:
@@ -250,11 +327,20 @@ class StrataApp(App[None]):
         if self._refuse_while_running():
             return
         assert self.store is not None
-        self.push_screen(ConversationsScreen(self.store.list(), self.conv.id), self._open)
+        try:
+            listed = self.store.list()
+        except StoreError as exc:
+            self._store_failed(exc)
+            return
+        self.push_screen(ConversationsScreen(listed, self.conv.id), self._open)
 
     async def _open(self, conv_id: str | None) -> None:
         assert self.store is not None
-        conv = self.store.load(conv_id) if conv_id else None
+        try:
+            conv = self.store.load(conv_id) if conv_id else None
+        except StoreError as exc:
+            self._store_failed(exc)
+            return
         if conv is not None:
             self.conv = conv
             await self.query_one(ChatLog).show(conv)
@@ -263,7 +349,11 @@ class StrataApp(App[None]):
         if not self.conv.messages:
             self.notify("Nothing to export yet.", severity="warning")
             return
-        path = export_markdown(self.conv, self.export_dir)
+        try:
+            path = export_markdown(self.conv, self.export_dir)
+        except StoreError as exc:
+            self._store_failed(exc, "Export")
+            return
         self.notify(f"Exported to {path}", title="Export", timeout=8)
 
     def _refuse_while_running(self) -> bool:
@@ -286,5 +376,7 @@ class StrataApp(App[None]):
         self.push_screen(HelpScreen())
 
     async def action_quit(self) -> None:
+        if self.running:
+            await self._keep_partial()
         self.link.cancel()  # a running request rolls back at its next chunk or token
         self.exit()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from app.cli.chat import ChatConfig, add_chat_args, chat_config
+from app.store import Store
 from engine.cli import OneLineParser
 from engine.errors import StrataError
 
@@ -23,10 +24,15 @@ def run_app(argv: list[str] | None = None) -> int:
 
 
 def launch(config: ChatConfig) -> int:
-    """Run the app until it quits; an engine that cannot start is one line and exit code 2."""
+    """Run the app until it quits; an engine or a store that cannot start: one line, exit 2."""
     from app.app import StrataApp
 
-    app = StrataApp(config)
+    try:
+        store = Store.open()  # before the screen changes: a refusal is a plain line
+    except StrataError as exc:
+        sys.stderr.write(f"strata: error: {exc}\n")
+        return 2
+    app = StrataApp(config, store=store)
     app.run()
     if app.error_line:
         sys.stderr.write(f"strata: error: {app.error_line}\n")

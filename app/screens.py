@@ -22,7 +22,7 @@ HELP = """\
 |---|---|
 | **Enter** | send the message |
 | **ctrl+j** (shift+enter, alt+enter where the terminal reports them) | new line |
-| **Esc** | cancel the running prefill or generation; the prompt comes back |
+| **Esc** | cancel; the prompt comes back, or the answer so far stays, marked cancelled |
 | **ctrl+n** | new conversation |
 | **ctrl+o** | open a saved conversation |
 | **ctrl+s** | export the conversation to Markdown (the path is shown) |

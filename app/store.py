@@ -3,6 +3,15 @@
 The database lives under the user data dir (`STRATA_DATA_DIR` overrides). Every schema change
 is a new entry in MIGRATIONS; `Store.open` applies the missing ones in one transaction each and
 records the version in `schema_version`.
+
+Messages are appended as they happen, never rewritten: several app instances may write to one
+database (WAL, a busy timeout), and each new message takes the next `seq` of its conversation
+inside a write transaction, so two writers never clash and no row is ever dropped. A reply
+records the `seq` of the prompt it answers, so exchanges read in order even when two instances
+talked in one conversation at the same time.
+
+A file that is not a database of ours is moved aside (never deleted) and a new one started; a
+database from a newer app or a data directory that cannot be used is refused with one line.
 """
 
 from __future__ import annotations
@@ -10,14 +19,23 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from platformdirs import user_data_dir
 
-from engine.conversation import Conversation, Message
+from engine.conversation import Conversation, Message, title_of
+from engine.errors import StrataError
 
 DB_NAME = "conversations.sqlite3"
+BUSY_TIMEOUT_S = 10.0  # another instance's write transaction is short; wait for it
+# a database's companion files, moved aside with it
+_COMPANIONS = ("-wal", "-shm", "-journal")
+# SQLite's answers for a file that is not a (healthy) database: moved aside, never deleted
+_NOT_A_DATABASE = frozenset({"SQLITE_NOTADB", "SQLITE_CORRUPT"})
+_SQLITE_MAGIC = b"SQLite format 3\x00"
 
 # version -> statements; append only, never edit a released entry
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -38,8 +56,22 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         )""",
     ),
     2: ("CREATE INDEX conversations_by_updated ON conversations(updated DESC)",),
+    3: (
+        "ALTER TABLE messages ADD COLUMN cancelled INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE messages ADD COLUMN reply_to INTEGER",  # the seq of the prompt answered
+    ),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
+# a reply reads right after its prompt, whatever another instance appended in between
+_IN_ORDER = "ORDER BY coalesce(reply_to, seq), seq"
+
+
+class StoreError(StrataError):
+    """The conversation database cannot be used, or a read or write failed (one line)."""
+
+
+class _Unreadable(StoreError):
+    """The file is not a healthy database of ours: `Store.open` moves it aside."""
 
 
 def data_dir() -> Path:
@@ -58,98 +90,256 @@ class ConversationInfo:
 
 
 class Store:
-    """Reads and writes conversations; used from the UI thread only."""
+    """Reads and writes conversations; used from the UI thread only.
 
-    def __init__(self, db: sqlite3.Connection, path: Path):
-        self.db, self.path = db, path
+    `moved_aside` is where `open` put a file it could not use before starting clean (None
+    when the database opened as it was); the app says so once.
+    """
+
+    def __init__(self, db: sqlite3.Connection, path: Path, moved_aside: Path | None = None):
+        self.db, self.path, self.moved_aside = db, path, moved_aside
 
     @classmethod
     def open(cls, path: Path | None = None) -> Store:
+        """Open (or create) the database at `path` (default: data dir) and migrate it.
+
+        Raises StoreError when the directory cannot hold it or its schema is newer than this
+        app; a file that is not a database of ours is moved aside and a new one created.
+        """
         path = path or data_dir() / DB_NAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(path)
-        db.execute("PRAGMA foreign_keys = ON")
+        _make_dir(path.parent)
+        try:
+            if not _sqlite_header(path):  # moved before SQLite opens it (or its -wal)
+                raise _Unreadable(f"{path}: not an SQLite database")
+            return cls._connect(path)
+        except _Unreadable:
+            moved = _move_aside(path)
+        store = cls._connect(path)
+        store.moved_aside = moved
+        return store
+
+    @classmethod
+    def _connect(cls, path: Path) -> Store:
+        try:
+            db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StoreError(f"{path}: {exc}") from None
         store = cls(db, path)
-        store.migrate()
+        try:
+            with store._errors():
+                db.execute("PRAGMA foreign_keys = ON")
+                store.migrate()  # first, so a database of something else is left as it was
+                db.execute("PRAGMA journal_mode = WAL")  # readers never wait for a writer
+        except BaseException:
+            db.close()
+            raise
         return store
 
     @property
     def version(self) -> int:
+        """The schema version recorded in the database (0 before the first migration)."""
         row = self.db.execute("SELECT max(version) FROM schema_version").fetchone()
         return int(row[0] or 0)
 
     def migrate(self) -> None:
-        """Bring the schema to SCHEMA_VERSION; refuse a database newer than this code."""
-        self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-        current = self.version
-        if current > SCHEMA_VERSION:
-            raise RuntimeError(
-                f"{self.path}: schema version {current} is newer than this app ({SCHEMA_VERSION})"
-            )
-        for version in range(current + 1, SCHEMA_VERSION + 1):
-            with self.db:
+        """Bring the schema to SCHEMA_VERSION; refuse a database newer than this code.
+
+        Each migration runs in its own write transaction and re-reads the version inside it,
+        so two instances starting on one new database apply every migration once.
+        """
+        with self._write():
+            tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master")}
+            if tables and "schema_version" not in tables:
+                raise _Unreadable(f"{self.path}: not a strata conversation database")
+            self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        for version in range(1, SCHEMA_VERSION + 1):
+            with self._write():
+                current = self.version
+                if current > SCHEMA_VERSION:
+                    raise StoreError(
+                        f"{self.path}: schema version {current} is newer than this app "
+                        f"({SCHEMA_VERSION}); run a newer strata, or set STRATA_DATA_DIR to "
+                        "use another directory"
+                    )
+                if current >= version:
+                    continue
                 for statement in MIGRATIONS[version]:
                     self.db.execute(statement)
                 self.db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
 
-    def save(self, conv: Conversation) -> None:
-        """Write the conversation and all its messages (replacing what was stored)."""
-        with self.db:
+    def append(self, conv: Conversation, message: Message, reply_to: int | None = None) -> int:
+        """Append `message` to `conv` in the database; returns the message's `seq`.
+
+        The conversation row is created if missing (its title, once set, is kept); the seq is
+        the next free one of the conversation, taken inside the write transaction. `reply_to`
+        is the seq of the prompt an answer belongs to.
+        """
+        title = conv.title or (title_of(message.content) if message.role == "user" else "")
+        with self._write():
             self.db.execute(
                 "INSERT INTO conversations (id, title, created, updated) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT(id) DO UPDATE SET title = excluded.title, updated = excluded.updated",
-                (conv.id, conv.title, conv.created, time.time()),
+                "ON CONFLICT(id) DO UPDATE SET updated = excluded.updated, "
+                "title = CASE WHEN title = '' THEN excluded.title ELSE title END",
+                (conv.id, title, conv.created, time.time()),
             )
-            self.db.execute("DELETE FROM messages WHERE conversation_id = ?", (conv.id,))
-            self.db.executemany(
-                "INSERT INTO messages (conversation_id, seq, role, content, created) "
-                "VALUES (?, ?, ?, ?, ?)",
-                [(conv.id, i, m.role, m.content, m.created) for i, m in enumerate(conv.messages)],
+            (seq,) = self.db.execute(
+                "INSERT INTO messages "
+                "(conversation_id, seq, role, content, created, cancelled, reply_to) "
+                "SELECT ?1, coalesce(max(seq) + 1, 0), ?2, ?3, ?4, ?5, ?6 FROM messages "
+                "WHERE conversation_id = ?1 RETURNING seq",
+                (conv.id, message.role, message.content, message.created,
+                 int(message.cancelled), reply_to),
+            ).fetchone()
+        return int(seq)
+
+    def withdraw(self, conv_id: str, seq: int) -> None:
+        """Remove one message: a prompt that got no answer and went back to the input.
+
+        The title follows the first prompt left; a conversation left empty is removed.
+        """
+        with self._write():
+            self.db.execute(
+                "DELETE FROM messages WHERE conversation_id = ? AND seq = ?", (conv_id, seq)
             )
+            first = self.db.execute(
+                f"SELECT content FROM messages WHERE conversation_id = ? AND role = 'user' "
+                f"{_IN_ORDER} LIMIT 1",
+                (conv_id,),
+            ).fetchone()
+            left = self.db.execute(
+                "SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)
+            ).fetchone()[0]
+            if not left:
+                self.db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
+            else:
+                self.db.execute(
+                    "UPDATE conversations SET title = ? WHERE id = ?",
+                    (title_of(first[0]) if first else "", conv_id),
+                )
 
     def load(self, conv_id: str) -> Conversation | None:
-        row = self.db.execute(
-            "SELECT id, title, created FROM conversations WHERE id = ?", (conv_id,)
-        ).fetchone()
-        if row is None:
-            return None
-        messages = [
-            Message(role, content, created)
-            for role, content, created in self.db.execute(
-                "SELECT role, content, created FROM messages WHERE conversation_id = ? "
-                "ORDER BY seq",
-                (conv_id,),
-            )
-        ]
+        """The conversation with every stored message, exchanges in order; None if absent."""
+        with self._errors():
+            row = self.db.execute(
+                "SELECT id, title, created FROM conversations WHERE id = ?", (conv_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            messages = [
+                Message(role, content, created, bool(cancelled))
+                for role, content, created, cancelled in self.db.execute(
+                    "SELECT role, content, created, cancelled FROM messages "
+                    f"WHERE conversation_id = ? {_IN_ORDER}",
+                    (conv_id,),
+                )
+            ]
         return Conversation(id=row[0], messages=messages, title=row[1], created=row[2])
 
     def last(self) -> Conversation | None:
         """The most recently updated conversation, if any."""
-        row = self.db.execute(
-            "SELECT id FROM conversations ORDER BY updated DESC LIMIT 1"
-        ).fetchone()
+        with self._errors():
+            row = self.db.execute(
+                "SELECT id FROM conversations ORDER BY updated DESC LIMIT 1"
+            ).fetchone()
         return self.load(row[0]) if row else None
 
     def list(self) -> list[ConversationInfo]:
-        rows = self.db.execute(
-            "SELECT c.id, c.title, c.updated, count(m.seq) FROM conversations c "
-            "LEFT JOIN messages m ON m.conversation_id = c.id "
-            "GROUP BY c.id ORDER BY c.updated DESC"
-        )
+        """Every conversation, most recently updated first."""
+        with self._errors():
+            rows = self.db.execute(
+                "SELECT c.id, c.title, c.updated, count(m.seq) FROM conversations c "
+                "LEFT JOIN messages m ON m.conversation_id = c.id "
+                "GROUP BY c.id ORDER BY c.updated DESC"
+            ).fetchall()
         return [ConversationInfo(*row) for row in rows]
 
     def delete(self, conv_id: str) -> None:
-        with self.db:
+        """Remove a conversation and its messages."""
+        with self._write():
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
 
     def close(self) -> None:
         self.db.close()
 
+    @contextmanager
+    def _write(self) -> Iterator[None]:
+        """One write transaction, holding the write lock from its start (BEGIN IMMEDIATE)."""
+        with self._errors():
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                self.db.execute("COMMIT")
+            except BaseException:
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """A failed read or write is one line naming the database (a StoreError)."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorname", "") in _NOT_A_DATABASE:
+                raise _Unreadable(f"{self.path}: {exc}") from None
+            raise StoreError(f"{self.path}: {exc}") from None
+
+
+def _sqlite_header(path: Path) -> bool:
+    """Whether `path` is missing, empty or starts like an SQLite database file."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(_SQLITE_MAGIC))
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        raise StoreError(f"{path}: {exc.strerror or exc}") from None
+    return head in (b"", _SQLITE_MAGIC)
+
+
+def _make_dir(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise StoreError(
+            f"data directory {directory} is a file, not a directory; move the file, or set "
+            "STRATA_DATA_DIR to use another directory"
+        ) from None
+    except NotADirectoryError:
+        raise StoreError(
+            f"data directory {directory}: a part of its path is a file, not a directory; "
+            "set STRATA_DATA_DIR to use another directory"
+        ) from None
+    except OSError as exc:
+        raise StoreError(f"data directory {directory}: {exc.strerror or exc}") from None
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename a file that is not a database of ours (and its companions) to `*.bad-<time>`."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    bad = path.with_name(f"{path.name}.bad-{stamp}")
+    n = 1
+    while bad.exists():
+        n += 1
+        bad = path.with_name(f"{path.name}.bad-{stamp}-{n}")
+    try:
+        os.replace(path, bad)
+        for suffix in _COMPANIONS:
+            companion = path.with_name(path.name + suffix)
+            if companion.exists():
+                os.replace(companion, bad.with_name(bad.name + suffix))
+    except OSError as exc:
+        raise StoreError(f"{path} is not a database and cannot be moved aside: {exc}") from None
+    return bad
+
 
 def export_markdown(conv: Conversation, directory: Path | None = None) -> Path:
     """Write the conversation as Markdown under `directory` (default: data dir/exports)."""
     directory = directory or data_dir() / "exports"
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"conversation-{conv.id}.md"
-    path.write_text(conv.to_markdown(), encoding="utf-8")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(conv.to_markdown(), encoding="utf-8")
+    except OSError as exc:
+        raise StoreError(f"cannot export to {path}: {exc.strerror or exc}") from None
     return path

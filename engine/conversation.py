@@ -6,12 +6,23 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+TITLE_CHARS = 60
+
+
+def title_of(prompt: str) -> str:
+    """A conversation's title from its first user message: the first line, cut."""
+    text = prompt.strip()
+    return text.splitlines()[0][:TITLE_CHARS] if text else "untitled"
+
 
 @dataclass
 class Message:
+    """One message; `cancelled` marks an answer cut short by the user (its text was shown)."""
+
     role: str  # "system" | "user" | "assistant"
     content: str
     created: float = field(default_factory=time.time)
+    cancelled: bool = False
 
     def as_dict(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content}
@@ -26,16 +37,19 @@ class Conversation:
     title: str = ""
     created: float = field(default_factory=time.time)
 
-    def add(self, role: str, content: str) -> Message:
-        msg = Message(role, content)
+    def add(self, role: str, content: str, cancelled: bool = False) -> Message:
+        msg = Message(role, content, cancelled=cancelled)
         self.messages.append(msg)
         if not self.title and role == "user":
-            first = content.strip().splitlines()[0] if content.strip() else "untitled"
-            self.title = first[:60]
+            self.title = title_of(content)
         return msg
 
     def pop(self) -> Message:
-        return self.messages.pop()
+        """Remove the last message; a title taken from a removed prompt goes with it."""
+        msg = self.messages.pop()
+        if not any(m.role == "user" for m in self.messages):
+            self.title = ""
+        return msg
 
     def as_dicts(self) -> list[dict[str, str]]:
         return [m.as_dict() for m in self.messages]
@@ -44,5 +58,6 @@ class Conversation:
         """Export as Markdown: a heading per message."""
         lines = [f"# {self.title or 'Conversation'}", ""]
         for m in self.messages:
-            lines += [f"## {m.role}", "", m.content.rstrip(), ""]
+            heading = f"## {m.role} (cancelled)" if m.cancelled else f"## {m.role}"
+            lines += [heading, "", m.content.rstrip(), ""]
         return "\n".join(lines)

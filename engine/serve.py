@@ -44,9 +44,16 @@ class Cancelled(StrataError):
 
 @dataclass
 class Reply:
+    """The answer to one request; a cancelled one holds the text generated before the cancel."""
+
     text: str
     timing: Timing
     cancelled: bool = False
+
+    @property
+    def withdrawn(self) -> bool:
+        """Cancelled before any text: the prompt is not kept in the conversation."""
+        return self.cancelled and not self.text
 
 
 class ServeLoop:
@@ -129,8 +136,10 @@ class ServeLoop:
     ) -> Reply:
         """Add `user_text` to `conv`, answer it, and append the answer. Blocking.
 
-        On cancel or failure the conversation and the engine state are as before the call;
-        a cancel returns `Reply(cancelled=True)`, a failure re-raises after rollback.
+        On failure, or a cancel before any text, the conversation and the engine state are as
+        before the call. A cancel after some text keeps the prompt and the partial answer
+        (marked cancelled) in the conversation: the user saw it, so the next prompt includes
+        it. A cancel returns `Reply(cancelled=True)`, a failure re-raises after rollback.
         """
         if not self._busy.acquire(blocking=False):
             raise StrataError("a request is already running; wait for it or cancel it")
@@ -181,10 +190,10 @@ class ServeLoop:
         except BaseException:
             conv.pop()
             raise
-        if reply.cancelled:
+        if reply.withdrawn:
             conv.pop()
-        else:
-            conv.add("assistant", reply.text)
+        else:  # the KV was rolled back: the next prompt re-reads this exchange from its text
+            conv.add("assistant", reply.text, cancelled=reply.cancelled)
         return reply
 
     def _generate(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from app.widgets.prompt_input import Composer, PromptInput
 from app.widgets.timing_panel import TimingPanel
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
+from engine.events import Event, EventBus, PrefillProgress
 from engine.serve import ServeLoop
 
 MAX_NEW = 8
@@ -54,6 +57,25 @@ def reference_reply(prompts: list[str], **options: object) -> str:
     for prompt in prompts:
         reply = loop.chat(conv, prompt, max_new=MAX_NEW).text
     return reply
+
+
+class Gate:
+    """Holds the engine thread at the first event `when` accepts until `release()` (30 s at
+    most, so a failing test does not hang): a test presses Esc (or quits) at a known point of
+    a request, however fast the machine is."""
+
+    def __init__(self, bus: EventBus, when: Callable[[Event], bool]):
+        self.reached, self._released = threading.Event(), threading.Event()
+        self._when = when
+        bus.subscribe(self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        if not self.reached.is_set() and self._when(event):
+            self.reached.set()
+            self._released.wait(30)
+
+    def release(self) -> None:
+        self._released.set()
 
 
 async def send(pilot, text: str) -> None:
@@ -149,6 +171,7 @@ async def test_deleting_a_marker_drops_its_chip(tmp_path: Path) -> None:
 @async_test
 async def test_escape_cancels_a_long_prefill_and_puts_the_prompt_back(tmp_path: Path) -> None:
     app = make_app(tmp_path, prefill=16)
+    gate = Gate(app.link.bus, lambda e: isinstance(e, PrefillProgress) and e.chunk == 2)
     text = sample_paste(200)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
@@ -161,6 +184,7 @@ async def test_escape_cancels_a_long_prefill_and_puts_the_prompt_back(tmp_path: 
         await wait_until(pilot, lambda: plan.progress is not None and plan.progress.chunk >= 2)
         n_chunks = plan.plan.n_chunks
         await pilot.press("escape")
+        gate.release()
         await wait_until(pilot, lambda: not app.running)
         assert plan.progress.chunk < n_chunks, "the prefill finished before the cancel"
         assert app.conv.messages == []

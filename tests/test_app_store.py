@@ -1,14 +1,31 @@
-"""The conversation store: versioned schema, migrations, save/load/list, export."""
+"""The conversation store: versioned schema, migrations, appends from several processes,
+durability, unusable files moved aside or refused, export."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from app.store import MIGRATIONS, SCHEMA_VERSION, Store, data_dir, export_markdown
-from engine.conversation import Conversation
+from app.store import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    Store,
+    StoreError,
+    data_dir,
+    export_markdown,
+)
+from engine.conversation import Conversation, Message
+
+ROOT = Path(__file__).resolve().parents[1]
+DB = "conversations.sqlite3"
 
 
 def conversation(*texts: str) -> Conversation:
@@ -18,13 +35,43 @@ def conversation(*texts: str) -> Conversation:
     return conv
 
 
+def store_all(store: Store, conv: Conversation) -> None:
+    """Append every message of `conv` as the app does: a reply names its prompt."""
+    prompt = None
+    for m in conv.messages:
+        seq = store.append(conv, m, reply_to=prompt if m.role == "assistant" else None)
+        prompt = seq if m.role == "user" else None
+
+
+def rows(path: Path) -> list[tuple]:
+    db = sqlite3.connect(path)
+    try:
+        return db.execute(
+            "SELECT conversation_id, seq, role, content, cancelled, reply_to FROM messages "
+            "ORDER BY conversation_id, seq"
+        ).fetchall()
+    finally:
+        db.close()
+
+
+def python(script: str, *args: str) -> subprocess.Popen[str]:
+    """A separate Python process running `script` from the repository root."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+# -- schema --------------------------------------------------------------------------------
 def test_a_new_database_gets_every_migration_once(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "db.sqlite3")
-    rows = store.db.execute("SELECT version FROM schema_version ORDER BY version").fetchall()
-    assert [r[0] for r in rows] == sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION + 1))
+    versions = store.db.execute("SELECT version FROM schema_version ORDER BY version").fetchall()
+    assert [r[0] for r in versions] == sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION + 1))
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     store.close()
     again = Store.open(tmp_path / "db.sqlite3")  # reopening applies nothing twice
     assert again.db.execute("SELECT count(*) FROM schema_version").fetchone()[0] == SCHEMA_VERSION
+    assert again.moved_aside is None
 
 
 def test_an_old_database_is_migrated_forward_keeping_its_rows(tmp_path: Path) -> None:
@@ -36,6 +83,7 @@ def test_an_old_database_is_migrated_forward_keeping_its_rows(tmp_path: Path) ->
     db.execute("INSERT INTO schema_version VALUES (1)")
     db.execute("INSERT INTO conversations VALUES ('abc', 'old one', 1.0, 2.0)")
     db.execute("INSERT INTO messages VALUES ('abc', 0, 'user', 'hi', 1.0)")
+    db.execute("INSERT INTO messages VALUES ('abc', 1, 'assistant', 'hello', 1.5)")
     db.commit()
     db.close()
     store = Store.open(path)
@@ -44,51 +92,220 @@ def test_an_old_database_is_migrated_forward_keeping_its_rows(tmp_path: Path) ->
     assert "conversations_by_updated" in indexes
     conv = store.load("abc")
     assert conv is not None and conv.title == "old one"
-    assert [(m.role, m.content) for m in conv.messages] == [("user", "hi")]
+    assert [(m.role, m.content, m.cancelled) for m in conv.messages] == [
+        ("user", "hi", False), ("assistant", "hello", False)]
+    assert store.append(conv, Message("user", "again")) == 2  # seqs go on after the old ones
 
 
-def test_a_database_from_a_newer_app_is_refused(tmp_path: Path) -> None:
+def test_a_database_from_a_newer_app_is_refused_in_one_line_and_kept(tmp_path: Path) -> None:
     path = tmp_path / "new.sqlite3"
-    Store.open(path).close()
+    store = Store.open(path)
+    store_all(store, conversation("keep me"))
+    store.db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION + 1,))
+    store.close()
+    before = rows(path)
+    with pytest.raises(StoreError) as exc:
+        Store.open(path)
+    line = str(exc.value)
+    assert "\n" not in line and f"schema version {SCHEMA_VERSION + 1} is newer" in line
+    assert "STRATA_DATA_DIR" in line
+    assert rows(path) == before  # refused, not moved aside
+    assert [p.name for p in tmp_path.iterdir() if ".bad-" in p.name] == []
+
+
+# -- unusable files ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["text", "damaged"])
+def test_a_file_that_is_not_a_database_is_moved_aside_and_a_new_one_started(
+    tmp_path: Path, kind: str
+) -> None:
+    path = tmp_path / DB
+    junk = b"these are notes, not a database\n" * 200
+    if kind == "damaged":  # an SQLite header, then garbage
+        junk = b"SQLite format 3\x00" + junk
+    path.write_bytes(junk)
+    if kind == "text":
+        (tmp_path / f"{DB}-wal").write_bytes(b"stale")
+    store = Store.open(path)
+    moved = store.moved_aside
+    assert moved is not None and moved.name.startswith(f"{DB}.bad-")
+    assert moved.read_bytes() == junk  # kept, byte for byte
+    if kind == "text":
+        assert Path(f"{moved}-wal").read_bytes() == b"stale"  # its companion went with it
+    assert store.version == SCHEMA_VERSION and store.list() == []
+    store_all(store, conversation("a fresh start"))
+    assert [m.content for m in store.last().messages] == ["a fresh start"]
+
+
+def test_a_database_of_something_else_is_moved_aside(tmp_path: Path) -> None:
+    path = tmp_path / "conversations.sqlite3"
     db = sqlite3.connect(path)
-    db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION + 1,))
+    db.execute("CREATE TABLE notes (text TEXT)")
+    db.execute("INSERT INTO notes VALUES ('mine')")
     db.commit()
     db.close()
-    with pytest.raises(RuntimeError, match="newer than this app"):
+    before = path.read_bytes()
+    store = Store.open(path)
+    assert store.moved_aside is not None
+    assert store.moved_aside.read_bytes() == before  # moved as it was, not even set to WAL
+    kept = sqlite3.connect(store.moved_aside)
+    assert kept.execute("SELECT text FROM notes").fetchall() == [("mine",)]
+    kept.close()
+    assert store.version == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize("where", ["dir", "parent"])
+def test_a_data_directory_that_is_a_file_is_refused_in_one_line(
+    tmp_path: Path, where: str
+) -> None:
+    blocker = tmp_path / "data"
+    blocker.write_text("not a directory")
+    path = blocker / DB if where == "dir" else blocker / "sub" / DB
+    with pytest.raises(StoreError) as exc:
         Store.open(path)
+    line = str(exc.value)
+    assert "\n" not in line and "is a file" in line and "STRATA_DATA_DIR" in line
+    assert blocker.read_text() == "not a directory"
 
 
-def test_save_load_last_list_and_delete(tmp_path: Path) -> None:
-    store = Store.open(tmp_path / "db.sqlite3")
-    a = conversation("first question", "first answer")
-    b = conversation("second question")
-    store.save(a)
-    store.save(b)
-    assert store.last().id == b.id
-    b.add("assistant", "second answer")
-    store.save(b)  # saving again replaces the messages
-    loaded = store.load(b.id)
-    assert [m.content for m in loaded.messages] == ["second question", "second answer"]
-    assert loaded.title == "second question"
-    store.save(a)
-    assert [c.id for c in store.list()] == [a.id, b.id]
-    assert [c.n_messages for c in store.list()] == [2, 2]
-    store.delete(a.id)
-    assert [c.id for c in store.list()] == [b.id]
-    assert store.load(a.id) is None
-    assert (
-        store.db.execute(
-            "SELECT count(*) FROM messages WHERE conversation_id = ?", (a.id,)
-        ).fetchone()[0]
-        == 0
-    )
+# -- appends -------------------------------------------------------------------------------
+def test_messages_are_appended_with_the_next_seq_and_the_first_title_kept(
+    tmp_path: Path,
+) -> None:
+    store = Store.open(tmp_path / DB)
+    conv = Conversation()
+    assert store.append(conv, Message("user", "first question\nsecond line")) == 0
+    assert store.append(conv, Message("assistant", "an answer"), reply_to=0) == 1
+    assert store.append(conv, Message("user", "another question")) == 2
+    assert store.append(conv, Message("assistant", "cut sh", cancelled=True), reply_to=2) == 3
+    loaded = store.load(conv.id)
+    assert loaded.title == "first question"
+    assert [(m.role, m.content, m.cancelled) for m in loaded.messages] == [
+        ("user", "first question\nsecond line", False),
+        ("assistant", "an answer", False),
+        ("user", "another question", False),
+        ("assistant", "cut sh", True),
+    ]
+    assert store.list()[0].n_messages == 4
 
 
+def test_two_connections_never_drop_each_others_rows(tmp_path: Path) -> None:
+    # both instances reopen the last conversation and talk in it at the same time
+    first = Store.open(tmp_path / DB)
+    store_all(first, conversation("shared start", "shared answer"))
+    second = Store.open(tmp_path / DB)
+    a, b = first.last(), second.last()
+    assert a.id == b.id
+    pa = first.append(a, Message("user", "from a"))
+    pb = second.append(b, Message("user", "from b"))
+    second.append(b, Message("assistant", "answer b"), reply_to=pb)
+    first.append(a, Message("assistant", "answer a"), reply_to=pa)
+    assert (pa, pb) == (2, 3)
+    for store in (first, second):  # whoever reads sees every row, each reply after its prompt
+        assert [m.content for m in store.load(a.id).messages] == [
+            "shared start", "shared answer", "from a", "answer a", "from b", "answer b"]
+
+
+def test_a_withdrawn_prompt_takes_its_title_with_it(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / DB)
+    conv = Conversation()
+    seq = store.append(conv, Message("user", "cancelled at once"))
+    store.withdraw(conv.id, seq)
+    assert store.list() == []  # nothing left: no empty conversation in the list
+    first = store.append(conv, Message("user", "kept prompt"))
+    store.append(conv, Message("assistant", "answer"), reply_to=first)
+    seq = store.append(conv, Message("user", "withdrawn later"))
+    store.withdraw(conv.id, seq)
+    (info,) = store.list()
+    assert (info.title, info.n_messages) == ("kept prompt", 2)
+
+
+def test_a_failed_write_is_a_store_error_not_a_traceback(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / DB)
+    holder = sqlite3.connect(tmp_path / DB, timeout=0)
+    holder.execute("BEGIN EXCLUSIVE")  # another writer that never lets go
+    store.db.execute("PRAGMA busy_timeout = 50")
+    with pytest.raises(StoreError, match="database is locked"):
+        store.append(Conversation(), Message("user", "hello"))
+    holder.rollback()
+    holder.close()
+    assert store.append(Conversation(), Message("user", "hello")) == 0  # and it recovers
+
+
+WRITER = """
+    import sys, time
+    from pathlib import Path
+    from app.store import Store
+    from engine.conversation import Message
+
+    path, name, n, go = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+    store = Store.open(path)
+    conv = store.last()  # both reopen the last conversation
+    while not go.exists():
+        time.sleep(0.001)
+    for i in range(n):
+        seq = store.append(conv, Message("user", f"{name} prompt {i}"))
+        store.append(conv, Message("assistant", f"{name} answer {i}"), reply_to=seq)
+    print("done", flush=True)
+"""
+
+
+def test_two_processes_appending_to_one_conversation_keep_every_row(tmp_path: Path) -> None:
+    path, go, n = tmp_path / DB, tmp_path / "go", 60
+    store = Store.open(path)
+    shared = conversation("shared start", "shared answer")
+    store_all(store, shared)
+    writers = [python(WRITER, str(path), name, str(n), str(go)) for name in ("a", "b")]
+    time.sleep(0.5)  # both have opened the database and wait
+    go.touch()
+    for w in writers:
+        out, err = w.communicate(timeout=120)
+        assert w.returncode == 0 and out == "done\n", err
+    stored = rows(path)
+    assert [r[1] for r in stored] == list(range(2 + 4 * n))  # every seq once, none lost
+    messages = [m.content for m in store.load(shared.id).messages]
+    assert messages[:2] == ["shared start", "shared answer"]
+    for name in ("a", "b"):
+        mine = [m for m in messages if m.startswith(name)]
+        assert mine == [f"{name} {kind} {i}" for i in range(n) for kind in ("prompt", "answer")]
+    for prompt, answer in zip(messages[2::2], messages[3::2]):  # each reply after its prompt
+        assert answer == prompt.replace("prompt", "answer")
+
+
+def test_a_prompt_is_on_disk_as_soon_as_append_returns(tmp_path: Path) -> None:
+    script = """
+        import sys, time
+        from pathlib import Path
+        from app.store import Store
+        from engine.conversation import Conversation, Message
+
+        store = Store.open(Path(sys.argv[1]))
+        store.append(Conversation(), Message("user", "written before the crash"))
+        print("sent", flush=True)
+        time.sleep(60)
+    """
+    proc = python(script, str(tmp_path / DB))
+    assert proc.stdout.readline() == "sent\n"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    assert Store.open(tmp_path / DB).last().messages[0].content == "written before the crash"
+
+
+# -- export --------------------------------------------------------------------------------
 def test_data_dir_and_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STRATA_DATA_DIR", str(tmp_path / "data"))
     assert data_dir() == tmp_path / "data"
     conv = conversation("a *question*", "an answer")
+    conv.add("user", "more")
+    conv.add("assistant", "cut", cancelled=True)
     path = export_markdown(conv)
     assert path.parent == tmp_path / "data" / "exports"
     assert path.read_text() == conv.to_markdown()
     assert "## user" in path.read_text() and "an answer" in path.read_text()
+    assert "## assistant (cancelled)" in path.read_text()
+
+
+def test_an_export_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "exports").write_text("a file")
+    with pytest.raises(StoreError, match="cannot export"):
+        export_markdown(conversation("q"), tmp_path / "exports")

@@ -31,7 +31,7 @@ def user_preview(text: str) -> Text:
 
 
 class MessageView(Vertical):
-    """One message: a role label and its body."""
+    """One message: a role label and its body; an answer cut short is marked cancelled."""
 
     DEFAULT_CSS = """
     MessageView {
@@ -47,12 +47,13 @@ class MessageView(Vertical):
     }
     """
 
-    def __init__(self, role: str, content: str = "") -> None:
+    def __init__(self, role: str, content: str = "", cancelled: bool = False) -> None:
         super().__init__(classes=f"-{role}")
-        self.role, self.content = role, content
+        self.role, self.content, self.cancelled = role, content, cancelled
+        self.set_class(cancelled, "-cancelled")
 
     def compose(self) -> ComposeResult:
-        yield Label("you" if self.role == "user" else self.role)
+        yield Label(self._label())
         if self.role == "user":
             yield Static(user_preview(self.content))
         else:
@@ -63,6 +64,16 @@ class MessageView(Vertical):
         status = self.query_one(".status", Static)
         status.update(text)
         status.display = bool(text)
+
+    def mark_cancelled(self) -> None:
+        """Mark the answer as cut short by the user (the label says so)."""
+        self.cancelled = True
+        self.add_class("-cancelled")
+        self.query_one(Label).update(self._label())
+
+    def _label(self) -> str:
+        label = "you" if self.role == "user" else self.role
+        return f"{label} · cancelled" if self.cancelled else label
 
 
 class ChatLog(VerticalScroll):
@@ -82,6 +93,7 @@ class ChatLog(VerticalScroll):
         self._stream: MarkdownStream | None = None
         self._pending: list[MessageView] = []
         self._streamed = False  # the open answer has received text
+        self._text: list[str] = []  # what the open answer has received
 
     def compose(self) -> ComposeResult:
         yield Static("Type a message and press Enter.  F1 shows every key.", id="chat-empty")
@@ -90,12 +102,17 @@ class ChatLog(VerticalScroll):
     def streaming(self) -> bool:
         return self._stream is not None
 
+    @property
+    def partial(self) -> str:
+        """The text the open answer has shown so far ("" when none is open)."""
+        return "".join(self._text) if self._stream is not None else ""
+
     async def show(self, conv: Conversation) -> None:
         """Replace the log with the messages of `conv`."""
         await self._stop_stream()
         self._pending = []
         await self.remove_children(MessageView)
-        await self.mount_all([MessageView(m.role, m.content) for m in conv.messages])
+        await self.mount_all([MessageView(m.role, m.content, m.cancelled) for m in conv.messages])
         self.query_one("#chat-empty").display = not conv.messages
         self.scroll_end(animate=False)
 
@@ -107,6 +124,7 @@ class ChatLog(VerticalScroll):
         self._pending = [user, answer]
         answer.set_status("waiting for the engine…")
         self._streamed = False
+        self._text = []
         self._stream = Markdown.get_stream(answer.query_one(Markdown))
         self.scroll_end(animate=False)
 
@@ -116,6 +134,7 @@ class ChatLog(VerticalScroll):
             if not self._streamed:
                 self._streamed = True
                 self._pending[-1].set_status("")
+            self._text.append(text)
             await self._stream.write(printable(text))
             self.scroll_end(animate=False)
 
@@ -124,13 +143,18 @@ class ChatLog(VerticalScroll):
         if self._stream is not None and not self._streamed:
             self._pending[-1].set_status(text)
 
-    async def finish(self, reply: str) -> None:
-        """Close the answer with the engine's final text (authoritative over the stream)."""
+    async def finish(self, reply: str, cancelled: bool = False) -> None:
+        """Close the answer with the engine's final text (authoritative over the stream).
+
+        `cancelled`: the user cut the answer short; it stays, marked as cancelled.
+        """
         await self._stop_stream()
         if self._pending:
             answer = self._pending[-1]
             answer.set_status("" if reply else "(no text: the model ended at once)")
             answer.content = reply
+            if cancelled:
+                answer.mark_cancelled()
             await answer.query_one(Markdown).update(printable(reply))
         self._pending = []
         self.scroll_end(animate=False)

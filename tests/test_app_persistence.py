@@ -1,0 +1,317 @@
+"""Nothing a user wrote is lost: prompts stored when sent, cancelled answers kept, two instances
+on one database, a kill -9 mid-request, unusable databases. Pilot tests on the `tiny` preset."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_app_flows import MAX_NEW, SIZE, Gate, async_test, make_app, send
+from textual.notifications import Notify
+from textual.widgets import Label
+
+from app.app import StrataApp
+from app.cli.chat import ChatConfig
+from app.main import run_app
+from app.scenes import wait_ready, wait_until
+from app.store import DB_NAME, SCHEMA_VERSION, Store
+from app.widgets.chat_log import ChatLog, MessageView
+from app.widgets.prompt_input import Composer, PromptInput
+from engine.config import EngineOptions, LoanFlags
+from engine.conversation import Conversation, Message
+from engine.events import Event, EventBus, PrefillProgress, Token
+from engine.serve import ServeLoop
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stored(tmp_path: Path) -> list[tuple]:
+    """(role, content, cancelled, reply_to) of every stored message, read by another reader."""
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    try:
+        return db.execute(
+            "SELECT role, content, cancelled, reply_to FROM messages ORDER BY seq"
+        ).fetchall()
+    finally:
+        db.close()
+
+
+def answer_after(conv: Conversation, prompt: str) -> str:
+    """What a separate engine answers to `prompt` after the messages of `conv`."""
+    return ServeLoop.create(EngineOptions(model="tiny")).chat(conv, prompt, max_new=MAX_NEW).text
+
+
+def label(view: MessageView) -> str:
+    return str(view.query_one(Label).render())
+
+
+@async_test
+async def test_the_prompt_is_stored_when_sent_before_the_answer(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    gate = Gate(app.link.bus, lambda e: isinstance(e, PrefillProgress))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await pilot.press(*"remember me", "enter")
+        await wait_until(pilot, gate.reached.is_set)
+        assert app.running
+        assert stored(tmp_path) == [("user", "remember me", 0, None)]
+        gate.release()
+        await wait_until(pilot, lambda: not app.running)
+        answer = app.conv.messages[1].content
+        assert stored(tmp_path) == [("user", "remember me", 0, None), ("assistant", answer, 0, 0)]
+
+
+APP_KILLED_MID_REQUEST = """
+    import asyncio, os, sys, threading
+    from pathlib import Path
+    from app.app import StrataApp
+    from app.cli.chat import ChatConfig
+    from app.scenes import wait_ready
+    from app.store import DB_NAME, Store
+    from engine.config import EngineOptions, LoanFlags
+    from engine.events import PrefillProgress
+
+    config = ChatConfig(EngineOptions(model="tiny"), LoanFlags(), max_new=8)
+    app = StrataApp(config, store=Store.open(Path(sys.argv[1]) / DB_NAME))
+    held = threading.Event()
+
+    def hold(event):  # the engine thread stops in the prefill; say so, then wait for the kill
+        if isinstance(event, PrefillProgress):
+            os.write(1, b"prefilling\\n")
+            held.wait()
+
+    app.link.bus.subscribe(hold)
+
+    async def main():
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_ready(pilot)
+            await pilot.press(*"do not lose me", "enter")
+            await asyncio.sleep(120)
+
+    asyncio.run(main())
+"""
+
+
+def test_kill_9_during_a_request_keeps_the_prompt(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(APP_KILLED_MID_REQUEST), str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "the app did not start its request in 120 s"
+        line = proc.stdout.readline()
+        assert line == b"prefilling\n", line
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert stored(tmp_path) == [("user", "do not lose me", 0, None)]
+    conv = Store.open(tmp_path / DB_NAME).last()
+    assert conv is not None and conv.title == "do not lose me"
+
+
+@async_test
+async def test_esc_after_some_text_keeps_the_answer_marked_cancelled(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    gate = Gate(app.link.bus, lambda e: isinstance(e, Token))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await pilot.press(*"hello", "enter")
+        await wait_until(pilot, gate.reached.is_set)
+        await pilot.press("escape")
+        gate.release()
+        await wait_until(pilot, lambda: not app.running)
+        _, answer = app.conv.messages
+        full = answer_after(Conversation(), "hello")
+        assert answer.cancelled and answer.content and full.startswith(answer.content)
+        assert len(answer.content) < len(full), "the answer finished before the cancel"
+        view = app.query(MessageView).last()
+        assert view.content == answer.content and view.has_class("-cancelled")
+        assert "cancelled" in label(view)
+        assert app.query_one(PromptInput).text == ""  # the prompt is in the log, not put back
+        assert stored(tmp_path) == [("user", "hello", 0, None), ("assistant", answer.content, 1, 0)]
+        # the user saw the partial answer: the next prompt's context includes it
+        await send(pilot, "go on")
+        kept = Conversation()
+        kept.add("user", "hello")
+        kept.add("assistant", answer.content, cancelled=True)
+        assert app.conv.messages[-1].content == answer_after(kept, "go on")
+    again = make_app(tmp_path)  # reopened: still there, still marked
+    async with again.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        views = list(again.query(MessageView))
+        assert [v.content for v in views[:2]] == ["hello", answer.content]
+        assert views[1].has_class("-cancelled") and "cancelled" in label(views[1])
+        assert not views[3].has_class("-cancelled")
+
+
+@async_test
+async def test_a_prompt_cancelled_before_any_text_is_not_the_title(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    gate = Gate(app.link.bus, lambda e: isinstance(e, PrefillProgress))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await pilot.press(*"never mind", "enter")
+        await wait_until(pilot, gate.reached.is_set)
+        await pilot.press("escape")
+        gate.release()
+        await wait_until(pilot, lambda: not app.running)
+        composer = app.query_one(Composer)
+        assert composer.input.text == "never mind"  # back in the input, not in the conversation
+        assert app.conv.messages == [] and app.conv.title == ""
+        assert stored(tmp_path) == [] and app.store.list() == []
+        composer.clear()
+        await pilot.pause()
+        await send(pilot, "the real question")
+        assert app.conv.title == "the real question"
+        (info,) = app.store.list()
+        assert info.title == "the real question" and info.n_messages == 2
+
+
+def test_a_prefill_cancel_leaves_the_conversation_untitled() -> None:
+    conv = Conversation()
+    conv.add("user", "first words")
+    conv.pop()
+    assert conv.title == ""
+    conv.add("user", "second words")
+    assert conv.title == "second words"
+
+
+def test_the_engine_keeps_a_partial_answer_in_the_conversation() -> None:
+    bus = EventBus()
+    loop = ServeLoop.create(EngineOptions(model="tiny"), bus=bus)
+    armed = [True]  # cancel the first request at its first text
+
+    def cancel_at_first_text(event: Event) -> None:
+        if armed and isinstance(event, Token):
+            armed.clear()
+            loop.cancel()
+
+    bus.subscribe(cancel_at_first_text)
+    conv = Conversation()
+    reply = loop.chat(conv, "hello", max_new=MAX_NEW)
+    assert reply.cancelled and reply.text and not reply.withdrawn
+    assert [(m.role, m.content, m.cancelled) for m in conv.messages] == [
+        ("user", "hello", False), ("assistant", reply.text, True)]
+    loop.rt.check_integrity()
+    # the rolled-back KV is reused correctly: the same answer as a fresh engine's
+    follow = loop.chat(conv, "go on", max_new=MAX_NEW).text
+    fresh = Conversation(messages=list(conv.messages[:2]))
+    assert follow == answer_after(fresh, "go on")
+
+
+@async_test
+async def test_another_instance_s_messages_are_kept_and_taken_in(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await send(pilot, "from here")
+        other = Store.open(tmp_path / DB_NAME)  # a second app on the same data directory
+        theirs = other.last()
+        assert theirs is not None and theirs.id == app.conv.id
+        seq = other.append(theirs, Message("user", "from there"))
+        other.append(theirs, Message("assistant", "their answer"), reply_to=seq)
+        await pilot.press(*"again", "enter")
+        await wait_until(pilot, lambda: not app.running and app.conv.messages[-2].content == "again")
+        first_answer = app.conv.messages[1].content
+        contents = ["from here", first_answer, "from there", "their answer", "again"]
+        assert [m.content for m in app.conv.messages[:5]] == contents
+        assert [v.content for v in app.query(MessageView)][:5] == contents
+        assert [r[1] for r in stored(tmp_path)][:5] == contents and len(stored(tmp_path)) == 6
+        assert [m.content for m in other.load(theirs.id).messages] == [
+            m.content for m in app.conv.messages]
+        context = Conversation(messages=[Message("user", "from here"),
+                                         Message("assistant", first_answer),
+                                         Message("user", "from there"),
+                                         Message("assistant", "their answer")])
+        assert app.conv.messages[-1].content == answer_after(context, "again")
+
+
+@async_test
+async def test_quitting_mid_answer_keeps_what_was_shown(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    gate = Gate(app.link.bus, lambda e: isinstance(e, Token))
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_ready(pilot)
+            await pilot.press(*"hello", "enter")
+            await wait_until(pilot, lambda: bool(app.query_one(ChatLog).partial))
+            shown = app.query_one(ChatLog).partial
+            await pilot.press("ctrl+q")
+            gate.release()
+    finally:
+        gate.release()
+    assert stored(tmp_path) == [("user", "hello", 0, None), ("assistant", shown, 1, 0)]
+
+
+@async_test
+async def test_a_database_that_is_not_one_is_moved_aside_with_one_notification(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STRATA_DATA_DIR", str(tmp_path))
+    junk = b"my notes, not a database\n" * 100
+    (tmp_path / DB_NAME).write_bytes(junk)
+    app = StrataApp(ChatConfig(EngineOptions(model="tiny"), LoanFlags(), max_new=MAX_NEW))
+    notes: list[Notify] = []
+    async with app.run_test(size=SIZE, message_hook=notes.append) as pilot:
+        await wait_ready(pilot)
+        await send(pilot, "hello")
+    (moved,) = tmp_path.glob(f"{DB_NAME}.bad-*")
+    assert moved.read_bytes() == junk
+    said = [n.notification.message for n in notes if isinstance(n, Notify)]
+    assert len([m for m in said if "moved to" in m]) == 1
+    assert any(str(moved) in m for m in said)
+    assert stored(tmp_path)[0][:2] == ("user", "hello")
+
+
+def test_a_data_directory_that_is_a_file_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(StrataApp, "run", lambda self: pytest.fail("the app started"))
+    (tmp_path / "data").write_text("a file")
+    monkeypatch.setenv("STRATA_DATA_DIR", str(tmp_path / "data"))
+    assert run_app(["--model", "tiny", "--plain"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("strata: error: data directory")
+    assert "is a file" in err
+
+
+def test_a_database_from_a_newer_app_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(StrataApp, "run", lambda self: pytest.fail("the app started"))
+    monkeypatch.setenv("STRATA_DATA_DIR", str(tmp_path))
+    store = Store.open(tmp_path / DB_NAME)
+    store.db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION + 1,))
+    store.close()
+    assert run_app(["--model", "tiny", "--plain"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is newer than this app" in err
+    assert (tmp_path / DB_NAME).exists() and not list(tmp_path.glob("*.bad-*"))
+
+
+@async_test
+async def test_a_failed_write_is_a_notification_and_the_chat_goes_on(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    notes: list[Notify] = []
+    async with app.run_test(size=SIZE, message_hook=notes.append) as pilot:
+        await wait_ready(pilot)
+        app.store.db.execute("PRAGMA busy_timeout = 50")
+        holder = sqlite3.connect(tmp_path / DB_NAME)
+        holder.execute("BEGIN IMMEDIATE")  # another writer that does not let go
+        await send(pilot, "hello")
+        holder.rollback()
+        holder.close()
+        titles = [n.notification.title for n in notes if isinstance(n, Notify)]
+        assert titles.count("Not saved") == 2  # the prompt and the answer
+        assert app.query(MessageView).last().content == app.conv.messages[1].content
+        await send(pilot, "again")  # the database is free again: saved as usual
+        assert [r[1] for r in stored(tmp_path)] == ["again", app.conv.messages[3].content]
