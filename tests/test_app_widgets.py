@@ -212,6 +212,49 @@ def test_event_log_writes_trace_lines_and_refusals() -> None:
     assert lines == ["strata serve: prompt plan 512 / 8", "flags refused: needs --serve"]
 
 
+def log_lines(
+    log: EventLog, *events: Event, size: tuple[int, int], resize_to: int = 0
+) -> tuple[list[str], int]:
+    """Post `events` to a mounted EventLog; its lines (after a resize to `resize_to` columns)
+    and the width they have to fit."""
+
+    async def run() -> tuple[list[str], int]:
+        app = Host(log)
+        async with app.run_test(size=size) as pilot:
+            log.post_message(EngineLink.Events(tuple(events)))
+            await pilot.pause()
+            if resize_to:
+                await pilot.resize_terminal(resize_to, size[1])
+                await pilot.pause()
+                await pilot.pause()
+            lines = [line.text.rstrip() for line in log.lines]
+            return lines, log.scrollable_content_region.width
+
+    return asyncio.run(run())
+
+
+def test_event_log_wraps_lines_to_the_pane_width() -> None:
+    words = " ".join(f"word{i:02d}" for i in range(30))  # 209 characters
+    lines, width = log_lines(EventLog(), TraceLine(words), size=(40, 20))
+    assert 30 < width < 40
+    assert all(len(line) <= width for line in lines), "a line is wider than the pane"
+    assert " ".join(lines) == words, "text was clipped"
+    again, wider = log_lines(EventLog(), TraceLine(words), size=(40, 20), resize_to=100)
+    assert wider > 90 and len(again) < len(lines), "not laid out again for the wider pane"
+    assert all(len(line) <= wider for line in again) and " ".join(again) == words
+
+
+def test_event_log_shows_a_loan_step_once() -> None:
+    line = "strata loan: released verifier 4.00 MiB, head 8.00 MiB in 1.5 ms"
+    events = (
+        LoanStep("release", line.removeprefix("strata loan: "), n_bytes=12 * MIB, ms=1.5),
+        TraceLine(line),
+        TraceLine("strata serve: prompt plan 512 / 8 (chunk tokens / ring slots), loan on"),
+    )
+    lines, _ = log_lines(EventLog(), *events, size=(120, 20))
+    assert lines == [line, events[2].text]
+
+
 def test_coalesce_keeps_the_newest_snapshot_and_merges_tokens() -> None:
     events = [
         PrefillProgress(1, 3, 10, 30, 1.0),
