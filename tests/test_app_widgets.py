@@ -295,3 +295,29 @@ def test_gpu_panel_appears_with_nvml_readings() -> None:
     assert panel.has_class("-live")
     assert fmt_bytes(1024 * MIB) in text  # unaccounted = process - ledger
     assert "gen 5 x16" in text and "87%" in text and "412 W" in text
+
+
+def test_a_dashboard_picture_lays_out_only_when_its_height_changes() -> None:
+    """A layout reflows the whole screen; a loan sends ledger and cache snapshots 15 times a
+    second, which change the pictures but rarely their height."""
+    bar = VramBar()
+
+    async def run() -> list[int]:
+        app = Host(bar)
+        async with app.run_test(size=(60, 20)) as pilot:
+            layouts: list[object] = []
+            app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+            counts = []
+            for free_mib in (10, 9, 8, 7):  # same regions, other sizes: same height
+                snapshot = ledger()
+                snapshot = LedgerChanged(snapshot.capacity_bytes, snapshot.segment_bytes,
+                                         snapshot.regions, free_mib * MIB, snapshot.segment_map)
+                bar.post_message(EngineLink.Events((snapshot,)))
+                await pilot.pause()
+                await pilot.pause()
+                counts.append(len(layouts))
+            return counts
+
+    counts = asyncio.run(run())
+    assert counts[0] >= 1, "the first snapshot gives the bar its height"
+    assert counts[-1] == counts[0], f"layouts after each snapshot: {counts}"

@@ -17,7 +17,7 @@ class TimingPanel(EventView):
 
     TITLE = "Timing"
 
-    done: reactive[RequestDone | None] = reactive(None, layout=True)
+    done: reactive[RequestDone | None] = reactive(None)  # a layout only if the height changes
 
     def apply_event(self, event: Event) -> None:
         if isinstance(event, RequestDone):
