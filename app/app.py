@@ -66,17 +66,21 @@ class StrataApp(App[None]):
         self.export_dir = export_dir
         self.conv = Conversation()
         self.error_line = ""
+        # engine batches go to these many times a second: looked up once, not per batch
+        self._chat = ChatLog()
+        self._views: list[EventView | EventLog] = []
 
     def compose(self) -> ComposeResult:
         yield Header(icon="▦")
         with Horizontal(id="main"):
             with Vertical(id="chat-pane"):
-                yield ChatLog()
+                yield self._chat
                 yield Composer(self.link.count_tokens)
             yield Dashboard()
         yield Footer()
 
     async def on_mount(self) -> None:
+        self._views = [*self.query(EventView), *self.query(EventLog)]
         self.store = self.store or Store.open()
         self.conv = self.store.last() or Conversation()
         await self.query_one(ChatLog).show(self.conv)
@@ -115,21 +119,23 @@ class StrataApp(App[None]):
         await self._dispatch(message.events)
 
     async def _dispatch(self, events: tuple[Event, ...]) -> None:
-        chats = self.query(ChatLog)
-        if not events or not chats:  # nothing new, or the app is shutting down
+        chat = self._chat
+        if not events or not chat.is_attached:  # nothing new, or the app is shutting down
             return
-        chat = chats.first()
+        text = "".join(e.text for e in events if isinstance(e, Token))
+        if text:
+            await chat.append(text)  # one append per drain, however many tokens
         for event in events:
-            if isinstance(event, Token):
-                await chat.append(event.text)
-            elif isinstance(event, PrefillProgress):
+            if isinstance(event, PrefillProgress):
                 chat.progress(
                     f"reading the prompt: {event.tokens_done:,} of {event.tokens_total:,} tokens"
                 )
             elif isinstance(event, Loading) and isinstance(self.screen, LoadingScreen):
                 self.screen.show(event)
-        for view in [*self.query(EventView), *self.query(EventLog)]:
-            view.post_message(EngineLink.Events(events))
+        others = tuple(e for e in events if not isinstance(e, Token))
+        if others:  # while decoding a batch is all tokens: the dashboard has nothing to draw
+            for view in self._views:
+                view.post_message(EngineLink.Events(others))
 
     def on_engine_link_loaded(self, message: EngineLink.Loaded) -> None:
         loop = message.loop

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import io
+import random
+import time
 
 from textual.app import App, ComposeResult
 from textual.widget import Widget
-from textual.widgets import ProgressBar
+from textual.widgets import Markdown, ProgressBar
 
 from app.engine_link import EngineLink, coalesce
+from app.widgets.answer_stream import (
+    LAYOUT_INTERVAL_S,
+    AnswerStream,
+    StreamTail,
+    open_block_start,
+    wrap_lines,
+)
+from app.widgets.chat_log import ChatLog
 from app.widgets.chunk_plan import ChunkPlan
 from app.widgets.event_log import EventLog
 from app.widgets.fmt import flow, fmt_bytes
@@ -295,6 +305,97 @@ def test_gpu_panel_appears_with_nvml_readings() -> None:
     assert panel.has_class("-live")
     assert fmt_bytes(1024 * MIB) in text  # unaccounted = process - ledger
     assert "gen 5 x16" in text and "87%" in text and "412 W" in text
+
+
+def test_wrap_lines_grows_like_a_full_wrap() -> None:
+    """Appending never changes a line before the open one: the tail wraps only that line."""
+    rng = random.Random(7)
+    words = ["a", "bb", "expert", "cache", "x" * 25, "é", "日本語", " ", "\n", "\n\n"]
+    for _ in range(400):
+        text = "".join(rng.choice(words) + rng.choice(["", " "]) for _ in range(rng.randint(0, 40)))
+        width = rng.randint(1, 30)
+        whole, _ = wrap_lines(text, width)
+        lines: list[str] = []
+        start = 0
+        for end in sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 8))) + [len(text)]:
+            grown, last = wrap_lines(text[start:end], width)
+            lines = lines[:-1] + grown if lines else grown
+            start += last
+        assert lines == whole, (text, width)
+        assert all(len(line) <= width or len(line.strip()) == 1 for line in whole)
+        assert "".join(whole).replace(" ", "") == text.replace(" ", "").replace("\n", "")
+
+
+def test_open_block_start_finds_the_block_being_written() -> None:
+    from markdown_it import MarkdownIt
+
+    parser = MarkdownIt("gfm-like")
+    assert open_block_start("one paragraph, still open", parser) == 0
+    text = "# Title\n\nA paragraph.\n\n- a list"
+    assert text[open_block_start(text, parser) :] == "- a list"
+    fence = "Intro.\n\n```py\nx = 1\n\ny = 2\n"  # an open fence holds its blank lines
+    assert fence[open_block_start(fence, parser) :] == "```py\nx = 1\n\ny = 2\n"
+
+
+class StreamHost(App[None]):
+    def compose(self) -> ComposeResult:
+        yield Markdown()
+        yield StreamTail()
+
+
+def test_answer_stream_draws_finished_blocks_as_markdown() -> None:
+    async def run() -> None:
+        app = StreamHost()
+        async with app.run_test(size=(40, 20)) as pilot:
+            markdown, tail = app.query_one(Markdown), app.query_one(StreamTail)
+            stream = AnswerStream(markdown, tail)
+            second = "Second block, a long one that wraps at the width"
+            for piece in ("Some **bold", "** text.", "\n\nSecond ", second[7:]):
+                await stream.write(piece)
+                await pilot.pause()
+            assert markdown.source == "Some **bold** text.\n\n"
+            assert tail.text == second
+            await pilot.pause(LAYOUT_INTERVAL_S)
+            shown = [tail.render_line(y).text.rstrip() for y in range(tail.size.height)]
+            assert shown == ["Second block, a long one that wraps at", "the width"]  # 38 cells
+            await stream.stop()
+            assert markdown.source == f"Some **bold** text.\n\n{second}"
+            assert tail.text == "" and tail.n_lines == 0
+
+    asyncio.run(run())
+
+
+def test_streaming_an_answer_lays_out_a_few_times_a_second() -> None:
+    """Each layout reflows the whole screen (the dashboard too); a streamed answer asks for one
+    at most every LAYOUT_INTERVAL_S, however many lines it grows by meanwhile."""
+    n_appends = 60
+
+    async def run() -> tuple[int, float, str]:
+        app = Host(ChatLog())
+        async with app.run_test(size=(80, 30)) as pilot:
+            layouts: list[object] = []
+            app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+            chat = app.query_one(ChatLog)
+            await chat.begin_exchange("hello")
+            await pilot.pause()
+            layouts.clear()
+            t0 = time.monotonic()
+            for i in range(n_appends):  # about a line each
+                await chat.append(f" token{i:02d} and some more words for the line ({i})")
+                await pilot.pause()
+            elapsed = time.monotonic() - t0
+            n_layouts = len(layouts)
+            await chat.finish("".join(f" token{i:02d} and some more words for the line ({i})"
+                                      for i in range(n_appends)))
+            await pilot.pause()
+            answer = chat.query_one("MessageView.-assistant Markdown", Markdown).source
+            return n_layouts, elapsed, answer
+
+    n_layouts, elapsed, answer = asyncio.run(run())
+    assert "token59" in answer
+    # a layout pass may be followed by one more (Textual settles sizes in a second pass)
+    assert n_layouts <= 2 * (elapsed / LAYOUT_INTERVAL_S + 2), (n_layouts, elapsed)
+    assert n_layouts < n_appends / 2, (n_layouts, elapsed)
 
 
 def test_a_dashboard_picture_lays_out_only_when_its_height_changes() -> None:
