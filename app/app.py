@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
@@ -96,8 +97,9 @@ class StrataApp(App[None]):
             self.store.close()
 
     # -- layout ------------------------------------------------------------------------------
-    def on_resize(self) -> None:
-        narrow = self.size.width < NARROW_COLUMNS
+    def on_resize(self, event: events.Resize) -> None:
+        # this handler runs before App's own, which is where `self.size` becomes the new size
+        narrow = event.size.width < NARROW_COLUMNS
         if narrow != self.narrow:
             self.narrow = narrow
             self.show_dashboard = not narrow

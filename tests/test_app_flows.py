@@ -20,6 +20,7 @@ from app.widgets.chunk_plan import ChunkPlan
 from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer, PromptInput
 from app.widgets.timing_panel import TimingPanel
+from app.widgets.vram_bar import BLOCK, VramBar
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.serve import ServeLoop
@@ -270,6 +271,24 @@ async def test_dashboard_collapses_on_small_terminals(
         assert dashboard.display is not shown
         if width == 80:  # narrow: the dashboard takes the screen, the chat steps aside
             assert not app.query_one("#chat-pane").display
+
+
+@async_test
+async def test_a_live_resize_lays_out_for_the_new_size(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await wait_ready(pilot)
+        dashboard, chat = app.query_one("Dashboard"), app.query_one("#chat-pane")
+        assert dashboard.display and chat.display
+        await pilot.resize_terminal(80, 30)  # narrow: the dashboard steps aside at once
+        await pilot.pause()
+        assert app.narrow and not dashboard.display and chat.display
+        await pilot.resize_terminal(130, 30)
+        await pilot.pause()
+        assert not app.narrow and dashboard.display and chat.display
+        assert dashboard.region.right == 130 and chat.region.x == 0
+        bar = app.query_one(VramBar)  # the pictures are drawn for the new width too
+        assert bar.render().plain.splitlines()[0] == BLOCK * bar.content_size.width
 
 
 @async_test
