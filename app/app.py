@@ -10,7 +10,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
-from textual.widgets import Footer, Header
+from textual.widgets import Footer, Header, Input, TextArea
 
 from app.cli.chat import ChatConfig
 from app.commands import FlagCommands
@@ -37,6 +37,7 @@ class StrataApp(App[None]):
     COMMANDS = App.COMMANDS | {FlagCommands}
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "cancel", "Cancel"),
+        Binding("escape", "focus_input", "Back to the input", show=False),
         Binding("ctrl+n", "new_conversation", "New"),
         Binding("ctrl+o", "open_conversation", "Open"),
         Binding("ctrl+s", "export", "Export"),
@@ -208,11 +209,40 @@ class StrataApp(App[None]):
         if self.running:
             self.link.cancel()
             self.notify("Cancelling…", timeout=2)
+        self.action_focus_input()
+
+    def action_focus_input(self) -> None:
+        self.query_one(Composer).input.focus()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "cancel":
             return self.running or None  # None: shown greyed out in the footer
+        if action == "focus_input":
+            main = self.screen is self.screen_stack[0]
+            return main and self.focused is not self.query_one(Composer).input
         return True
+
+    # -- typing anywhere goes to the prompt ----------------------------------------------------
+    def _typing_elsewhere(self) -> bool:
+        """The focus is on the main screen but not in a text field (a switch, a select)."""
+        return self.screen is self.screen_stack[0] and not isinstance(
+            self.focused, (Input, TextArea)
+        )
+
+    def on_key(self, event: events.Key) -> None:
+        # runs before App's own handler, which tries the bindings: a bound key is left to them
+        bound = event.key in self.active_bindings
+        if event.is_printable and event.character and not bound and self._typing_elsewhere():
+            event.prevent_default()
+            prompt = self.query_one(Composer).input
+            prompt.focus()
+            prompt.insert(event.character)
+
+    def on_paste(self, event: events.Paste) -> None:
+        if self._typing_elsewhere():
+            prompt = self.query_one(Composer).input
+            prompt.focus()
+            prompt.paste(event.text)
 
     def watch_running(self) -> None:
         self.refresh_bindings()

@@ -22,12 +22,12 @@ HELP = """\
 |---|---|
 | **Enter** | send the message |
 | **ctrl+j** (shift+enter, alt+enter where the terminal reports them) | new line |
-| **Esc** | cancel the running prefill or generation; the prompt comes back |
+| **Esc** | cancel the running prefill or generation (the prompt comes back); from a panel, back to the input |
 | **ctrl+n** | new conversation |
 | **ctrl+o** | open a saved conversation |
 | **ctrl+s** | export the conversation to Markdown (the path is shown) |
 | **F2** | show / hide the dashboard |
-| **F3** | go to the loan flags panel |
+| **F3** | go to the loan flags panel (typing or pasting there goes to the input) |
 | **ctrl+t** | change the theme |
 | **ctrl+p** | command palette (loan flags, spec, prefill, …) |
 | **F1** | this help |

@@ -188,6 +188,50 @@ async def toggle_first_switch(pilot) -> Switch:
 
 
 @async_test
+async def test_escape_from_the_flags_panel_gives_the_input_its_focus_back(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        prompt = app.query_one(PromptInput)
+        await pilot.press("f3")
+        assert isinstance(app.focused, Switch)
+        await pilot.press("escape")
+        assert app.focused is prompt
+        await pilot.press("f3")
+        await pilot.press(*"hi")  # typing on a switch goes to the prompt
+        assert app.focused is prompt and prompt.text == "hi"
+        await pilot.press("f3", "space")  # keys the switch has bindings for stay with it
+        assert isinstance(app.focused, Switch) and prompt.text == "hi"
+        app.post_message(Paste(" there"))  # and so does a paste
+        await pilot.pause()
+        assert app.focused is prompt and prompt.text == "hi there"
+        await pilot.press("f3")
+        app.post_message(Paste(sample_paste(20)))  # a long one becomes a chip
+        await pilot.pause()
+        composer = app.query_one(Composer)
+        assert app.focused is prompt and len(composer.pastes) == 1
+        assert prompt.text == "hi there" + composer.pastes[0].marker
+
+
+@async_test
+async def test_escape_in_the_flags_panel_still_cancels_a_running_request(tmp_path: Path) -> None:
+    app = make_app(tmp_path, prefill=16)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        composer = app.query_one(Composer)
+        app.post_message(Paste(sample_paste(200)))
+        await wait_until(pilot, lambda: bool(composer.pastes))
+        app.simulate_key("enter")
+        await wait_until(pilot, lambda: app.running)
+        app.simulate_key("f3")
+        await wait_until(pilot, lambda: isinstance(app.focused, Switch))
+        app.simulate_key("escape")
+        await wait_until(pilot, lambda: not app.running)
+        assert app.query_one(TimingPanel).done.cancelled
+        assert app.focused is composer.input
+
+
+@async_test
 async def test_accepted_flag_applies_from_the_next_message(tmp_path: Path) -> None:
     app = make_app(tmp_path, serve=True, vram_elastic=True)
     notes: list[Notify] = []

@@ -112,6 +112,14 @@ class PromptInput(TextArea):
             event.prevent_default()
             self.post_message(self.LongPaste(text))
 
+    def paste(self, text: str) -> None:
+        """Paste `text` as a bracketed paste would (the app's pastes made elsewhere)."""
+        text = newlines(text)
+        if is_long_paste(text):
+            self.post_message(self.LongPaste(text))
+        else:
+            self.insert(text)
+
 
 class Composer(Vertical):
     """PromptInput plus the chips of its collapsed pastes; posts `Composer.Send`."""
