@@ -81,15 +81,20 @@ class StrataApp(App[None]):
             yield Dashboard()
         yield Footer()
 
-    async def on_mount(self) -> None:
+    def on_mount(self) -> None:
         self._views = [*self.query(EventView), *self.query(EventLog)]
-        self.store = self.store or Store.open()
-        self.conv = self.store.last() or Conversation()
-        await self.query_one(ChatLog).show(self.conv)
+        self.push_screen(LoadingScreen(self.config.options.model))
         self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
         self._set_repeat_threshold(self.config.flags)
-        self.push_screen(LoadingScreen(self.config.options.model))
+        self.call_after_refresh(self._start)
+
+    async def _start(self) -> None:
+        """After the first frame (the loading dialog): the engine loads in a worker while the
+        last conversation is drawn (both took seconds before anything showed)."""
         self.link.start()
+        self.store = self.store or Store.open()
+        self.conv = self.store.last() or Conversation()
+        await self._chat.show(self.conv)
         self.query_one(Composer).input.focus()
 
     def on_unmount(self) -> None:

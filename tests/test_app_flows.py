@@ -300,6 +300,40 @@ async def test_reopen_restores_the_last_conversation_and_the_list_switches(tmp_p
         assert again.query(MessageView).first().content == "first"
 
 
+@async_test
+async def test_the_loading_dialog_is_drawn_before_the_engine_or_the_chat_start(
+    tmp_path: Path,
+) -> None:
+    """The screen was blank for seconds: the last conversation was drawn and the engine
+    started before the loading dialog was."""
+    from app.screens import LoadingScreen
+
+    store = Store.open(tmp_path / "conversations.sqlite3")
+    conv = Conversation()
+    conv.add("user", sample_paste(50))
+    conv.add("assistant", "an answer")
+    store.save(conv)
+    store.close()
+    app = make_app(tmp_path)
+    seen: dict[str, object] = {}
+    start = app.link.start
+
+    def recording_start() -> None:
+        screen = app.screen
+        title = screen.query("#loading-title")
+        drawn = bool(title) and bool(title.first().region)
+        seen["dialog drawn"] = isinstance(screen, LoadingScreen) and drawn
+        seen["messages"] = len(app.query(MessageView))
+        start()
+
+    app.link.start = recording_start  # type: ignore[method-assign]
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        assert seen == {"dialog drawn": True, "messages": 0}
+        assert len(app.query(MessageView)) == 2 and app.conv.id == conv.id
+        assert app.focused is app.query_one(PromptInput)
+
+
 @pytest.mark.parametrize("width, shown", [(120, True), (80, False)])
 @async_test
 async def test_dashboard_collapses_on_small_terminals(
