@@ -295,6 +295,19 @@ class StrataApp(App[None]):
         assert self.store is not None
         self.push_screen(ConversationsScreen(self.store.list(), self.conv.id), self._open)
 
+    async def on_conversations_screen_deleted(self, message: ConversationsScreen.Deleted) -> None:
+        assert self.store is not None
+        self.store.delete(message.conv_id)
+        if message.conv_id == self.conv.id:  # the open one: a new conversation takes its place
+            self.conv = Conversation()
+            await self._chat.show(self.conv)
+
+    def on_conversations_screen_renamed(self, message: ConversationsScreen.Renamed) -> None:
+        assert self.store is not None
+        self.store.rename(message.conv_id, message.title)
+        if message.conv_id == self.conv.id:
+            self.conv.title = message.title  # the next save keeps it
+
     async def _open(self, conv_id: str | None) -> None:
         assert self.store is not None
         conv = self.store.load(conv_id) if conv_id else None

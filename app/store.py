@@ -145,6 +145,11 @@ class Store:
     def close(self) -> None:
         self.db.close()
 
+    def rename(self, conv_id: str, title: str) -> None:
+        """Give a conversation a new title (its messages and times stay as they are)."""
+        with self.db:
+            self.db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conv_id))
+
 
 def export_markdown(conv: Conversation, directory: Path | None = None) -> Path:
     """Write the conversation as Markdown under `directory` (default: data dir/exports)."""

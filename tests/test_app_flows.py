@@ -133,6 +133,38 @@ async def test_long_paste_collapses_into_a_chip_and_expands_when_sent(tmp_path: 
 
 
 @async_test
+async def test_a_paste_ending_in_a_newline_counts_its_lines(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    text = sample_paste(150) + "\n"  # what a terminal sends for 150 copied lines
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        app.post_message(Paste(text))
+        await pilot.pause()
+        composer = app.query_one(Composer)
+        (paste,) = composer.pastes
+        assert paste.n_lines == 150 and paste.marker == "[paste #1: 150 lines]"
+        assert "150 lines ·" in str(composer.query_one("#chips").render())
+
+
+@async_test
+async def test_help_says_how_to_close_it(tmp_path: Path) -> None:
+    from app.screens import HelpScreen
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        help_text = app.screen.query_one(Markdown)
+        assert "Esc, F1 or q closes this help" in help_text.source
+        assert help_text.border_subtitle == "Esc closes"
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@async_test
 async def test_deleting_a_marker_drops_its_chip(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
@@ -332,6 +364,51 @@ async def test_the_loading_dialog_is_drawn_before_the_engine_or_the_chat_start(
         assert seen == {"dialog drawn": True, "messages": 0}
         assert len(app.query(MessageView)) == 2 and app.conv.id == conv.id
         assert app.focused is app.query_one(PromptInput)
+
+
+@async_test
+async def test_the_conversation_list_searches_renames_and_deletes(tmp_path: Path) -> None:
+    from app.screens import ConversationsScreen
+
+    store = Store.open(tmp_path / "conversations.sqlite3")
+    convs = {}
+    for i, title in enumerate(("alpha notes", "beta plan", "gamma notes")):
+        conv = Conversation(created=1000.0 + i)
+        conv.add("user", title)
+        conv.add("assistant", "ok")
+        store.save(conv)
+        store.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (2000 + i, conv.id))
+        store.db.commit()
+        convs[title] = conv
+    store.close()
+    alpha, gamma = convs["alpha notes"], convs["gamma notes"]
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        assert app.conv.id == gamma.id  # the last one updated
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, ConversationsScreen)
+        await pilot.press(*"NOTES")  # the search field has the focus; case does not matter
+        assert [c.title for c in screen.shown()] == ["gamma notes", "alpha notes"]
+        # the title comes selected: typing replaces it
+        await pilot.press("down", "ctrl+r", *"old notes", "enter")
+        await pilot.pause()
+        assert app.store.load(alpha.id).title == "old notes"
+        assert [c.title for c in screen.shown()] == ["gamma notes", "old notes"]
+        await pilot.press("up", "ctrl+d")  # asks first
+        await pilot.pause()
+        assert app.store.load(gamma.id) is not None
+        await pilot.press("ctrl+d")
+        await pilot.pause()
+        assert app.store.load(gamma.id) is None
+        assert [c.title for c in screen.shown()] == ["old notes"]
+        assert app.conv.id != gamma.id and not app.conv.messages  # it was open: a new one
+        await pilot.press("enter")  # opens what is highlighted
+        await wait_until(pilot, lambda: app.conv.id == alpha.id)
+        assert app.conv.title == "old notes"
+        assert app.query(MessageView).first().content == "alpha notes"
 
 
 @pytest.mark.parametrize("width, shown", [(120, True), (80, False)])

@@ -200,6 +200,15 @@ def test_timing_panel_rates() -> None:
     assert "0 of 30 (0%)" in shown and "10/40 steps" in shown
 
 
+def test_timing_panel_gives_each_fact_one_line_in_the_dashboard_at_120_columns() -> None:
+    done = RequestDone(7099, 0, 7099, 2345.0, 64, 410.0, 2400.0, 30, 21, 523 * MIB,
+                       spec_steps=40, drafted_steps=10)
+    lines = feed(TimingPanel(), done, size=(47, 20)).splitlines()  # the pane at 120 columns
+    labels = [line.split()[0] for line in lines]
+    assert labels == ["PP", "TG", "TTFT", "prompt", "drafts", "streamed"], lines
+    assert "7,099 = 0 reused + 7,099 read" in lines[3] and "10/40 steps" in lines[4]
+
+
 def test_event_log_writes_trace_lines_and_refusals() -> None:
     log = EventLog()
 

@@ -42,7 +42,7 @@ class MessageView(Vertical):
         &.-assistant > Label { color: $text-success; }
         & > Static { padding: 0 1; }
         & > Markdown { padding: 0 1; margin: 0; }
-        & > .status { color: $text-muted; text-style: italic; }
+        & > .status { color: $text-muted; text-style: italic; display: none; }
         &.-cancelled > Label { color: $text-warning; }
     }
     """

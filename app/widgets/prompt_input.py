@@ -32,8 +32,13 @@ def newlines(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def count_lines(text: str) -> int:
+    """Lines of `text` as an editor counts them: a final newline ends a line, starts none."""
+    return len(text.splitlines())
+
+
 def is_long_paste(text: str) -> bool:
-    return text.count("\n") + 1 > LONG_PASTE_LINES or len(text) > LONG_PASTE_CHARS
+    return count_lines(text) > LONG_PASTE_LINES or len(text) > LONG_PASTE_CHARS
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class PastedText:
 
     @property
     def n_lines(self) -> int:
-        return self.text.count("\n") + 1
+        return count_lines(self.text)
 
     @property
     def marker(self) -> str:
