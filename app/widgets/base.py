@@ -52,8 +52,10 @@ class EventView(Widget):
         # A layout reflows the whole screen (chat included); the reactives only repaint, so
         # ask for one when the picture's height changed, which during a loan is rarely.
         width = self.content_size.width
+        if not width:  # hidden (the GPU panel off CUDA), or not laid out yet: nothing to fit
+            return
         fitted = (width, self.get_content_height(self.container_size, self.app.size, width))
-        if not width or fitted != self._fitted:
+        if fitted != self._fitted:
             self._fitted = fitted
             self.refresh(layout=True)
 
