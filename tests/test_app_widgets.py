@@ -374,6 +374,28 @@ def test_answer_stream_draws_finished_blocks_as_markdown() -> None:
     asyncio.run(run())
 
 
+def test_stream_tail_status_gives_its_line_to_the_first_text_without_a_layout() -> None:
+    async def run() -> None:
+        app = StreamHost()
+        async with app.run_test(size=(40, 20)) as pilot:
+            tail = app.query_one(StreamTail)
+            tail.reserve(5)  # what the chat keeps below the prompt
+            tail.show_status("reading the prompt: 512 of 4,096 tokens")
+            await pilot.pause()
+            assert tail.render_line(0).text.strip() == "reading the prompt: 512 of 4,096 toke…"
+            layouts: list[object] = []
+            app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+            tail.show_status("reading the prompt: 1,024 of 4,096 tokens")
+            for word in ("Hello", " there,", " a second", " line comes", " when this wraps."):
+                tail.append(word)
+                await pilot.pause()
+            assert layouts == [], "the text grew inside the lines kept for it"
+            shown = [tail.render_line(y).text.rstrip() for y in range(3)]
+            assert shown == ["Hello there, a second line comes when", "this wraps.", ""]
+
+    asyncio.run(run())
+
+
 def test_streaming_an_answer_lays_out_a_few_times_a_second() -> None:
     """Each layout reflows the whole screen (the dashboard too); a streamed answer asks for one
     at most every LAYOUT_INTERVAL_S, however many lines it grows by meanwhile."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import time
 from itertools import pairwise
+from typing import ClassVar
 
 from markdown_it import MarkdownIt
 from rich.cells import cell_len, chop_cells
@@ -100,8 +101,12 @@ class StreamTail(Widget):
     That scroll repaints every line in view, so it happens at most every SCROLL_INTERVAL_S.
     """
 
+    COMPONENT_CLASSES: ClassVar[set[str]] = {"stream-tail--status"}
     DEFAULT_CSS = """
-    StreamTail { height: auto; padding: 0 1; }
+    StreamTail {
+        height: auto; padding: 0 1;
+        & > .stream-tail--status { color: $text-muted; text-style: italic; }
+    }
     """
 
     def __init__(self, **kwargs: object) -> None:
@@ -120,6 +125,8 @@ class StreamTail(Widget):
         self._timer_due = 0.0
         self._shift = 0  # lines scrolled out at the top, in this frame
         self._style = Style()
+        self._status = ""  # shown in the first line until the text comes
+        self._status_style = Style()
 
     @property
     def n_lines(self) -> int:
@@ -127,7 +134,18 @@ class StreamTail(Widget):
 
     @property
     def _shown(self) -> int:
-        return max(self._height, self._reserve)
+        return max(self._height, self._reserve, 1 if self._status else 0)
+
+    def show_status(self, status: str) -> None:
+        """Say in the first line what the engine does until the text comes (a repaint of
+        that line, where the view kept for the answer has room for it)."""
+        if self.text:
+            return
+        n_before, self._status = self._shown, status
+        if self._shown != n_before:
+            self.refresh(layout=True)
+        elif self._width:
+            self.refresh(Region(0, 0, self._width, 1))
 
     def reserve(self, n_lines: int) -> None:
         """Take at least `n_lines` lines from the next layout on, blank below the text: the
@@ -139,7 +157,7 @@ class StreamTail(Widget):
         """Replace the text (lays out at once). Lines it loses leave the reserve with them
         (they moved into the Markdown above); no text, no reserve."""
         n_before = self.n_lines
-        self.text = text.replace("\t", TAB)
+        self.text, self._status = text.replace("\t", TAB), ""
         self._rewrap(self._width, from_scratch=True)
         lost = n_before - self.n_lines + 1  # and the blank line after a Markdown block
         self._reserve = max(0, self._reserve - lost) if self.text else 0
@@ -150,6 +168,7 @@ class StreamTail(Widget):
         if not text:
             return
         self.text += text.replace("\t", TAB)
+        self._status = ""  # the first text takes its line
         if not self._width:  # not laid out yet: the first layout wraps
             self._layout()
             return
@@ -226,6 +245,9 @@ class StreamTail(Widget):
     def render_lines(self, crop: Region) -> list[Strip]:
         # once per frame: the rich style is costly to look up, and the size is now current
         self._style = self.rich_style
+        if self._status:
+            muted = self.get_component_rich_style("stream-tail--status")  # alpha blended
+            self._status_style = muted + Style(bgcolor=self._style.bgcolor)
         self._shift = max(0, self.n_lines - self.content_size.height) if self._follow else 0
         return super().render_lines(crop)
 
@@ -233,9 +255,18 @@ class StreamTail(Widget):
         index = y + self._shift
         style = self._style
         if index >= len(self._lines):
+            if index == 0 and self._status:
+                status = self._status
+                if cell_len(status) > self._width:
+                    status = chop_cells(status, max(1, self._width - 1))[0] + "…"
+                return self._strip(status, self._status_style)
             return Strip.blank(self._width, style)
-        line = self._lines[index]
-        return Strip([Segment(line, style)], cell_len(line)).extend_cell_length(self._width, style)
+        return self._strip(self._lines[index], style)
+
+    def _strip(self, line: str, style: Style) -> Strip:
+        return Strip([Segment(line, style)], cell_len(line)).extend_cell_length(
+            self._width, self._style
+        )
 
 
 class AnswerStream:

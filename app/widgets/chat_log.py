@@ -106,7 +106,7 @@ class ChatLog(VerticalScroll):
         user, answer = MessageView("user", prompt), MessageView("assistant")
         await self.mount_all([user, answer])
         self._pending = [user, answer]
-        answer.set_status("waiting for the engine…")
+        answer.query_one(StreamTail).show_status("waiting for the engine…")
         self._streamed = False
         self._stream = AnswerStream(answer.query_one(Markdown), answer.query_one(StreamTail))
         self.anchor()  # follow the answer as it grows, until the user scrolls away
@@ -124,15 +124,13 @@ class ChatLog(VerticalScroll):
     async def append(self, text: str) -> None:
         """Stream generated text into the answer; ignored when no answer is open."""
         if self._stream is not None and text:
-            if not self._streamed:
-                self._streamed = True
-                self._pending[-1].set_status("")
+            self._streamed = True  # the text takes the status line's place
             await self._stream.write(printable(text))
 
     def progress(self, text: str) -> None:
         """Say what the engine is doing before the first token (prefill progress)."""
         if self._stream is not None and not self._streamed:
-            self._pending[-1].set_status(text)
+            self._pending[-1].query_one(StreamTail).show_status(text)
 
     async def finish(self, reply: str) -> None:
         """Close the answer with the engine's final text (authoritative over the stream)."""
