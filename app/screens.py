@@ -26,9 +26,9 @@ HELP = """\
 |---|---|
 | **Enter** | send the message |
 | **ctrl+j** (shift+enter, alt+enter where the terminal reports them) | new line |
-| **Esc** | cancel the running prefill or generation (the prompt comes back); from a panel, back to the input |
+| **Esc** | cancel a running request (the prompt comes back); in a panel: back to the input |
 | **ctrl+n** | new conversation |
-| **ctrl+o** | open a saved conversation; type to search the titles, ctrl+r renames, ctrl+d deletes |
+| **ctrl+o** | open a saved conversation (type to search, ctrl+r renames, ctrl+d deletes) |
 | **ctrl+s** | export the conversation to Markdown (the path is shown) |
 | **F2** | show / hide the dashboard |
 | **F3** | go to the loan flags panel (typing or pasting there goes to the input) |

@@ -133,8 +133,13 @@ class Composer(Vertical):
     Composer {
         height: auto;
         max-height: 50%;
-        & > #chips { height: auto; padding: 0 1; color: $text-accent; text-wrap: nowrap; text-overflow: ellipsis; }
-        & > PromptInput { height: auto; min-height: 3; max-height: 12; border: round $accent 50%; padding: 0 1; }
+        & > #chips {
+            height: auto; padding: 0 1; color: $text-accent;
+            text-wrap: nowrap; text-overflow: ellipsis;
+        }
+        & > PromptInput {
+            height: auto; min-height: 3; max-height: 12; border: round $accent 50%; padding: 0 1;
+        }
         & > PromptInput:focus { border: round $accent; }
     }
     """
