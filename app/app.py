@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
-from textual.widgets import Footer, Header
+from textual.widgets import Footer, Header, Input, TextArea
 
 from app.cli.chat import ChatConfig
 from app.commands import FlagCommands
@@ -36,6 +37,7 @@ class StrataApp(App[None]):
     COMMANDS = App.COMMANDS | {FlagCommands}
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "cancel", "Cancel"),
+        Binding("escape", "focus_input", "Back to the input", show=False),
         Binding("ctrl+n", "new_conversation", "New"),
         Binding("ctrl+o", "open_conversation", "Open"),
         Binding("ctrl+s", "export", "Export"),
@@ -68,17 +70,30 @@ class StrataApp(App[None]):
         self.error_line = ""
         self._prompt_seq: int | None = None  # the stored seq of the prompt being answered
         self._quitting = False  # quitting: a late reply is no longer recorded
+        # engine batches go to these many times a second: looked up once, not per batch
+        self._chat = ChatLog()
+        self._views: list[EventView | EventLog] = []
 
     def compose(self) -> ComposeResult:
         yield Header(icon="▦")
         with Horizontal(id="main"):
             with Vertical(id="chat-pane"):
-                yield ChatLog()
+                yield self._chat
                 yield Composer(self.link.count_tokens)
             yield Dashboard()
         yield Footer()
 
-    async def on_mount(self) -> None:
+    def on_mount(self) -> None:
+        self._views = [*self.query(EventView), *self.query(EventLog)]
+        self.push_screen(LoadingScreen(self.config.options.model))
+        self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
+        self._set_repeat_threshold(self.config.flags)
+        self.call_after_refresh(self._start)
+
+    async def _start(self) -> None:
+        """After the first frame (the loading dialog): the engine loads in a worker while the
+        last conversation is drawn (both took seconds before anything showed)."""
+        self.link.start()
         try:
             self.store = self.store or Store.open()
             self.conv = self.store.last() or Conversation()
@@ -93,11 +108,7 @@ class StrataApp(App[None]):
                 severity="warning",
                 timeout=20,
             )
-        await self.query_one(ChatLog).show(self.conv)
-        self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
-        self._set_repeat_threshold(self.config.flags)
-        self.push_screen(LoadingScreen(self.config.options.model))
-        self.link.start()
+        await self._chat.show(self.conv)
         self.query_one(Composer).input.focus()
 
     def on_unmount(self) -> None:
@@ -106,8 +117,9 @@ class StrataApp(App[None]):
             self.store.close()
 
     # -- layout ------------------------------------------------------------------------------
-    def on_resize(self) -> None:
-        narrow = self.size.width < NARROW_COLUMNS
+    def on_resize(self, event: events.Resize) -> None:
+        # this handler runs before App's own, which is where `self.size` becomes the new size
+        narrow = event.size.width < NARROW_COLUMNS
         if narrow != self.narrow:
             self.narrow = narrow
             self.show_dashboard = not narrow
@@ -129,21 +141,23 @@ class StrataApp(App[None]):
         await self._dispatch(message.events)
 
     async def _dispatch(self, events: tuple[Event, ...]) -> None:
-        chats = self.query(ChatLog)
-        if not events or not chats:  # nothing new, or the app is shutting down
+        chat = self._chat
+        if not events or not chat.is_attached:  # nothing new, or the app is shutting down
             return
-        chat = chats.first()
+        text = "".join(e.text for e in events if isinstance(e, Token))
+        if text:
+            await chat.append(text)  # one append per drain, however many tokens
         for event in events:
-            if isinstance(event, Token):
-                await chat.append(event.text)
-            elif isinstance(event, PrefillProgress):
+            if isinstance(event, PrefillProgress):
                 chat.progress(
                     f"reading the prompt: {event.tokens_done:,} of {event.tokens_total:,} tokens"
                 )
             elif isinstance(event, Loading) and isinstance(self.screen, LoadingScreen):
                 self.screen.show(event)
-        for view in [*self.query(EventView), *self.query(EventLog)]:
-            view.post_message(EngineLink.Events(events))
+        others = tuple(e for e in events if not isinstance(e, Token))
+        if others:  # while decoding a batch is all tokens: the dashboard has nothing to draw
+            for view in self._views:
+                view.post_message(EngineLink.Events(others))
 
     def on_engine_link_loaded(self, message: EngineLink.Loaded) -> None:
         loop = message.loop
@@ -277,11 +291,40 @@ class StrataApp(App[None]):
         if self.running:
             self.link.cancel()
             self.notify("Cancelling…", timeout=2)
+        self.action_focus_input()
+
+    def action_focus_input(self) -> None:
+        self.query_one(Composer).input.focus()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "cancel":
             return self.running or None  # None: shown greyed out in the footer
+        if action == "focus_input":
+            main = self.screen is self.screen_stack[0]
+            return main and self.focused is not self.query_one(Composer).input
         return True
+
+    # -- typing anywhere goes to the prompt ----------------------------------------------------
+    def _typing_elsewhere(self) -> bool:
+        """The focus is on the main screen but not in a text field (a switch, a select)."""
+        return self.screen is self.screen_stack[0] and not isinstance(
+            self.focused, (Input, TextArea)
+        )
+
+    def on_key(self, event: events.Key) -> None:
+        # runs before App's own handler, which tries the bindings: a bound key is left to them
+        bound = event.key in self.active_bindings
+        if event.is_printable and event.character and not bound and self._typing_elsewhere():
+            event.prevent_default()
+            prompt = self.query_one(Composer).input
+            prompt.focus()
+            prompt.insert(event.character)
+
+    def on_paste(self, event: events.Paste) -> None:
+        if self._typing_elsewhere():
+            prompt = self.query_one(Composer).input
+            prompt.focus()
+            prompt.paste(event.text)
 
     def watch_running(self) -> None:
         self.refresh_bindings()
@@ -333,6 +376,19 @@ class StrataApp(App[None]):
             self._store_failed(exc)
             return
         self.push_screen(ConversationsScreen(listed, self.conv.id), self._open)
+
+    async def on_conversations_screen_deleted(self, message: ConversationsScreen.Deleted) -> None:
+        assert self.store is not None
+        self.store.delete(message.conv_id)
+        if message.conv_id == self.conv.id:  # the open one: a new conversation takes its place
+            self.conv = Conversation()
+            await self._chat.show(self.conv)
+
+    def on_conversations_screen_renamed(self, message: ConversationsScreen.Renamed) -> None:
+        assert self.store is not None
+        self.store.rename(message.conv_id, message.title)
+        if message.conv_id == self.conv.id:
+            self.conv.title = message.title  # the next save keeps it
 
     async def _open(self, conv_id: str | None) -> None:
         assert self.store is not None

@@ -8,6 +8,7 @@ makes a frame wait.
 
 from __future__ import annotations
 
+import gc
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -154,8 +155,10 @@ class EngineLink:
         return self.loop.count_tokens(text) if self.loop is not None else None
 
     def close(self) -> None:
+        """Stop listening to the engine, cancel a running request, unfreeze the heap."""
         self._unsubscribe()
         self.cancel()
+        gc.unfreeze()
 
     # -- worker thread -----------------------------------------------------------------------
     def _load(self) -> None:
@@ -165,4 +168,9 @@ class EngineLink:
             self.app.post_message(self.LoadFailed(str(exc)))
             return
         self.loop = loop
+        # The model, the engine and the widgets built so far live as long as the app: frozen,
+        # a full collection scans only what comes after (it scanned ~140k objects, ~65 ms
+        # with both threads stopped, every few hundred generated tokens).
+        gc.collect()
+        gc.freeze()
         self.app.post_message(self.Loaded(loop))

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
+from textual.message import Message
 from textual.screen import ModalScreen
-from textual.widgets import Label, Markdown, OptionList, ProgressBar
+from textual.widgets import Input, Label, Markdown, OptionList, ProgressBar
 from textual.widgets.option_list import Option
 
 from app.store import ConversationInfo
@@ -18,16 +20,18 @@ from engine.events import Loading
 HELP = """\
 # strata chat
 
+*Esc, F1 or q closes this help.*
+
 | key | action |
 |---|---|
 | **Enter** | send the message |
 | **ctrl+j** (shift+enter, alt+enter where the terminal reports them) | new line |
-| **Esc** | cancel; the prompt comes back, or the answer so far stays, marked cancelled |
+| **Esc** | cancel a running request: the prompt comes back, or the answer so far stays, marked cancelled; in a panel: back to the input |
 | **ctrl+n** | new conversation |
-| **ctrl+o** | open a saved conversation |
+| **ctrl+o** | open a saved conversation (type to search, ctrl+r renames, ctrl+d deletes) |
 | **ctrl+s** | export the conversation to Markdown (the path is shown) |
 | **F2** | show / hide the dashboard |
-| **F3** | go to the loan flags panel |
+| **F3** | go to the loan flags panel (typing or pasting there goes to the input) |
 | **ctrl+t** | change the theme |
 | **ctrl+p** | command palette (loan flags, spec, prefill, …) |
 | **F1** | this help |
@@ -92,13 +96,23 @@ class HelpScreen(ModalScreen[None]):
     """
 
     def compose(self) -> ComposeResult:
-        yield Markdown(HELP)
+        help_text = Markdown(HELP)
+        help_text.border_subtitle = "Esc closes"
+        yield help_text
 
 
 class ConversationsScreen(ModalScreen[str | None]):
-    """Pick a saved conversation; returns its id (None when dismissed)."""
+    """Pick a saved conversation (returns its id; None when dismissed); search the titles,
+    rename or delete one. Renames and deletions are posted to the app, which owns the store."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss(None)", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "close", "Close"),
+        Binding("down", "move(1)", "Next", show=False),
+        Binding("up", "move(-1)", "Previous", show=False),
+        # before the search field's own ctrl+d (delete right)
+        Binding("ctrl+r", "rename", "Rename", priority=True),
+        Binding("ctrl+d", "delete", "Delete", priority=True),
+    ]
     DEFAULT_CSS = """
     ConversationsScreen {
         align: center middle;
@@ -107,26 +121,163 @@ class ConversationsScreen(ModalScreen[str | None]):
             border: round $primary; background: $surface;
         }
         & OptionList { height: 1fr; border: none; }
+        & Input, & Input:focus { border: none; height: 1; padding: 0 1; margin: 0 0 1 0; }
+        & #conv-rename { display: none; }
+        & #conv-rename.-renaming { display: block; }
+        & #conv-hint { color: $text-muted; padding: 0 1; }
+        & #conv-hint.-warning { color: $text-warning; }
     }
     """
+    HINT = "Enter opens · ctrl+r renames · ctrl+d deletes · Esc closes"
+
+    @dataclass
+    class Renamed(Message):
+        """The user gave conversation `conv_id` the title `title`."""
+
+        conv_id: str
+        title: str
+
+    @dataclass
+    class Deleted(Message):
+        """The user deleted conversation `conv_id`."""
+
+        conv_id: str
 
     def __init__(self, conversations: list[ConversationInfo], current: str | None) -> None:
         super().__init__()
-        self.conversations, self.current = conversations, current
+        self.conversations, self.current = list(conversations), current
+        self._delete_armed: str | None = None  # ctrl+d once: this id; twice: deleted
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label(" Conversations (Enter opens, Esc closes)")
-            options = [
-                Option(
-                    f"{'● ' if c.id == self.current else '  '}{c.title or 'untitled'}  "
-                    f"[dim]{c.n_messages} messages · "
-                    f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}[/]",
-                    id=c.id,
-                )
-                for c in self.conversations
-            ]
-            yield OptionList(*options or [Option("no saved conversations yet", disabled=True)])
+            yield Label(" Conversations", id="conv-title")
+            yield Input(placeholder="search the titles…", id="conv-search")
+            yield OptionList(id="conv-list")
+            yield Input(id="conv-rename")
+            yield Label(self.HINT, id="conv-hint")
 
+    def on_mount(self) -> None:
+        self._fill()
+        self.query_one("#conv-search", Input).focus()
+
+    # -- the list ----------------------------------------------------------------------------
+    def shown(self) -> list[ConversationInfo]:
+        """The conversations whose title matches the search (all when it is empty)."""
+        query = self.query_one("#conv-search", Input).value.strip().casefold()
+        return [c for c in self.conversations if query in (c.title or "untitled").casefold()]
+
+    def _option(self, c: ConversationInfo) -> Option:
+        return Option(
+            f"{'● ' if c.id == self.current else '  '}{c.title or 'untitled'}  "
+            f"[dim]{c.n_messages} messages · "
+            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}[/]",
+            id=c.id,
+        )
+
+    def _fill(self) -> None:
+        options = self.query_one("#conv-list", OptionList)
+        shown = self.shown()
+        if shown:
+            options.set_options(self._option(c) for c in shown)
+            options.highlighted = 0
+        elif self.conversations:
+            options.set_options([Option("no title matches the search", disabled=True)])
+        else:
+            options.set_options([Option("no saved conversations yet", disabled=True)])
+
+    def _selected(self) -> ConversationInfo | None:
+        options = self.query_one("#conv-list", OptionList)
+        if options.highlighted is None:
+            return None
+        conv_id = options.get_option_at_index(options.highlighted).id
+        return next((c for c in self.conversations if c.id == conv_id), None)
+
+    def _hint(self, text: str = "", warning: bool = False) -> None:
+        hint = self.query_one("#conv-hint", Label)
+        hint.update(text or self.HINT)
+        hint.set_class(warning, "-warning")
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "conv-search":
+            self._delete_armed = None
+            self._hint()
+            self._fill()
+
+    def action_move(self, step: int) -> None:
+        options = self.query_one("#conv-list", OptionList)
+        if step > 0:
+            options.action_cursor_down()
+        else:
+            options.action_cursor_up()
+
+    # -- open --------------------------------------------------------------------------------
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        if event.input.id == "conv-rename":
+            self._finish_rename(event.value)
+            return
+        selected = self._selected()
+        if selected is not None:
+            self.dismiss(selected.id)
+
+    def action_close(self) -> None:
+        if self.renaming:
+            self._end_rename()  # Esc while renaming leaves the title as it was
+            return
+        self.dismiss(None)
+
+    # -- rename ------------------------------------------------------------------------------
+    @property
+    def renaming(self) -> bool:
+        return self.query_one("#conv-rename").has_class("-renaming")
+
+    def action_rename(self) -> None:
+        selected = self._selected()
+        if selected is None or self.renaming:
+            return
+        rename = self.query_one("#conv-rename", Input)
+        rename.value = selected.title
+        rename.add_class("-renaming")
+        rename.focus()
+        self._hint(f"New title for {selected.title or 'untitled'!r}: Enter saves, Esc keeps it")
+
+    def _finish_rename(self, title: str) -> None:
+        selected, title = self._selected(), " ".join(title.split())
+        if selected is not None and title and title != selected.title:
+            self.conversations = [
+                replace(c, title=title) if c.id == selected.id else c for c in self.conversations
+            ]
+            self.post_message(self.Renamed(selected.id, title))
+            self._fill()
+            self._highlight(selected.id)
+        self._end_rename()
+
+    def _end_rename(self) -> None:
+        self.query_one("#conv-rename", Input).remove_class("-renaming")
+        self.query_one("#conv-search", Input).focus()
+        self._hint()
+
+    def _highlight(self, conv_id: str) -> None:
+        options = self.query_one("#conv-list", OptionList)
+        for i, c in enumerate(self.shown()):
+            if c.id == conv_id:
+                options.highlighted = i
+
+    # -- delete ------------------------------------------------------------------------------
+    def action_delete(self) -> None:
+        selected = self._selected()
+        if selected is None or self.renaming:
+            return
+        if self._delete_armed != selected.id:  # the first press asks
+            self._delete_armed = selected.id
+            self._hint(f"ctrl+d again deletes {selected.title or 'untitled'!r} for good",
+                       warning=True)
+            return
+        self._delete_armed = None
+        self.conversations = [c for c in self.conversations if c.id != selected.id]
+        self.post_message(self.Deleted(selected.id))
+        self._fill()
+        self._hint(f"Deleted {selected.title or 'untitled'!r}.")

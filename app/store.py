@@ -258,6 +258,11 @@ class Store:
         with self._write():
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
 
+    def rename(self, conv_id: str, title: str) -> None:
+        """Give a conversation a new title (its messages and times stay as they are)."""
+        with self._write():
+            self.db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conv_id))
+
     def close(self) -> None:
         self.db.close()
 

@@ -22,6 +22,7 @@ from app.widgets.chunk_plan import ChunkPlan
 from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer, PromptInput
 from app.widgets.timing_panel import TimingPanel
+from app.widgets.vram_bar import BLOCK, VramBar
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.events import Event, EventBus, PrefillProgress
@@ -154,6 +155,38 @@ async def test_long_paste_collapses_into_a_chip_and_expands_when_sent(tmp_path: 
 
 
 @async_test
+async def test_a_paste_ending_in_a_newline_counts_its_lines(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    text = sample_paste(150) + "\n"  # what a terminal sends for 150 copied lines
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        app.post_message(Paste(text))
+        await pilot.pause()
+        composer = app.query_one(Composer)
+        (paste,) = composer.pastes
+        assert paste.n_lines == 150 and paste.marker == "[paste #1: 150 lines]"
+        assert "150 lines ·" in str(composer.query_one("#chips").render())
+
+
+@async_test
+async def test_help_says_how_to_close_it(tmp_path: Path) -> None:
+    from app.screens import HelpScreen
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        help_text = app.screen.query_one(Markdown)
+        assert "Esc, F1 or q closes this help" in help_text.source
+        assert help_text.border_subtitle == "Esc closes"
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@async_test
 async def test_deleting_a_marker_drops_its_chip(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
@@ -179,7 +212,7 @@ async def test_escape_cancels_a_long_prefill_and_puts_the_prompt_back(tmp_path: 
         app.post_message(Paste(text))
         await wait_until(pilot, lambda: bool(composer.pastes))
         marker = composer.pastes[0].marker
-        await pilot.press("enter")
+        app.simulate_key("enter")  # pilot.press would wait for a quiet screen: the prefill's end
         plan = app.query_one(ChunkPlan)
         await wait_until(pilot, lambda: plan.progress is not None and plan.progress.chunk >= 2)
         n_chunks = plan.plan.n_chunks
@@ -208,6 +241,50 @@ async def toggle_first_switch(pilot) -> Switch:
     await pilot.press("space")
     await pilot.pause(0.1)
     return switch
+
+
+@async_test
+async def test_escape_from_the_flags_panel_gives_the_input_its_focus_back(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        prompt = app.query_one(PromptInput)
+        await pilot.press("f3")
+        assert isinstance(app.focused, Switch)
+        await pilot.press("escape")
+        assert app.focused is prompt
+        await pilot.press("f3")
+        await pilot.press(*"hi")  # typing on a switch goes to the prompt
+        assert app.focused is prompt and prompt.text == "hi"
+        await pilot.press("f3", "space")  # keys the switch has bindings for stay with it
+        assert isinstance(app.focused, Switch) and prompt.text == "hi"
+        app.post_message(Paste(" there"))  # and so does a paste
+        await pilot.pause()
+        assert app.focused is prompt and prompt.text == "hi there"
+        await pilot.press("f3")
+        app.post_message(Paste(sample_paste(20)))  # a long one becomes a chip
+        await pilot.pause()
+        composer = app.query_one(Composer)
+        assert app.focused is prompt and len(composer.pastes) == 1
+        assert prompt.text == "hi there" + composer.pastes[0].marker
+
+
+@async_test
+async def test_escape_in_the_flags_panel_still_cancels_a_running_request(tmp_path: Path) -> None:
+    app = make_app(tmp_path, prefill=16)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        composer = app.query_one(Composer)
+        app.post_message(Paste(sample_paste(200)))
+        await wait_until(pilot, lambda: bool(composer.pastes))
+        app.simulate_key("enter")
+        await wait_until(pilot, lambda: app.running)
+        app.simulate_key("f3")
+        await wait_until(pilot, lambda: isinstance(app.focused, Switch))
+        app.simulate_key("escape")
+        await wait_until(pilot, lambda: not app.running)
+        assert app.query_one(TimingPanel).done.cancelled
+        assert app.focused is composer.input
 
 
 @async_test
@@ -279,6 +356,85 @@ async def test_reopen_restores_the_last_conversation_and_the_list_switches(tmp_p
         assert again.query(MessageView).first().content == "first"
 
 
+@async_test
+async def test_the_loading_dialog_is_drawn_before_the_engine_or_the_chat_start(
+    tmp_path: Path,
+) -> None:
+    """The screen was blank for seconds: the last conversation was drawn and the engine
+    started before the loading dialog was."""
+    from app.screens import LoadingScreen
+
+    store = Store.open(tmp_path / "conversations.sqlite3")
+    conv = Conversation()
+    conv.add("user", sample_paste(50))
+    conv.add("assistant", "an answer")
+    store.save(conv)
+    store.close()
+    app = make_app(tmp_path)
+    seen: dict[str, object] = {}
+    start = app.link.start
+
+    def recording_start() -> None:
+        screen = app.screen
+        title = screen.query("#loading-title")
+        drawn = bool(title) and bool(title.first().region)
+        seen["dialog drawn"] = isinstance(screen, LoadingScreen) and drawn
+        seen["messages"] = len(app.query(MessageView))
+        start()
+
+    app.link.start = recording_start  # type: ignore[method-assign]
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        assert seen == {"dialog drawn": True, "messages": 0}
+        assert len(app.query(MessageView)) == 2 and app.conv.id == conv.id
+        assert app.focused is app.query_one(PromptInput)
+
+
+@async_test
+async def test_the_conversation_list_searches_renames_and_deletes(tmp_path: Path) -> None:
+    from app.screens import ConversationsScreen
+
+    store = Store.open(tmp_path / "conversations.sqlite3")
+    convs = {}
+    for i, title in enumerate(("alpha notes", "beta plan", "gamma notes")):
+        conv = Conversation(created=1000.0 + i)
+        conv.add("user", title)
+        conv.add("assistant", "ok")
+        store.save(conv)
+        store.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (2000 + i, conv.id))
+        store.db.commit()
+        convs[title] = conv
+    store.close()
+    alpha, gamma = convs["alpha notes"], convs["gamma notes"]
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        assert app.conv.id == gamma.id  # the last one updated
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, ConversationsScreen)
+        await pilot.press(*"NOTES")  # the search field has the focus; case does not matter
+        assert [c.title for c in screen.shown()] == ["gamma notes", "alpha notes"]
+        # the title comes selected: typing replaces it
+        await pilot.press("down", "ctrl+r", *"old notes", "enter")
+        await pilot.pause()
+        assert app.store.load(alpha.id).title == "old notes"
+        assert [c.title for c in screen.shown()] == ["gamma notes", "old notes"]
+        await pilot.press("up", "ctrl+d")  # asks first
+        await pilot.pause()
+        assert app.store.load(gamma.id) is not None
+        await pilot.press("ctrl+d")
+        await pilot.pause()
+        assert app.store.load(gamma.id) is None
+        assert [c.title for c in screen.shown()] == ["old notes"]
+        assert app.conv.id != gamma.id and not app.conv.messages  # it was open: a new one
+        await pilot.press("enter")  # opens what is highlighted
+        await wait_until(pilot, lambda: app.conv.id == alpha.id)
+        assert app.conv.title == "old notes"
+        assert app.query(MessageView).first().content == "alpha notes"
+
+
 @pytest.mark.parametrize("width, shown", [(120, True), (80, False)])
 @async_test
 async def test_dashboard_collapses_on_small_terminals(
@@ -297,6 +453,24 @@ async def test_dashboard_collapses_on_small_terminals(
 
 
 @async_test
+async def test_a_live_resize_lays_out_for_the_new_size(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await wait_ready(pilot)
+        dashboard, chat = app.query_one("Dashboard"), app.query_one("#chat-pane")
+        assert dashboard.display and chat.display
+        await pilot.resize_terminal(80, 30)  # narrow: the dashboard steps aside at once
+        await pilot.pause()
+        assert app.narrow and not dashboard.display and chat.display
+        await pilot.resize_terminal(130, 30)
+        await pilot.pause()
+        assert not app.narrow and dashboard.display and chat.display
+        assert dashboard.region.right == 130 and chat.region.x == 0
+        bar = app.query_one(VramBar)  # the pictures are drawn for the new width too
+        assert bar.render().plain.splitlines()[0] == BLOCK * bar.content_size.width
+
+
+@async_test
 async def test_palette_switches_drafting_to_every_step(tmp_path: Path) -> None:
     from app.commands import FlagCommands
 
@@ -311,3 +485,35 @@ async def test_palette_switches_drafting_to_every_step(tmp_path: Path) -> None:
         assert spec.always and app.link.loop.options.spec_always
         again = {name for name, _, _ in FlagCommands(app.screen).commands()}
         assert "Speculative decoding: draft only while it pays (measured)" in again
+
+
+def test_bench_decode_runs_strata_run_with_the_apps_options() -> None:
+    """`python -m app.bench_decode` compares like with like: `strata run` gets the app's engine
+    options and sampling (checked by parsing the command line back)."""
+    from app.bench_decode import run_argv
+    from app.cli.chat import add_chat_args, chat_config
+    from engine.cli import OneLineParser
+
+    parser = OneLineParser(prog="test")
+    add_chat_args(parser)
+    args = parser.parse_args(["--prefill", "512", "--kv", "q4_0", "--temperature", "0.7",
+                              "--max-new", "32", "--spec", "3", "--ctx", "4096"])
+    config = chat_config(args)
+    argv = run_argv(config, "hello there")
+    assert argv[:5] == ["run", "--prompt", "hello there", "--max-new", "32"]
+    for flag in ("--serve", "--vram-elastic", "--mtp"):  # the app's defaults, made explicit
+        assert flag in argv
+    assert argv[argv.index("--spec") + 1] == "3" and argv[argv.index("--prefill") + 1] == "512"
+
+
+@async_test
+async def test_the_heap_built_at_load_is_frozen_while_the_app_runs(tmp_path: Path) -> None:
+    """A full collection then scans only what came after the load (it stopped both threads for
+    ~65 ms every few hundred generated tokens)."""
+    import gc
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import io
+import random
+import time
 
 from textual.app import App, ComposeResult
 from textual.widget import Widget
-from textual.widgets import ProgressBar
+from textual.widgets import Markdown, ProgressBar
 
 from app.engine_link import EngineLink, coalesce
+from app.widgets.answer_stream import (
+    LAYOUT_INTERVAL_S,
+    AnswerStream,
+    StreamTail,
+    open_block_start,
+    wrap_lines,
+)
+from app.widgets.chat_log import ChatLog
 from app.widgets.chunk_plan import ChunkPlan
 from app.widgets.event_log import EventLog
 from app.widgets.fmt import flow, fmt_bytes
@@ -190,6 +200,15 @@ def test_timing_panel_rates() -> None:
     assert "0 of 30 (0%)" in shown and "10/40 steps" in shown
 
 
+def test_timing_panel_gives_each_fact_one_line_in_the_dashboard_at_120_columns() -> None:
+    done = RequestDone(7099, 0, 7099, 2345.0, 64, 410.0, 2400.0, 30, 21, 523 * MIB,
+                       spec_steps=40, drafted_steps=10)
+    lines = feed(TimingPanel(), done, size=(47, 20)).splitlines()  # the pane at 120 columns
+    labels = [line.split()[0] for line in lines]
+    assert labels == ["PP", "TG", "TTFT", "prompt", "drafts", "streamed"], lines
+    assert "7,099 = 0 reused + 7,099 read" in lines[3] and "10/40 steps" in lines[4]
+
+
 def test_event_log_writes_trace_lines_and_refusals() -> None:
     log = EventLog()
 
@@ -210,6 +229,49 @@ def test_event_log_writes_trace_lines_and_refusals() -> None:
 
     lines = asyncio.run(run())
     assert lines == ["strata serve: prompt plan 512 / 8", "flags refused: needs --serve"]
+
+
+def log_lines(
+    log: EventLog, *events: Event, size: tuple[int, int], resize_to: int = 0
+) -> tuple[list[str], int]:
+    """Post `events` to a mounted EventLog; its lines (after a resize to `resize_to` columns)
+    and the width they have to fit."""
+
+    async def run() -> tuple[list[str], int]:
+        app = Host(log)
+        async with app.run_test(size=size) as pilot:
+            log.post_message(EngineLink.Events(tuple(events)))
+            await pilot.pause()
+            if resize_to:
+                await pilot.resize_terminal(resize_to, size[1])
+                await pilot.pause()
+                await pilot.pause()
+            lines = [line.text.rstrip() for line in log.lines]
+            return lines, log.scrollable_content_region.width
+
+    return asyncio.run(run())
+
+
+def test_event_log_wraps_lines_to_the_pane_width() -> None:
+    words = " ".join(f"word{i:02d}" for i in range(30))  # 209 characters
+    lines, width = log_lines(EventLog(), TraceLine(words), size=(40, 20))
+    assert 30 < width < 40
+    assert all(len(line) <= width for line in lines), "a line is wider than the pane"
+    assert " ".join(lines) == words, "text was clipped"
+    again, wider = log_lines(EventLog(), TraceLine(words), size=(40, 20), resize_to=100)
+    assert wider > 90 and len(again) < len(lines), "not laid out again for the wider pane"
+    assert all(len(line) <= wider for line in again) and " ".join(again) == words
+
+
+def test_event_log_shows_a_loan_step_once() -> None:
+    line = "strata loan: released verifier 4.00 MiB, head 8.00 MiB in 1.5 ms"
+    events = (
+        LoanStep("release", line.removeprefix("strata loan: "), n_bytes=12 * MIB, ms=1.5),
+        TraceLine(line),
+        TraceLine("strata serve: prompt plan 512 / 8 (chunk tokens / ring slots), loan on"),
+    )
+    lines, _ = log_lines(EventLog(), *events, size=(120, 20))
+    assert lines == [line, events[2].text]
 
 
 def test_coalesce_keeps_the_newest_snapshot_and_merges_tokens() -> None:
@@ -252,3 +314,142 @@ def test_gpu_panel_appears_with_nvml_readings() -> None:
     assert panel.has_class("-live")
     assert fmt_bytes(1024 * MIB) in text  # unaccounted = process - ledger
     assert "gen 5 x16" in text and "87%" in text and "412 W" in text
+
+
+def test_wrap_lines_grows_like_a_full_wrap() -> None:
+    """Appending never changes a line before the open one: the tail wraps only that line."""
+    rng = random.Random(7)
+    words = ["a", "bb", "expert", "cache", "x" * 25, "é", "日本語", " ", "\n", "\n\n"]
+    for _ in range(400):
+        text = "".join(rng.choice(words) + rng.choice(["", " "]) for _ in range(rng.randint(0, 40)))
+        width = rng.randint(1, 30)
+        whole, _ = wrap_lines(text, width)
+        lines: list[str] = []
+        start = 0
+        for end in sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 8))) + [len(text)]:
+            grown, last = wrap_lines(text[start:end], width)
+            lines = lines[:-1] + grown if lines else grown
+            start += last
+        assert lines == whole, (text, width)
+        assert all(len(line) <= width or len(line.strip()) == 1 for line in whole)
+        assert "".join(whole).replace(" ", "") == text.replace(" ", "").replace("\n", "")
+
+
+def test_open_block_start_finds_the_block_being_written() -> None:
+    from markdown_it import MarkdownIt
+
+    parser = MarkdownIt("gfm-like")
+    assert open_block_start("one paragraph, still open", parser) == 0
+    text = "# Title\n\nA paragraph.\n\n- a list"
+    assert text[open_block_start(text, parser) :] == "- a list"
+    fence = "Intro.\n\n```py\nx = 1\n\ny = 2\n"  # an open fence holds its blank lines
+    assert fence[open_block_start(fence, parser) :] == "```py\nx = 1\n\ny = 2\n"
+
+
+class StreamHost(App[None]):
+    def compose(self) -> ComposeResult:
+        yield Markdown()
+        yield StreamTail()
+
+
+def test_answer_stream_draws_finished_blocks_as_markdown() -> None:
+    async def run() -> None:
+        app = StreamHost()
+        async with app.run_test(size=(40, 20)) as pilot:
+            markdown, tail = app.query_one(Markdown), app.query_one(StreamTail)
+            stream = AnswerStream(markdown, tail)
+            second = "Second block, a long one that wraps at the width"
+            for piece in ("Some **bold", "** text.", "\n\nSecond ", second[7:]):
+                await stream.write(piece)
+                await pilot.pause()
+            assert markdown.source == "Some **bold** text.\n\n"
+            assert tail.text == second
+            await pilot.pause(LAYOUT_INTERVAL_S)
+            shown = [tail.render_line(y).text.rstrip() for y in range(tail.size.height)]
+            assert shown == ["Second block, a long one that wraps at", "the width"]  # 38 cells
+            await stream.stop()
+            assert markdown.source == f"Some **bold** text.\n\n{second}"
+            assert tail.text == "" and tail.n_lines == 0
+
+    asyncio.run(run())
+
+
+def test_stream_tail_status_gives_its_line_to_the_first_text_without_a_layout() -> None:
+    async def run() -> None:
+        app = StreamHost()
+        async with app.run_test(size=(40, 20)) as pilot:
+            tail = app.query_one(StreamTail)
+            tail.reserve(5)  # what the chat keeps below the prompt
+            tail.show_status("reading the prompt: 512 of 4,096 tokens")
+            await pilot.pause()
+            assert tail.render_line(0).text.strip() == "reading the prompt: 512 of 4,096 toke…"
+            layouts: list[object] = []
+            app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+            tail.show_status("reading the prompt: 1,024 of 4,096 tokens")
+            for word in ("Hello", " there,", " a second", " line comes", " when this wraps."):
+                tail.append(word)
+                await pilot.pause()
+            assert layouts == [], "the text grew inside the lines kept for it"
+            shown = [tail.render_line(y).text.rstrip() for y in range(3)]
+            assert shown == ["Hello there, a second line comes when", "this wraps.", ""]
+
+    asyncio.run(run())
+
+
+def test_streaming_an_answer_lays_out_a_few_times_a_second() -> None:
+    """Each layout reflows the whole screen (the dashboard too); a streamed answer asks for one
+    at most every LAYOUT_INTERVAL_S, however many lines it grows by meanwhile."""
+    n_appends = 60
+
+    async def run() -> tuple[int, float, str]:
+        app = Host(ChatLog())
+        async with app.run_test(size=(80, 30)) as pilot:
+            layouts: list[object] = []
+            app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+            chat = app.query_one(ChatLog)
+            await chat.begin_exchange("hello")
+            await pilot.pause()
+            layouts.clear()
+            t0 = time.monotonic()
+            for i in range(n_appends):  # about a line each
+                await chat.append(f" token{i:02d} and some more words for the line ({i})")
+                await pilot.pause()
+            elapsed = time.monotonic() - t0
+            n_layouts = len(layouts)
+            await chat.finish("".join(f" token{i:02d} and some more words for the line ({i})"
+                                      for i in range(n_appends)))
+            await pilot.pause()
+            answer = chat.query_one("MessageView.-assistant Markdown", Markdown).source
+            return n_layouts, elapsed, answer
+
+    n_layouts, elapsed, answer = asyncio.run(run())
+    assert "token59" in answer
+    # a layout pass may be followed by one more (Textual settles sizes in a second pass)
+    assert n_layouts <= 2 * (elapsed / LAYOUT_INTERVAL_S + 2), (n_layouts, elapsed)
+    assert n_layouts < n_appends / 2, (n_layouts, elapsed)
+
+
+def test_a_dashboard_picture_lays_out_only_when_its_height_changes() -> None:
+    """A layout reflows the whole screen; a loan sends ledger and cache snapshots 15 times a
+    second, which change the pictures but rarely their height."""
+    bar = VramBar()
+
+    async def run() -> list[int]:
+        app = Host(bar)
+        async with app.run_test(size=(60, 20)) as pilot:
+            layouts: list[object] = []
+            app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+            counts = []
+            for free_mib in (10, 9, 8, 7):  # same regions, other sizes: same height
+                snapshot = ledger()
+                snapshot = LedgerChanged(snapshot.capacity_bytes, snapshot.segment_bytes,
+                                         snapshot.regions, free_mib * MIB, snapshot.segment_map)
+                bar.post_message(EngineLink.Events((snapshot,)))
+                await pilot.pause()
+                await pilot.pause()
+                counts.append(len(layouts))
+            return counts
+
+    counts = asyncio.run(run())
+    assert counts[0] >= 1, "the first snapshot gives the bar its height"
+    assert counts[-1] == counts[0], f"layouts after each snapshot: {counts}"

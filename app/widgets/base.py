@@ -13,7 +13,8 @@ from engine.events import Event
 class EventView(Widget):
     """Receives `EngineLink.Events` batches (posted by the app) and applies each event.
 
-    Subclasses implement `apply_event`, setting reactives; their `watch_`/`render` draw.
+    Subclasses implement `apply_event`, setting reactives; their `watch_`/`render` draw. The
+    reactives only repaint: after a batch the view asks for a layout if its height changed.
     """
 
     TITLE: ClassVar[str] = ""
@@ -30,6 +31,8 @@ class EventView(Widget):
     }
     """
 
+    _fitted = (0, 0)  # (width, content height) when the last layout was asked for
+
     def on_mount(self) -> None:
         self.border_title = self.TITLE
 
@@ -43,6 +46,18 @@ class EventView(Widget):
     def on_engine_link_events(self, message: EngineLink.Events) -> None:
         for event in message.events:
             self.apply_event(event)
+        self._fit()
+
+    def _fit(self) -> None:
+        # A layout reflows the whole screen (chat included); the reactives only repaint, so
+        # ask for one when the picture's height changed, which during a loan is rarely.
+        width = self.content_size.width
+        if not width:  # hidden (the GPU panel off CUDA), or not laid out yet: nothing to fit
+            return
+        fitted = (width, self.get_content_height(self.container_size, self.app.size, width))
+        if fitted != self._fitted:
+            self._fitted = fitted
+            self.refresh(layout=True)
 
     def apply_event(self, event: Event) -> None:
         raise NotImplementedError

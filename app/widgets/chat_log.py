@@ -8,8 +8,8 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, Markdown, Static
-from textual.widgets.markdown import MarkdownStream
 
+from app.widgets.answer_stream import AnswerStream, StreamTail
 from engine.conversation import Conversation
 
 USER_PREVIEW_LINES = 12
@@ -42,7 +42,7 @@ class MessageView(Vertical):
         &.-assistant > Label { color: $text-success; }
         & > Static { padding: 0 1; }
         & > Markdown { padding: 0 1; margin: 0; }
-        & > .status { color: $text-muted; text-style: italic; }
+        & > .status { color: $text-muted; text-style: italic; display: none; }
         &.-cancelled > Label { color: $text-warning; }
     }
     """
@@ -59,6 +59,7 @@ class MessageView(Vertical):
         else:
             yield Static("", classes="status")
             yield Markdown(printable(self.content))
+            yield StreamTail()  # the block being generated, until it is finished
 
     def set_status(self, text: str) -> None:
         status = self.query_one(".status", Static)
@@ -90,7 +91,7 @@ class ChatLog(VerticalScroll):
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self._stream: MarkdownStream | None = None
+        self._stream: AnswerStream | None = None
         self._pending: list[MessageView] = []
         self._streamed = False  # the open answer has received text
         self._text: list[str] = []  # what the open answer has received
@@ -122,26 +123,33 @@ class ChatLog(VerticalScroll):
         user, answer = MessageView("user", prompt), MessageView("assistant")
         await self.mount_all([user, answer])
         self._pending = [user, answer]
-        answer.set_status("waiting for the engine…")
+        answer.query_one(StreamTail).show_status("waiting for the engine…")
         self._streamed = False
         self._text = []
-        self._stream = Markdown.get_stream(answer.query_one(Markdown))
-        self.scroll_end(animate=False)
+        self._stream = AnswerStream(answer.query_one(Markdown), answer.query_one(StreamTail))
+        self.anchor()  # follow the answer as it grows, until the user scrolls away
+        self.call_after_refresh(self._make_room, user, answer)
+
+    def _make_room(self, user: MessageView, answer: MessageView) -> None:
+        """Scroll the prompt to the top and keep the view below it blank for the answer: it
+        streams in without a layout per line (each one reflows the whole screen)."""
+        if self._stream is None or self._pending[-1:] != [answer]:  # already answered
+            return
+        # the prompt's bottom margin, the answer's label and bottom margin
+        room = self.scrollable_content_region.height - user.outer_size.height - 3
+        answer.query_one(StreamTail).reserve(room)
 
     async def append(self, text: str) -> None:
         """Stream generated text into the answer; ignored when no answer is open."""
         if self._stream is not None and text:
-            if not self._streamed:
-                self._streamed = True
-                self._pending[-1].set_status("")
+            self._streamed = True  # the text takes the status line's place
             self._text.append(text)
             await self._stream.write(printable(text))
-            self.scroll_end(animate=False)
 
     def progress(self, text: str) -> None:
         """Say what the engine is doing before the first token (prefill progress)."""
         if self._stream is not None and not self._streamed:
-            self._pending[-1].set_status(text)
+            self._pending[-1].query_one(StreamTail).show_status(text)
 
     async def finish(self, reply: str, cancelled: bool = False) -> None:
         """Close the answer with the engine's final text (authoritative over the stream).
@@ -157,7 +165,6 @@ class ChatLog(VerticalScroll):
                 answer.mark_cancelled()
             await answer.query_one(Markdown).update(printable(reply))
         self._pending = []
-        self.scroll_end(animate=False)
 
     async def withdraw(self) -> None:
         """Remove the open exchange (cancelled or failed request)."""
@@ -171,3 +178,9 @@ class ChatLog(VerticalScroll):
         if self._stream is not None:
             stream, self._stream = self._stream, None
             await stream.stop()
+        # anchored, a log shorter than the view would sit at its bottom: let go, stay at the end
+        following = self.is_vertical_scroll_end
+        self.anchor(False)
+        if following:
+            self.scroll_end(animate=False)
+

@@ -31,6 +31,7 @@ class ChunkPlan(EventView):
     plan: reactive[PlanChosen | None] = reactive(None)
     progress: reactive[PrefillProgress | None] = reactive(None)
     mean_chunk_ms: reactive[float] = reactive(0.0)
+    _n_lines = 0  # lines of the plan text: a layout only when that changes
 
     def compose(self) -> ComposeResult:
         yield Static(Text("no request yet", style="dim"), id="plan-text")
@@ -77,5 +78,7 @@ class ChunkPlan(EventView):
         for reason in plan.reasons[:MAX_REASONS]:
             text.append(f"\n· {reason}", style="dim")
         self.tooltip = "\n".join(plan.reasons) or None
-        self.query_one("#plan-text", Static).update(text)
+        n_lines = text.plain.count("\n") + 1  # the text does not wrap (nowrap, ellipsis)
+        self.query_one("#plan-text", Static).update(text, layout=n_lines != self._n_lines)
+        self._n_lines = n_lines
         bar.update(total=plan.fresh_tokens, progress=prog.tokens_done if prog else 0)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from rich.text import Text
+from textual import events
 from textual.widgets import RichLog
 
 from app.engine_link import EngineLink
-from app.widgets.fmt import fmt_bytes, fmt_ms
 from engine.events import (
     ErrorEvent,
     Event,
@@ -17,15 +19,17 @@ from engine.events import (
     TraceLine,
 )
 
+MAX_LINES = 1000
+LOAN_PREFIX = "strata loan: "  # the engine prints each loan step as a trace line too
+
 
 def event_line(event: Event) -> Text | None:
     """The log line for one event, or None for events the log does not show."""
     if isinstance(event, TraceLine):
         return Text(event.text)
     if isinstance(event, LoanStep):
-        size = f" {fmt_bytes(event.n_bytes)}" if event.n_bytes else ""
         style = "red" if event.step in ("failed", "cancelled") else "#d7875f"
-        return Text(f"loan {event.step}: {event.detail}{size} in {fmt_ms(event.ms)}", style=style)
+        return Text(LOAN_PREFIX + event.detail, style=style)
     if isinstance(event, FlagsChanged):
         shown = " ".join(f"{k.removeprefix('STRATA_PREFILL_')}={v}" for k, v in event.flags)
         return Text(f"flags accepted (next message): {shown}", style="green")
@@ -39,7 +43,9 @@ def event_line(event: Event) -> Text | None:
 
 
 class EventLog(RichLog):
-    """A scrolling log of `event_line` for every engine event that has one."""
+    """A scrolling log of `event_line` for every engine event that has one, wrapped to the
+    pane's width (and wrapped again when the pane changes width). A loan step is shown once:
+    its trace line, which repeats it, is left out."""
 
     DEFAULT_CSS = """
     EventLog {
@@ -49,17 +55,39 @@ class EventLog(RichLog):
         border-top: solid $primary 40%;
         border-title-color: $text-primary;
         background: $surface;
+        overflow-x: hidden;
+        scrollbar-gutter: stable;
     }
     """
 
     def __init__(self, **kwargs: object) -> None:
-        super().__init__(max_lines=1000, wrap=True, markup=False, **kwargs)  # type: ignore[arg-type]
+        super().__init__(max_lines=MAX_LINES, min_width=1, wrap=True, markup=False, **kwargs)  # type: ignore[arg-type]
+        self._entries: deque[Text] = deque(maxlen=MAX_LINES)
+        self._loan_lines: deque[str] = deque()  # loan steps whose trace line is still to come
+        self._wrap_width = 0
 
     def on_mount(self) -> None:
         self.border_title = "Event log"
 
     def on_engine_link_events(self, message: EngineLink.Events) -> None:
         for event in message.events:
+            if isinstance(event, TraceLine) and event.text in self._loan_lines:
+                self._loan_lines.remove(event.text)
+                continue
             line = event_line(event)
-            if line is not None:
+            if line is None:
+                continue
+            if isinstance(event, LoanStep):
+                self._loan_lines.append(line.plain)
+            self._entries.append(line)
+            self.write(line)
+
+    def on_resize(self, event: events.Resize) -> None:
+        width = self.scrollable_content_region.width
+        if width == self._wrap_width:
+            return
+        self._wrap_width = width
+        if self._size_known:  # lines written at the old width: lay them out again
+            self.clear()
+            for line in self._entries:
                 self.write(line)

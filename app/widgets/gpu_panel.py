@@ -22,7 +22,7 @@ class GpuPanel(EventView):
     GpuPanel.-live { display: block; }
     """
 
-    stats: reactive[GpuStats | None] = reactive(None, layout=True)
+    stats: reactive[GpuStats | None] = reactive(None)  # a layout only if the height changes
 
     def apply_event(self, event: Event) -> None:
         if isinstance(event, GpuStats):

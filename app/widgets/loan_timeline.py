@@ -45,7 +45,7 @@ class LoanTimeline(EventView):
     }
     """
 
-    phases: reactive[tuple[Phase, ...]] = reactive((), layout=True)
+    phases: reactive[tuple[Phase, ...]] = reactive(())  # a layout only if the height changes
     loan: reactive[bool | None] = reactive(None)
 
     def __init__(self, **kwargs: object) -> None:

@@ -32,8 +32,13 @@ def newlines(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def count_lines(text: str) -> int:
+    """Lines of `text` as an editor counts them: a final newline ends a line, starts none."""
+    return len(text.splitlines())
+
+
 def is_long_paste(text: str) -> bool:
-    return text.count("\n") + 1 > LONG_PASTE_LINES or len(text) > LONG_PASTE_CHARS
+    return count_lines(text) > LONG_PASTE_LINES or len(text) > LONG_PASTE_CHARS
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class PastedText:
 
     @property
     def n_lines(self) -> int:
-        return self.text.count("\n") + 1
+        return count_lines(self.text)
 
     @property
     def marker(self) -> str:
@@ -112,6 +117,14 @@ class PromptInput(TextArea):
             event.prevent_default()
             self.post_message(self.LongPaste(text))
 
+    def paste(self, text: str) -> None:
+        """Paste `text` as a bracketed paste would (the app's pastes made elsewhere)."""
+        text = newlines(text)
+        if is_long_paste(text):
+            self.post_message(self.LongPaste(text))
+        else:
+            self.insert(text)
+
 
 class Composer(Vertical):
     """PromptInput plus the chips of its collapsed pastes; posts `Composer.Send`."""
@@ -120,8 +133,13 @@ class Composer(Vertical):
     Composer {
         height: auto;
         max-height: 50%;
-        & > #chips { height: auto; padding: 0 1; color: $text-accent; text-wrap: nowrap; text-overflow: ellipsis; }
-        & > PromptInput { height: auto; min-height: 3; max-height: 12; border: round $accent 50%; padding: 0 1; }
+        & > #chips {
+            height: auto; padding: 0 1; color: $text-accent;
+            text-wrap: nowrap; text-overflow: ellipsis;
+        }
+        & > PromptInput {
+            height: auto; min-height: 3; max-height: 12; border: round $accent 50%; padding: 0 1;
+        }
         & > PromptInput:focus { border: round $accent; }
     }
     """

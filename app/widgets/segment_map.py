@@ -19,7 +19,7 @@ class SegmentMap(EventView):
 
     TITLE = "Segments"
 
-    segments: reactive[tuple[str, ...]] = reactive((), layout=True)
+    segments: reactive[tuple[str, ...]] = reactive(())  # a layout only if the height changes
     segment_bytes: reactive[int] = reactive(0)
 
     def apply_event(self, event: Event) -> None:

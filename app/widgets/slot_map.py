@@ -23,7 +23,7 @@ class SlotMap(EventView):
 
     TITLE = "Expert cache"
 
-    cache: reactive[CacheChanged | None] = reactive(None, layout=True)
+    cache: reactive[CacheChanged | None] = reactive(None)  # a layout only if the height changes
 
     def apply_event(self, event: Event) -> None:
         if isinstance(event, CacheChanged):

@@ -17,7 +17,7 @@ class TimingPanel(EventView):
 
     TITLE = "Timing"
 
-    done: reactive[RequestDone | None] = reactive(None, layout=True)
+    done: reactive[RequestDone | None] = reactive(None)  # a layout only if the height changes
 
     def apply_event(self, event: Event) -> None:
         if isinstance(event, RequestDone):
@@ -30,29 +30,23 @@ class TimingPanel(EventView):
         d = self.done
         if d is None:
             return Text("no request yet", style="dim")
-        table = Table.grid(padding=(0, 2))
-        table.add_column(style="bold")
+        # one fact a row, label and value: the pane is ~45 cells wide at 120 columns, where
+        # two facts a row wrapped inside their cells
+        table = Table.grid(padding=(0, 1))
+        table.add_column(style="bold", no_wrap=True)
         table.add_column()
-        table.add_column(style="bold")
-        table.add_column()
-        drafts = (
-            f"{d.drafts_accepted} of {d.drafts_offered} "
-            f"({100 * d.drafts_accepted / d.drafts_offered:.0f}%)"
-            if d.drafts_offered
-            else "–"
-        )
-        table.add_row(
-            "PP", rate(d.fresh_tokens, d.prefill_ms),
-            "TG", rate(d.generated, d.decode_ms) if d.decoded else "–",
-        )
-        table.add_row("TTFT", fmt_ms(d.ttft_ms) if d.ttft_ms else "–", "drafts", drafts)
-        table.add_row(
-            "prompt",
-            f"{d.prompt_tokens:,} = {d.reused_tokens:,} reused + {d.fresh_tokens:,}",
-            "generated",
-            f"{d.generated:,} in {fmt_ms(d.decode_ms)}",
-        )
-        table.add_row("streamed", fmt_bytes(d.bytes_streamed), "prefill", fmt_ms(d.prefill_ms))
-        if d.spec_steps:  # the drafting policy may have run plain steps
-            table.add_row("", "", "drafted", f"{d.drafted_steps}/{d.spec_steps} steps")
+        table.add_row("PP", f"{rate(d.fresh_tokens, d.prefill_ms)} · "
+                            f"{d.fresh_tokens:,} in {fmt_ms(d.prefill_ms)}")
+        tg = rate(d.generated, d.decode_ms) if d.decoded else "–"  # no decode step: no TG
+        table.add_row("TG", f"{tg} · {d.generated:,} in {fmt_ms(d.decode_ms)}")
+        table.add_row("TTFT", fmt_ms(d.ttft_ms) if d.ttft_ms else "–")
+        table.add_row("prompt", f"{d.prompt_tokens:,} = {d.reused_tokens:,} reused + "
+                                f"{d.fresh_tokens:,} read")
+        if d.drafts_offered or d.spec_steps:
+            drafts = (f"{d.drafts_accepted} of {d.drafts_offered} "
+                      f"({100 * d.drafts_accepted / max(1, d.drafts_offered):.0f}%)")
+            if d.spec_steps:  # the drafting policy may have run plain steps
+                drafts += f" · {d.drafted_steps}/{d.spec_steps} steps"
+            table.add_row("drafts", drafts)
+        table.add_row("streamed", fmt_bytes(d.bytes_streamed))
         return table

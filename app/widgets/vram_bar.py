@@ -34,7 +34,7 @@ class VramBar(EventView):
 
     TITLE = "VRAM"
 
-    ledger: reactive[LedgerChanged | None] = reactive(None, layout=True)
+    ledger: reactive[LedgerChanged | None] = reactive(None)  # a layout only if the height changes
 
     def apply_event(self, event: Event) -> None:
         if isinstance(event, LedgerChanged):
