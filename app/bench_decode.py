@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """`argv` less the given options and their values (`--x v` and `--x=v`)."""
+    """`argv` less the given options and their values (given apart or joined by `=`)."""
     out, skip = [], False
     for a in argv:
         if skip:

@@ -79,6 +79,15 @@ class Gate:
         self._released.set()
 
 
+
+def store_all(store: Store, conv: Conversation) -> None:
+    """Append every message of `conv` as the app does: a reply names its prompt."""
+    prompt = None
+    for m in conv.messages:
+        seq = store.append(conv, m, reply_to=prompt if m.role == "assistant" else None)
+        prompt = seq if m.role == "user" else None
+
+
 async def send(pilot, text: str) -> None:
     app = pilot.app
     n = len(app.conv.messages)
@@ -368,7 +377,7 @@ async def test_the_loading_dialog_is_drawn_before_the_engine_or_the_chat_start(
     conv = Conversation()
     conv.add("user", sample_paste(50))
     conv.add("assistant", "an answer")
-    store.save(conv)
+    store_all(store, conv)
     store.close()
     app = make_app(tmp_path)
     seen: dict[str, object] = {}
@@ -400,7 +409,7 @@ async def test_the_conversation_list_searches_renames_and_deletes(tmp_path: Path
         conv = Conversation(created=1000.0 + i)
         conv.add("user", title)
         conv.add("assistant", "ok")
-        store.save(conv)
+        store_all(store, conv)
         store.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (2000 + i, conv.id))
         store.db.commit()
         convs[title] = conv

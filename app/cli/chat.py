@@ -22,6 +22,7 @@ from engine.cli.options import (
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import StrataError
 from engine.sampler import SamplingParams
+from engine.synth.demo import is_model_name
 from engine.synth.model import PRESETS
 
 
@@ -59,12 +60,12 @@ def chat_config(args: argparse.Namespace) -> ChatConfig:
     if args.plain:
         for name in APP_DEFAULTS:
             setattr(args, name, 0 if name == "spec" else False)
-    elif args.model not in PRESETS and Path(args.model).is_file() and not _has_mtp(args.model):
+    elif not is_model_name(args.model) and Path(args.model).is_file() and not _has_mtp(args.model):
         args.mtp, args.spec = False, 0  # a model without an MTP layer: no drafts to loan
     options = engine_options(args)
-    if options.model not in PRESETS and not Path(options.model).is_file():
+    if not is_model_name(options.model) and not Path(options.model).is_file():
         raise StrataError(
-            f"--model {options.model}: no such file (or preset: {', '.join(PRESETS)})"
+            f"--model {options.model}: no such file (or model name: demo, {', '.join(PRESETS)})"
         )
     flags = loan_flags()
     if not args.plain and not any(k.startswith("STRATA_PREFILL_") for k in os.environ):

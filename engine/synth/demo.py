@@ -53,12 +53,17 @@ def stderr_progress(label: str) -> Callable[[int, int], None]:
     return show
 
 
+def is_model_name(arg: str) -> bool:
+    """Whether `arg` names a model ('demo' or a preset) rather than a path."""
+    return (arg == DEMO_NAME or arg in PRESETS) and not Path(arg).exists()
+
+
 def resolve_model(arg: str, progress: Callable[[int, int], None] | None = None) -> Path:
     """'demo' -> the shipped model; a preset name -> its cached file (built on first use,
     reporting to `progress`, by default a bar on stderr); anything else is a path."""
-    if arg == DEMO_NAME and not Path(arg).exists():
+    if not is_model_name(arg):
+        return Path(arg)
+    if arg == DEMO_NAME:
         return DEMO_MODEL
-    if arg in PRESETS and not Path(arg).exists():
-        label = f"building the {arg} model (first use)"
-        return ensure_preset(arg, progress or stderr_progress(label))
-    return Path(arg)
+    label = f"building the {arg} model (first use)"
+    return ensure_preset(arg, progress or stderr_progress(label))
