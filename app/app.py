@@ -25,7 +25,7 @@ from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation, Message
-from engine.events import Event, Loading, PrefillProgress, Token
+from engine.events import Event, Loading, PrefillProgress, Ready, Token
 
 NARROW_COLUMNS = 100  # below this the dashboard and the chat take turns
 
@@ -152,6 +152,8 @@ class StrataApp(App[None]):
                 chat.progress(
                     f"reading the prompt: {event.tokens_done:,} of {event.tokens_total:,} tokens"
                 )
+            elif isinstance(event, Ready):
+                self._show_model(event)
             elif isinstance(event, Loading) and isinstance(self.screen, LoadingScreen):
                 self.screen.show(event)
         others = tuple(e for e in events if not isinstance(e, Token))
@@ -159,13 +161,16 @@ class StrataApp(App[None]):
             for view in self._views:
                 view.post_message(EngineLink.Events(others))
 
+    def _show_model(self, ready: Ready) -> None:
+        """The header says what the model is; the empty chat says what to try."""
+        self.sub_title = (
+            f"{ready.model_name} · {ready.n_layer} layers · {ready.n_expert} experts "
+            f"({ready.n_expert_used} active) · vocab {ready.n_vocab:,}"
+        )
+        self._chat.welcome(ready.model_description)
+
     def on_engine_link_loaded(self, message: EngineLink.Loaded) -> None:
         loop = message.loop
-        hp = loop.rt.model.hp
-        self.sub_title = (
-            f"{Path(loop.options.model).name} · {hp.n_layer} layers · {hp.n_expert} experts "
-            f"({hp.n_expert_used} active) · vocab {hp.n_vocab:,}"
-        )
         if isinstance(self.screen, LoadingScreen):
             self.pop_screen()
         self.query_one(Composer).input.focus()

@@ -33,10 +33,17 @@ class Loading(Event):
 
 @dataclass(frozen=True)
 class Ready(Event):
-    """The engine is loaded; `summary` describes model, device and plan."""
+    """The engine is loaded; `summary` describes model, device and plan; the rest are the
+    model's facts, so a reader needs nothing else of the engine."""
 
     summary: str
     device: str
+    model_name: str = ""  # general.name, else the file's name
+    model_description: str = ""  # general.description: what to try first ("" when none)
+    n_layer: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_vocab: int = 0
 
 
 @dataclass(frozen=True)

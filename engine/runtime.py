@@ -151,7 +151,7 @@ class Runtime:
                            segment_bytes=rt.plan_options.segment_bytes,
                            on_change=lambda s: publish(LedgerChanged.of(s)))
         rt._build(on_trace)
-        publish(Ready(summary=rt.summary(), device=rt.backend.name))
+        publish(rt.ready())
         rt.publish_gpu(force=True)
         return rt
 
@@ -244,6 +244,17 @@ class Runtime:
         return getattr(self.xp, "asnumpy", np.asarray)(a)
 
     # -- questions ---------------------------------------------------------------------------
+    def ready(self) -> Ready:
+        """The Ready event: the summary line and the model's facts."""
+        hp, meta = self.model.hp, self.model.mf.metadata
+        return Ready(
+            summary=self.summary(), device=self.backend.name,
+            model_name=str(meta.get("general.name") or self.model.path.name),
+            model_description=str(meta.get("general.description") or ""),
+            n_layer=hp.n_layer, n_expert=hp.n_expert, n_expert_used=hp.n_expert_used,
+            n_vocab=hp.n_vocab,
+        )  # fmt: skip
+
     def summary(self) -> str:
         hp = self.model.hp
         n_slots = self.cache.n_slots if self.cache else 0

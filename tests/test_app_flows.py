@@ -44,7 +44,7 @@ def async_test(fn):
 
 def make_app(tmp_path: Path, flags: LoanFlags | None = None, **options: object) -> StrataApp:
     config = ChatConfig(
-        EngineOptions(model="tiny", **options), flags or LoanFlags(), max_new=MAX_NEW
+        EngineOptions(**{"model": "tiny", **options}), flags or LoanFlags(), max_new=MAX_NEW
     )
     store = Store.open(tmp_path / "conversations.sqlite3")
     return StrataApp(config, store=store, export_dir=tmp_path / "exports")
@@ -526,3 +526,18 @@ async def test_the_heap_built_at_load_is_frozen_while_the_app_runs(tmp_path: Pat
         await wait_ready(pilot)
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
+
+
+@async_test
+async def test_the_header_and_the_empty_chat_say_what_the_model_is(tmp_path: Path) -> None:
+    """The demo is named honestly (a MoE trained on WordNet) and the empty chat suggests
+    messages that work, both from the model file (the Ready event), not the app."""
+    app = make_app(tmp_path, model="demo")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await wait_until(pilot, lambda: "WordNet" in app.sub_title)
+        assert "4 layers · 32 experts (4 active)" in app.sub_title
+        welcome = str(app.query_one("#chat-empty").render())
+        assert "dictionary to chat with" in welcome and "What is a cat?" in welcome
+        await send(pilot, "What is a cat?")
+        assert "feline" in app.conv.messages[1].content

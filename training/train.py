@@ -28,6 +28,10 @@ from training.tokenizer import tokenizer_of, train_vocab
 
 SPEC: SynthSpec = replace(PRESETS["random-demo"], seed=0)
 TITLE = "strata demo: a 4-layer MoE trained on WordNet (a dictionary to chat with)"
+DESCRIPTION = (
+    "A dictionary to chat with, not an assistant. Try: house · What does 'water' mean? · "
+    "What is a cat? · Synonyms of big? · What is the opposite of 'hot'?"
+)
 MTP_WEIGHT = 0.3
 AUX_WEIGHT = 0.01
 PACE_FROM, PACE_TO = 10, 60  # steps timed to fix the step count (the first ones warm up)
@@ -135,10 +139,12 @@ def build(
     train_s = time.perf_counter() - t_train
     model.eval()
     tensors = model.gguf_tensors()
-    write_gguf(out, SPEC, vocab, synth_tensors(SPEC), _encoded(tensors, SPEC), TITLE)
+    write_gguf(out, SPEC, vocab, synth_tensors(SPEC), _encoded(tensors, SPEC), TITLE,
+               description=DESCRIPTION)
     for qtype, path in (also or {}).items():
         spec = SPEC.with_qtype("experts", qtype)
-        write_gguf(path, spec, vocab, synth_tensors(spec), _encoded(tensors, spec), TITLE)
+        write_gguf(path, spec, vocab, synth_tensors(spec), _encoded(tensors, spec), TITLE,
+                   description=DESCRIPTION)
     record = {
         "recipe": r.__dict__ | {"steps": steps}, "pairs": len(phrasings[0]),
         "tokens_per_phrasing": len(encoded[0].ids), "epochs": epoch_no,

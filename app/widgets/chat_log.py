@@ -77,6 +77,9 @@ class MessageView(Vertical):
         return f"{label} · cancelled" if self.cancelled else label
 
 
+WELCOME = "Type a message and press Enter.  F1 shows every key."
+
+
 class ChatLog(VerticalScroll):
     """Message views; the answer being generated streams into the last Markdown."""
 
@@ -97,7 +100,12 @@ class ChatLog(VerticalScroll):
         self._text: list[str] = []  # what the open answer has received
 
     def compose(self) -> ComposeResult:
-        yield Static("Type a message and press Enter.  F1 shows every key.", id="chat-empty")
+        yield Static(WELCOME, id="chat-empty")
+
+    def welcome(self, description: str) -> None:
+        """What the empty chat says: the model's own suggestion first, when it has one."""
+        text = f"{description}\n\n{WELCOME}" if description else WELCOME
+        self.query_one("#chat-empty", Static).update(text)
 
     @property
     def streaming(self) -> bool:

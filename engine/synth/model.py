@@ -260,7 +260,7 @@ def write_model(
         build_vocab(spec.n_vocab, seed=spec.seed),
         tensors,
         _made_in_order(tensors, spec),
-        f"strata synthetic qwen3moe ({spec.digest()})",
+        f"strata synthetic qwen3moe with random weights ({spec.digest()})",
         progress,
     )
 
@@ -273,14 +273,19 @@ def write_gguf(
     data: Iterable[np.ndarray],
     title: str,
     progress: Callable[[int, int], None] | None = None,
+    description: str = "",
 ) -> Path:
     """Write a qwen3moe GGUF of `spec`'s shapes: `tensors` (name -> (shape, quant type)) with
-    their encoded bytes from `data` in the same order (atomically: temp file, then rename)."""
+    their encoded bytes from `data` in the same order (atomically: temp file, then rename).
+    `title` is `general.name`; `description` (`general.description`) is what the app shows
+    a newcomer before the first message."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".part")
     w = GGUFWriter(tmp, names.ARCH_QWEN3MOE)
     _write_metadata(w, spec, title)
+    if description:
+        w.add_description(description)
     write_vocab(w, vocab)
     for name, (shape, qtype) in tensors.items():
         # logical shape + raw_dtype: the writer records the quant type and our byte count
