@@ -133,6 +133,19 @@ async def paste_loan(pilot: Pilot) -> None:
     await pilot.pause(0.2)
 
 
+async def answer(pilot: Pilot) -> None:
+    """Two dictionary questions answered with MTP drafts (the app's loan-ready defaults)."""
+    await wait_ready(pilot)
+    app = pilot.app
+    assert isinstance(app, StrataApp)
+    for n, message in enumerate(("What does 'water' mean?", "What is a cat?"), start=1):
+        await pilot.press(*message)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda n=n: app.link.loop is not None and not app.link.loop.busy
+                         and len(app.conv.messages) >= 2 * n and not app.running)
+    await pilot.pause(0.5)
+
+
 def _paste(text: str):
     from textual.events import Paste
 
@@ -149,12 +162,18 @@ def _prefill_chunk(app: StrataApp) -> int:
 LOAN_FLAGS = LoanFlags(elastic_loan=True, mtp_loan=True, head_loan=True,
                        retain_startup_chunk=True, repeat_loan=True)
 
+def loan_ready(model: str) -> EngineOptions:
+    """The app's own defaults: loan-ready, MTP drafts checked by the verifier."""
+    return EngineOptions(model=model, serve=True, vram_elastic=True, mtp=True, spec=2)
+
+
 SCENES = {
     "idle": Scene("idle", idle, lambda model: EngineOptions(model=model)),
+    "answer": Scene("answer", answer, loan_ready, LOAN_FLAGS),
     "paste-loan": Scene(
         "paste-loan",
         paste_loan,
-        lambda model: EngineOptions(model=model, serve=True, vram_elastic=True, mtp=True, spec=2),
+        loan_ready,
         LOAN_FLAGS,
     ),
     "refused-flag": Scene("refused-flag", refused_flag, lambda model: EngineOptions(model=model)),

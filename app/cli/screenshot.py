@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-SCENE_NAMES = ("idle", "paste-loan", "refused-flag")
+SCENE_NAMES = ("answer", "idle", "paste-loan", "refused-flag")  # app.scenes.SCENES (not imported to parse)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
