@@ -9,6 +9,7 @@ defers.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -137,6 +138,10 @@ class Runtime:
                on_trace: Callable[[str], None] | None = None,
                faults: Faults | None = None) -> Runtime:
         """Load, plan and allocate. `faults` arms named failure points (tests)."""
+        # An engine let go of is held by reference cycles (its parts keep its bound methods)
+        # until a full collection: run one now, so its memory (device buffers on CUDA, the
+        # decoded experts) is back before this engine plans from what is free.
+        gc.collect()
         rt = cls()
         rt.faults = faults or Faults()
         rt.options, rt.flags, rt.bus = options, flags, bus or EventBus()
