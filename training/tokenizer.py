@@ -14,8 +14,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
-from engine.gguf.chat_template import CHATML_TEMPLATE
-from engine.gguf.tokenizer import Tokenizer, TokenType, bytes_to_unicode, make_pre_tokenizer
+from engine.gguf.tokenizer import Tokenizer, bytes_to_unicode, make_pre_tokenizer
 from engine.synth.vocab import PRE, SPECIAL_TOKENS, VocabSpec
 
 
@@ -51,19 +50,7 @@ def train_vocab(texts: Iterable[str], n_vocab: int) -> VocabSpec:
         if t not in index:
             index.add(t)
             tokens.append(t)
-    tokens = tokens[:n_regular]
-    eos = len(tokens)
-    tokens.extend(SPECIAL_TOKENS)
-    types = [int(TokenType.NORMAL)] * n_regular + [int(TokenType.CONTROL)] * len(SPECIAL_TOKENS)
-    return VocabSpec(
-        tokens=tokens,
-        token_types=types,
-        merges=merge_lines[: n_regular - 256],
-        bos_id=eos,
-        eos_id=eos,
-        pad_id=eos,
-        chat_template=CHATML_TEMPLATE,
-    )
+    return VocabSpec.chatml(tokens[:n_regular], merge_lines[: n_regular - 256])
 
 
 def tokenizer_of(vocab: VocabSpec) -> Tokenizer:

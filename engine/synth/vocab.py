@@ -60,6 +60,23 @@ class VocabSpec:
     chat_template: str
     words: tuple[str, ...] = ()
 
+    @classmethod
+    def chatml(cls, tokens: list[str], merges: list[str], words: tuple[str, ...] = ()) -> VocabSpec:
+        """`tokens` (bytes and merged tokens) then the special tokens, `<|endoftext|>` as BOS,
+        EOS and padding, and the ChatML template."""
+        n_regular = len(tokens)
+        types = [int(TokenType.NORMAL)] * n_regular + [int(TokenType.CONTROL)] * len(SPECIAL_TOKENS)
+        return cls(
+            tokens=[*tokens, *SPECIAL_TOKENS],
+            token_types=types,
+            merges=merges,
+            bos_id=n_regular,
+            eos_id=n_regular,
+            pad_id=n_regular,
+            chat_template=CHATML_TEMPLATE,
+            words=words,
+        )
+
     @property
     def n_vocab(self) -> int:
         """Number of tokens, specials included."""
@@ -183,19 +200,7 @@ def build_vocab(n_vocab: int, seed: int = 0) -> VocabSpec:
     pool = [_space(w) for w in words] if len(words) >= 8 else tokens
     _pad_with_pairs(tokens, index, merges, pool, n_regular, seed)
     assert len(tokens) == n_regular, (len(tokens), n_regular)
-    eos = len(tokens)
-    tokens.extend(SPECIAL_TOKENS)
-    types = [int(TokenType.NORMAL)] * n_regular + [int(TokenType.CONTROL)] * len(SPECIAL_TOKENS)
-    return VocabSpec(
-        tokens=tokens,
-        token_types=types,
-        merges=merges,
-        bos_id=eos,
-        eos_id=eos,
-        pad_id=eos,
-        chat_template=CHATML_TEMPLATE,
-        words=words,
-    )
+    return VocabSpec.chatml(tokens, merges, words)
 
 
 def _space(word: str) -> str:
