@@ -12,8 +12,8 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import Footer, Header, Input, TextArea
 
-from app.cli.chat import ChatConfig
 from app.commands import FlagCommands
+from app.config import ChatConfig
 from app.engine_link import EngineLink
 from app.screens import ConversationsScreen, HelpScreen, LoadingScreen
 from app.store import Store, StoreError, export_markdown

@@ -29,7 +29,7 @@ from pathlib import Path
 from textual.pilot import Pilot
 
 from app.app import StrataApp
-from app.cli.chat import ChatConfig, add_chat_args, chat_config
+from app.config import ChatConfig, add_chat_args, chat_config
 from app.scenes import wait_ready
 from app.store import Store
 from app.widgets.prompt_input import PromptInput

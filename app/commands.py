@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 from app.widgets.flags_panel import PREFILL_CHOICES, SPEC_CHOICES, SWITCHES
-from engine.config import ENV_NAMES
+from engine.config import ENV_NAMES, EngineOptions, LoanFlags
 
-if TYPE_CHECKING:
-    from app.app import StrataApp
+
+class FlagsHost(Protocol):
+    """What the palette needs of the app (the app provides it; this module does not import it)."""
+
+    def flags_in_force(self) -> tuple[LoanFlags, EngineOptions] | None: ...
+
+    def request_flags(self, flags: LoanFlags, options: EngineOptions) -> None: ...
 
 REPEAT_THRESHOLDS = (256, 1024, 4096, 16384, 50000)
 
@@ -22,7 +27,7 @@ class FlagCommands(Provider):
     threshold."""
 
     def commands(self) -> list[tuple[str, Callable[[], None], str]]:
-        app = cast("StrataApp", self.app)
+        app = cast(FlagsHost, self.app)
         current = app.flags_in_force()
         if current is None:
             return []

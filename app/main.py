@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from app.cli.chat import ChatConfig, add_chat_args, chat_config
+from app.config import ChatConfig, add_chat_args, chat_config
 from app.store import Store
 from engine.cli import OneLineParser
 from engine.errors import StrataError

@@ -14,7 +14,7 @@ from pathlib import Path
 from textual.pilot import Pilot
 
 from app.app import StrataApp
-from app.cli.chat import ChatConfig
+from app.config import ChatConfig
 from app.store import Store
 from app.widgets.prompt_input import Composer, PromptInput
 from engine.config import EngineOptions, LoanFlags

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from app.app import StrataApp
-from app.cli.chat import ChatConfig
 from app.cli.screenshot import screenshot
+from app.config import ChatConfig
 from app.main import run_app
 from app.scenes import wait_until
 from app.store import Store

@@ -14,7 +14,7 @@ from textual.notifications import Notify
 from textual.widgets import Markdown, Switch
 
 from app.app import StrataApp
-from app.cli.chat import ChatConfig
+from app.config import ChatConfig
 from app.scenes import sample_paste, wait_ready, wait_until
 from app.store import Store
 from app.widgets.chat_log import MessageView, printable
@@ -500,7 +500,7 @@ def test_bench_decode_runs_strata_run_with_the_apps_options() -> None:
     """`python -m app.bench_decode` compares like with like: `strata run` gets the app's engine
     options and sampling (checked by parsing the command line back)."""
     from app.bench_decode import run_argv
-    from app.cli.chat import add_chat_args, chat_config
+    from app.config import add_chat_args, chat_config
     from engine.cli import OneLineParser
 
     parser = OneLineParser(prog="test")

@@ -18,7 +18,7 @@ from textual.notifications import Notify
 from textual.widgets import Label
 
 from app.app import StrataApp
-from app.cli.chat import ChatConfig
+from app.config import ChatConfig
 from app.main import run_app
 from app.scenes import wait_ready, wait_until
 from app.store import DB_NAME, SCHEMA_VERSION, Store
@@ -72,7 +72,7 @@ APP_KILLED_MID_REQUEST = """
     import asyncio, os, sys, threading
     from pathlib import Path
     from app.app import StrataApp
-    from app.cli.chat import ChatConfig
+    from app.config import ChatConfig
     from app.scenes import wait_ready
     from app.store import DB_NAME, Store
     from engine.config import EngineOptions, LoanFlags

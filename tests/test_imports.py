@@ -165,12 +165,6 @@ def test_engine_never_imports_app() -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the app's cycle app.app <-> app.cli.chat <-> "
-    "app.commands <-> app.main is being fixed on its own branch; remove this "
-    "mark when it is gone",
-)
 def test_app_modules_never_import_each_other_in_a_loop(graph: dict[str, set[str]]) -> None:
     groups = [g for g in cycles(graph) if any(inside(m, "app") for m in g)]
     assert not groups, "\n" + report(graph, groups)

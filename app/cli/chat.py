@@ -1,89 +1,15 @@
 """`strata chat`: the Textual chat app on one engine (options here, flags from the environment).
 
-The app itself lives in `app/`; this module only turns the command line into a `ChatConfig`
-and launches it. Bad options or STRATA_PREFILL_* values are one line and exit code 2.
+The app itself lives in `app/`; this module only registers the command, turns the command line
+into a `ChatConfig` (`app.config`) and launches it. Bad options or STRATA_PREFILL_* values are
+one line and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from engine.cli.options import (
-    add_engine_args,
-    add_sampling_args,
-    engine_options,
-    loan_flags,
-    sampling_params,
-)
-from engine.config import EngineOptions, LoanFlags
-from engine.errors import StrataError
-from engine.sampler import SamplingParams
-from engine.synth.demo import is_model_name
-from engine.synth.model import PRESETS
-
-
-@dataclass(frozen=True)
-class ChatConfig:
-    """Everything the app needs to start: engine options, loan flags, sampling."""
-
-    options: EngineOptions
-    flags: LoanFlags
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_new: int = 256
-
-
-# The app exists to show the loan: unless told otherwise it starts on the serialized serve
-# path with elastic segments and MTP drafts (T = 2), and with every loan flag on when no
-# STRATA_PREFILL_* variable is set (set any of them, or use the flags panel, to change that).
-APP_DEFAULTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 2}
-APP_FLAGS = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
-                           retain_startup_chunk=True, repeat_loan=True)
-
-
-def add_chat_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
-    add_sampling_args(p)
-    p.add_argument("--max-new", type=int, default=256, help="tokens per answer (default 256)")
-    p.add_argument("--plain", action="store_true",
-                   help="start without the loan defaults (no --serve/--mtp, flags from the env)")
-    p.set_defaults(**APP_DEFAULTS)
-
-
-def chat_config(args: argparse.Namespace) -> ChatConfig:
-    """Validate the command line and the environment; raises StrataError (one line)."""
-    if args.max_new < 1:
-        raise StrataError(f"--max-new {args.max_new} must be at least 1")
-    if args.plain:
-        for name in APP_DEFAULTS:
-            setattr(args, name, 0 if name == "spec" else False)
-    elif not is_model_name(args.model) and Path(args.model).is_file() and not _has_mtp(args.model):
-        args.mtp, args.spec = False, 0  # a model without an MTP layer: no drafts to loan
-    options = engine_options(args)
-    if not is_model_name(options.model) and not Path(options.model).is_file():
-        raise StrataError(
-            f"--model {options.model}: no such file (or model name: demo, {', '.join(PRESETS)})"
-        )
-    flags = loan_flags()
-    if not args.plain and not any(k.startswith("STRATA_PREFILL_") for k in os.environ):
-        flags = APP_FLAGS if options.mtp else LoanFlags.make(
-            elastic_loan=True, retain_startup_chunk=True, repeat_loan=True)
-    for warning in flags.warnings:
-        sys.stderr.write(f"strata: warning: {warning}\n")
-    return ChatConfig(options, flags, sampling_params(args), args.max_new)
-
-
-def _has_mtp(path: str) -> bool:
-    """Whether a GGUF announces an MTP (nextn) layer (metadata only, no weights read)."""
-    from engine.gguf.reader import open_gguf
-
-    try:
-        return bool(open_gguf(path).key("nextn_predict_layers", 0))
-    except StrataError:
-        return False  # the engine reports the bad file with its own one-line error
+from app.config import add_chat_args, chat_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
