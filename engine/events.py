@@ -168,11 +168,6 @@ class GpuStats(Event):
     ledger_bytes: int  # bytes the ledger's regions hold
 
 
-@dataclass(frozen=True)
-class ErrorEvent(Event):
-    message: str
-
-
 class EventBus:
     """Fan-out of events to subscribers; publish is safe from any thread."""
 

@@ -10,7 +10,6 @@ from textual.widgets import RichLog
 
 from app.engine_link import EngineLink
 from engine.events import (
-    ErrorEvent,
     Event,
     FlagsChanged,
     FlagsRefused,
@@ -35,8 +34,6 @@ def event_line(event: Event) -> Text | None:
         return Text(f"flags accepted (next message): {shown}", style="green")
     if isinstance(event, FlagsRefused):
         return Text("flags refused: " + "; ".join(event.violations), style="bold red")
-    if isinstance(event, ErrorEvent):
-        return Text(f"error: {event.message}", style="bold red")
     if isinstance(event, Ready):
         return Text(f"ready: {event.summary} on {event.device}", style="dim")
     return None
