@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_app_store import store_all
 from textual.events import Paste
 from textual.notifications import Notify
 from textual.widgets import Markdown, Switch
@@ -77,15 +78,6 @@ class Gate:
 
     def release(self) -> None:
         self._released.set()
-
-
-
-def store_all(store: Store, conv: Conversation) -> None:
-    """Append every message of `conv` as the app does: a reply names its prompt."""
-    prompt = None
-    for m in conv.messages:
-        seq = store.append(conv, m, reply_to=prompt if m.role == "assistant" else None)
-        prompt = seq if m.role == "user" else None
 
 
 async def send(pilot, text: str) -> None:
