@@ -103,18 +103,30 @@ def act_bytes_per_token(model: Shapes) -> int:
     return F32 * per_token
 
 
-def prefill_flops(model: Shapes, n_tokens: int, pos0: int = 0) -> int:
-    """Multiply-add FLOPs (2 per MAC) of prefilling tokens pos0..pos0+n-1 through the main
-    blocks: q/k/v/o projections, causal attention (4 * H * D per visible key), the router and
-    k SwiGLU experts per token. The prompt computes no logits (the first token's come after)."""
+def attention_flops(model: Shapes, n_tokens: int, pos0: int = 0) -> int:
+    """Multiply-add FLOPs (2 per MAC) of the attention half of prefilling tokens
+    pos0..pos0+n-1 through the main blocks: q/k/v/o projections and causal attention (4 * H * D
+    per visible key)."""
     hp = model.hp
-    d, f, k = hp.n_embd, hp.n_ff_exp, hp.n_expert_used
-    per_token = (2 * d * (hp.q_dim + 2 * hp.kv_dim) + 2 * hp.q_dim * d  # projections
-                 + 2 * d * hp.n_expert + 6 * k * d * f)  # router, gate + up + down
+    d = hp.n_embd
+    per_token = 2 * d * (hp.q_dim + 2 * hp.kv_dim) + 2 * hp.q_dim * d  # projections
     visible = n_tokens * pos0 + n_tokens * (n_tokens + 1) // 2  # sum of keys each query sees
     return hp.n_layer * (n_tokens * per_token + 4 * hp.n_head * hp.head_dim * visible)
 
 
+def moe_flops(model: Shapes, n_tokens: int) -> int:
+    """Multiply-add FLOPs of the MoE half of prefilling `n_tokens` through the main blocks:
+    the router and k SwiGLU experts (gate + up + down) per token."""
+    hp = model.hp
+    d, f, k = hp.n_embd, hp.n_ff_exp, hp.n_expert_used
+    return hp.n_layer * n_tokens * (2 * d * hp.n_expert + 6 * k * d * f)
+
+
+def prefill_flops(model: Shapes, n_tokens: int, pos0: int = 0) -> int:
+    """FLOPs of prefilling tokens pos0..pos0+n-1 through the main blocks: attention
+    (`attention_flops`) and MoE (`moe_flops`). The prompt computes no logits (the first
+    token's come after)."""
+    return attention_flops(model, n_tokens, pos0) + moe_flops(model, n_tokens)
 
 
 def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int) -> int:
