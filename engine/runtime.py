@@ -21,13 +21,14 @@ import numpy as np
 
 from engine.backend import make_backend
 from engine.backend.base import Backend
-from engine.cache_setup import (
+from engine.build.cache import (
     attach_token_graph,
     detach_token_graph,
     make_cache,
     pin_model_file,
     startup_profile,
 )
+from engine.build.spec import build_spec
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes, model_costs
 from engine.devices import (
@@ -50,8 +51,10 @@ from engine.events import (
 )
 from engine.experts.cache import LENT, ExpertCache
 from engine.experts.provider import CachedExperts
-from engine.guards import validate
-from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
+from engine.loan.faults import Faults
+from engine.loan.guards import validate
+from engine.loan.resources import DecodeResource, NativeHead, ResourceSet
+from engine.loan.transaction import STARTUP, LoanTransaction, admit, loan_regions, on_chunk_guard
 from engine.memory.arena import Arena
 from engine.memory.ledger import REGION_NAMES, Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
@@ -60,11 +63,9 @@ from engine.memory.sizes import MiB, format_mib
 from engine.model.loader import Model, load_model
 from engine.model.weights import DecodedLRU
 from engine.phases import PhaseClock
-from engine.prefill import PrefillResult, run_prompt, shrink_geometry
-from engine.resources import DecodeResource, NativeHead, ResourceSet
+from engine.prompt.path import PrefillResult, run_prompt, shrink_geometry
 from engine.sampler import Sampler
 from engine.session import Session, Timing
-from engine.spec_setup import build_spec
 from engine.synth.demo import resolve_model
 
 

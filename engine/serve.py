@@ -29,7 +29,7 @@ from engine.events import (
     TraceLine,
 )
 from engine.experts.provider import StreamCounters
-from engine.loan import Faults
+from engine.loan.faults import Faults
 from engine.memory.plan_types import PromptGeometry
 from engine.runtime import Checkpoint, Runtime
 from engine.sampler import Sampler, SamplingParams

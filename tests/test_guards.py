@@ -11,7 +11,7 @@ from engine.cli import main
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import segment_bytes
 from engine.errors import FlagError
-from engine.guards import validate
+from engine.loan.guards import validate
 from engine.memory.sizes import GiB, MiB
 
 GOOD = EngineOptions(serve=True, vram_elastic=True, mtp=True, spec=4)

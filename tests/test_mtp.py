@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.draft_head import DraftHead, select_draft_ids
 from engine.errors import FlagError, ModelError
 from engine.gguf import names
 from engine.gguf.tokenizer import TokenType
@@ -20,9 +19,11 @@ from engine.model.weights import DirectExperts
 from engine.quant import dequantize
 from engine.sampler import SamplingParams
 from engine.session import Session, Timing
-from engine.spec import MTPDraft, SpecDecoder
+from engine.spec.decoder import SpecDecoder
+from engine.spec.draft import MTPDraft
+from engine.spec.draft_head import DraftHead, select_draft_ids
+from engine.spec.verifier import Verifier
 from engine.synth.fit_mtp import fit_mtp
-from engine.verifier import Verifier
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_block_forward_matches_a_hand_computed_first_cell(model: Model) -> None:
     """At position 0 attention sees one key, so the block reduces to closed form; the
     projection input is [enorm(embedding), hnorm(hidden)] in that order."""
     hp = model.hp
-    block = MTPBlock(model)
+    block = MTPBlock(model, DraftHead.from_model(model))
     rng = np.random.default_rng(0)
     h_prev = rng.standard_normal((1, hp.n_embd)).astype(np.float32) * 3
     tok = np.array([321])
@@ -64,7 +65,7 @@ def test_block_forward_matches_a_hand_computed_first_cell(model: Model) -> None:
 
 def test_model_without_nextn_is_a_one_line_error(tiny_nomtp_path: Path) -> None:
     m = load_model(tiny_nomtp_path)
-    for build in (lambda: MTPBlock(m), lambda: SpecDecoder.with_mtp(m, 3)):
+    for build in (lambda: MTPBlock(m, DraftHead.from_model(m)), lambda: SpecDecoder.with_mtp(m, 3)):
         with pytest.raises(ModelError, match=r"model has no MTP \(nextn\) layer; drop --mtp") as e:
             build()
         assert "\n" not in str(e.value) and tiny_nomtp_path.name in str(e.value)

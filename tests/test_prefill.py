@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine.config import EngineOptions
 from engine.conversation import Conversation
 from engine.events import EventBus, PlanChosen
-from engine.loan import Faults
+from engine.loan.faults import Faults
 from engine.profile_record import calibration_text
 from engine.serve import ServeLoop
 

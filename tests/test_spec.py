@@ -8,20 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from drafts import AdversarialDraft, TargetDraft
 
 from engine.cli.bench_spec import bench, format_table, parse_specs
 from engine.errors import FlagError
 from engine.model.loader import Model, load_model
 from engine.sampler import Sampler, SamplingParams
 from engine.session import Session, Timing
-from engine.spec import (
-    AdversarialDraft,
-    SpecDecoder,
-    TargetDraft,
-    rejection_step,
-    speculative_accept,
-)
-from engine.verifier import Verifier
+from engine.spec.decoder import SpecDecoder, rejection_step, speculative_accept
+from engine.spec.verifier import Verifier
 
 GREEDY = SamplingParams()
 # prompt lengths: a single token, shorter than a chunk, several chunks, and a longer one

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from drafts import AdversarialDraft
 
 from engine.model.loader import Model, load_model
 from engine.sampler import SamplingParams
 from engine.session import Session, Timing
-from engine.spec import AdversarialDraft, SpecDecoder
-from engine.spec_policy import DRAFT, PLAIN, DraftPolicy
-from engine.verifier import Verifier
+from engine.spec.decoder import SpecDecoder
+from engine.spec.policy import DRAFT, PLAIN, DraftPolicy
+from engine.spec.verifier import Verifier
 
 GREEDY = SamplingParams()
 

@@ -22,7 +22,7 @@ from engine.model.loader import load_model
 from engine.model.weights import DirectExperts
 from engine.sampler import SamplingParams
 from engine.session import Session, Timing
-from engine.spec import SpecDecoder, check_spec
+from engine.spec.decoder import SpecDecoder, check_spec
 from engine.synth.demo import resolve_model
 
 

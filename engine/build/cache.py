@@ -20,7 +20,7 @@ from engine.experts.profile import ExpertProfile
 from engine.experts.provider import CachedExperts
 from engine.experts.residency import residency_readers
 from engine.kv import KVCache
-from engine.loan import Faults
+from engine.loan.faults import Faults
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
 from engine.memory.planner import plan_startup

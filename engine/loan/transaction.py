@@ -26,35 +26,15 @@ from engine.devices import deferred_regions
 from engine.errors import StrataError
 from engine.events import EventBus, LoanStep
 from engine.experts.cache import ExpertCache
+from engine.loan.faults import Faults
+from engine.loan.resources import LABELS, DecodeResource, ResourceSet
 from engine.memory.arena import Arena
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
 from engine.memory.planner import plan_loan
 from engine.memory.sizes import MiB
-from engine.resources import LABELS, DecodeResource, ResourceSet
 
 STARTUP, REPEAT = "startup", "repeat"
-
-
-class InjectedFault(StrataError):
-    """A failure injected by a test at a named step of the transaction."""
-
-
-class Faults:
-    """Named one-shot fault points: `arm('release:verifier')`, `hit(step)` raises once."""
-
-    def __init__(self) -> None:
-        self.armed: set[str] = set()
-        self.seen: list[str] = []
-
-    def arm(self, step: str) -> None:
-        self.armed.add(step)
-
-    def hit(self, step: str) -> None:
-        self.seen.append(step)
-        if step in self.armed:
-            self.armed.discard(step)
-            raise InjectedFault(f"fault injected at {step}")
 
 
 def admit(flags: LoanFlags, startup_loan_pending: bool, n_fresh: int) -> str | None:
