@@ -75,7 +75,7 @@ class LoanTimeline(EventView):
         elif isinstance(event, PrefillProgress):
             self._set_prefill(ms=(event.t - self._prefill_t0) * 1e3, running=True)
         elif isinstance(event, RequestDone):
-            self._set_prefill(ms=event.prefill_ms, running=False)
+            self._set_prefill(ms=event.prefill_s * 1e3, running=False)
             self._open = False
 
     def _set_prefill(self, ms: float, running: bool) -> None:
