@@ -16,6 +16,7 @@ from engine.errors import FlagError
 
 REPEAT_MIN_DEFAULT = 1024
 REPEAT_MIN_FLOOR = 256
+AUTO = "auto"  # STRATA_PREFILL_REPEAT_MIN_TOKENS=auto: the forecast decides the repeat loan
 
 ENV_NAMES = {
     "elastic_loan": "STRATA_PREFILL_ELASTIC_LOAN",
@@ -43,6 +44,9 @@ class LoanFlags:
     retain_startup_chunk: bool = False
     repeat_loan: bool = False
     repeat_min_tokens: int = REPEAT_MIN_DEFAULT
+    # STRATA_PREFILL_REPEAT_MIN_TOKENS=auto: a repeat loan is taken when the forecast says it
+    # pays (engine.forecast.pays), not by the threshold (kept for when auto is turned off)
+    repeat_auto: bool = False
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -64,10 +68,14 @@ class LoanFlags:
             if raw is None:
                 continue
             if name == "repeat_min_tokens":
+                if raw.strip().lower() == AUTO:
+                    values["repeat_auto"] = True
+                    continue
                 n = _parse_count(raw)
                 if n is None:
                     errors.append(
-                        f"{var}={raw!r} is not an integer; give a token count such as 1024"
+                        f"{var}={raw!r} is neither an integer nor auto; give a token count "
+                        "such as 1024, or auto (the forecast decides)"
                     )
                 elif n < 0:
                     errors.append(_negative_repeat_min(n))
@@ -114,9 +122,14 @@ class LoanFlags:
     def as_env(self) -> dict[str, str]:
         return {
             var: str(int(getattr(self, name))) if name != "repeat_min_tokens"
-            else str(self.repeat_min_tokens)
+            else self.threshold_text
             for name, var in ENV_NAMES.items()
         }
+
+    @property
+    def threshold_text(self) -> str:
+        """STRATA_PREFILL_REPEAT_MIN_TOKENS as written: 'auto' or the count."""
+        return AUTO if self.repeat_auto else str(self.repeat_min_tokens)
 
 
 @dataclass(frozen=True)

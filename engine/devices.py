@@ -4,6 +4,9 @@ regions a loan defers."""
 
 from __future__ import annotations
 
+import os
+import platform
+
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import FlagError
 from engine.memory.plan_types import ModelCosts
@@ -104,3 +107,22 @@ def deferred_regions(flags: LoanFlags, options: EngineOptions) -> frozenset[str]
     if flags.head_loan:
         out.add("head.native")
     return frozenset(out)
+
+
+def hardware_name(device_index: int | None) -> str:
+    """What a device's measured prefill rates are kept under: 'cuda NVIDIA H200' for a CUDA
+    device (`device_index`), else 'sim ' and the host's CPU model and core count (the
+    simulated device computes on the CPU)."""
+    if device_index is not None:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(device_index)["name"]
+        return f"cuda {name.decode() if isinstance(name, bytes) else name}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"sim {cpu} x{os.cpu_count() or 1}"

@@ -141,6 +141,7 @@ class RequestDone(Event):
     spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
     drafted_steps: int = 0
     decoded: bool = True  # a decode step ran (Timing.decoded); else there is no TG to show
+    forecast_s: float = 0.0  # the prefill's forecast made before it ran (0: none)
 
     @classmethod
     def of(cls, timing: Timing, cancelled: bool = False) -> RequestDone:

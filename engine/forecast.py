@@ -44,7 +44,6 @@ from engine.memory.plan_types import PromptGeometry
 
 FORMAT = "strata-prefill-rates"
 VERSION = 1
-STARTUP, REPEAT = "startup", "repeat"  # the loan kinds (engine.loan's names)
 
 # Part -> the workload features its time is linear in ("one": a fixed cost).
 FEATURES: dict[str, tuple[str, ...]] = {
@@ -77,7 +76,7 @@ AUTO_MARGIN = 0.10
 class Workload:
     """What one prefill will do, from its plan: the features the parts are linear in."""
 
-    kind: str | None  # None (no loan), STARTUP or REPEAT
+    kind: str | None  # the loan: None, "startup" or "repeat" (engine.loan.transaction)
     n_fresh: int
     pos0: int  # tokens already in the KV cache (the prompt's reused prefix)
     chunk_tokens: int  # the geometry fitted to the prompt
@@ -429,7 +428,7 @@ def save_rates(path: Path, rates: Rates) -> None:
 @dataclass(frozen=True)
 class LoanVerdict:
     """What a message would get, asked before it is sent: its token counts, the loan it would
-    take (STARTUP, REPEAT or None) and why, and the forecast with and without a loan (`with_loan`
+    take ("startup", "repeat" or None) and why, and the forecast with and without a loan (`with_loan`
     None where no loan is possible: flags off, or a guard refuses it)."""
 
     prompt_tokens: int
@@ -438,6 +437,7 @@ class LoanVerdict:
     reason: str
     without_loan: Forecast
     with_loan: Forecast | None
+    pays: bool | None = None  # `pays(without_loan, with_loan)`; None without a loan forecast
 
     @property
     def chosen(self) -> Forecast:
@@ -456,3 +456,34 @@ def pays(without_loan: Forecast, with_loan: Forecast) -> bool:
     """The automatic decision: the loan's forecast (its release and restore included) beats
     the forecast without it by more than AUTO_MARGIN."""
     return with_loan.total_s * (1 + AUTO_MARGIN) < without_loan.total_s
+
+
+# -- a table ----------------------------------------------------------------------------------
+
+ROWS = (("attention", "attention (s)"), ("moe", "MoE (s)"), ("stream", "expert streaming (s)"),
+        ("rest", "chunk overhead, refill (s)"), ("release", "release (s)"),
+        ("restore", "restore (s)"))
+
+
+def format_forecasts(columns: Sequence[tuple[str, Forecast | str]]) -> str:
+    """Forecasts side by side (a column that is a string says why there is no forecast): the
+    plan, chunks, expected streaming, each part and the prefill time."""
+    from engine.memory.sizes import format_table
+
+    def cells(f: Forecast | str) -> list[str]:
+        if isinstance(f, str):
+            return [f] + [""] * (len(ROWS) + 4)
+        w = f.workload
+        mib = w.streamed_bytes / (1 << 20)
+        parts = [f"{f.seconds[p]:.3f}" if p not in ("release", "restore") or w.kind
+                 else "-" for p, _ in ROWS]
+        pp = w.n_fresh / f.total_s if f.total_s > 0 else 0.0
+        return [f"{w.chunk_tokens:,} / {w.ring_slots:,}", f"{w.n_chunks:,}", f"{mib:,.0f}",
+                *parts, f"{f.total_s:.3f}", f"{pp:,.0f}"]
+
+    labels = ["prompt plan (chunk / ring)", "chunks", "experts streamed (MiB)",
+              *(label for _, label in ROWS), "prefill (s)", "PP (tok/s)"]
+    table = [cells(f) for _, f in columns]
+    rows = [[label, *(col[i] for col in table)] for i, label in enumerate(labels)]
+    headers = ["", *(name for name, _ in columns)]
+    return format_table(headers, rows, right=[False] + [True] * len(columns))

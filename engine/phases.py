@@ -7,7 +7,8 @@ previous mark; `totals()` waits for the last event once and returns seconds per 
 
 Compared with the prefill's wall time this tells compute-bound (phases add up to the wall
 time) from launch-bound (the device idles between them) without a profiler. The runtime
-keeps one when STRATA_TRACE is set and prints the totals after each prompt.
+keeps one on every prompt (the loan forecast learns its rates from the totals) and prints
+them after each prompt when STRATA_TRACE is set.
 
 Kernels mark sub-phases with `lap(name)` (a no-op unless a clock is `active`): the grouped
 MoE splits its time into routing (with its host reads), expert fetch + fp16 decode, and GEMMs.

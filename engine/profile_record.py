@@ -71,8 +71,8 @@ def _cached_path(model: Model) -> list[Path]:
     ]
 
 
-def default_profile(model: Model, experts: ExpertProvider | None = None) -> ExpertProfile:
-    """The model's calibration profile: loaded when cached, else recorded and cached."""
+def cached_profile(model: Model) -> ExpertProfile | None:
+    """The model's calibration profile where an earlier run cached it, else None."""
     hp = model.hp
     for path in _cached_path(model):
         if path.exists():
@@ -80,6 +80,14 @@ def default_profile(model: Model, experts: ExpertProvider | None = None) -> Expe
                 return ExpertProfile.load(path, n_layer=hp.n_layer, n_expert=hp.n_expert)
             except ProfileError:
                 pass  # stale or foreign: record again
+    return None
+
+
+def default_profile(model: Model, experts: ExpertProvider | None = None) -> ExpertProfile:
+    """The model's calibration profile: loaded when cached, else recorded and cached."""
+    cached = cached_profile(model)
+    if cached is not None:
+        return cached
     profile = record_profile(model, [calibration_text()], CALIBRATION_TOKENS, experts)
     for path in _cached_path(model):
         try:

@@ -24,8 +24,9 @@ from engine.timing import Timing
 
 @dataclass
 class Request:
-    """A request's facts, each set once: `ids` and `reused` when it starts; `loan`,
-    `geometry` and `n_chunks` when the runtime plans its prefill; `timing` as it runs."""
+    """A request's facts, each set once: `ids` and `reused` when it starts, and the
+    forecast's `loan_pays`; `loan`, `geometry` and `n_chunks` when the runtime plans its
+    prefill; `timing` and `seconds` as it runs."""
 
     id: int
     ids: list[int]
@@ -34,6 +35,9 @@ class Request:
     loan: str | None = None  # "startup", "repeat" or None (engine.loan.transaction.admit)
     geometry: PromptGeometry | None = None  # the prompt plan its prefill runs with
     n_chunks: int = 0
+    loan_pays: bool | None = None  # the forecast's verdict on a loan (threshold auto)
+    # where its prefill time went: the prompt path's phases, the loan's release and restore
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def start(cls, request_id: int, ids: list[int], session: Session,

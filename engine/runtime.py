@@ -11,22 +11,26 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from engine.backend.base import Backend
 from engine.config import EngineOptions, LoanFlags
+from engine.costs import Shapes
 from engine.devices import deferred_regions
 from engine.errors import StrataError
 from engine.events import Ready
 from engine.experts.cache import ExpertCache
 from engine.experts.provider import CachedExperts
 from engine.faults import Faults
+from engine.forecast import Workload, workload
 from engine.loan.deferral import deferral_line, follow_deferral, plan_deferred
 from engine.loan.guards import validate
 from engine.loan.resources import ResourceSet
-from engine.loan.transaction import STARTUP, LoanTransaction, admit, loan_regions
+from engine.loan.transaction import REPEAT, STARTUP, LoanTransaction, admit, loan_regions
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
-from engine.memory.planner import plan_prompt
-from engine.memory.sizes import format_mib
+from engine.memory.planner import plan_loan, plan_prompt
+from engine.memory.sizes import ceil_div, format_mib
 from engine.model.loader import Model
 from engine.phases import PhaseClock
 from engine.prompt.path import PromptPath, n_chunks
@@ -129,6 +133,42 @@ class Runtime:
             return plan_prompt(n_slots * self.cache.blob_bytes, self.costs, opts, n_slots)
         return plan_prompt(self.prompt.owned_bytes, self.costs, opts, n_slots)
 
+    def workload(self, kind: str | None, n_fresh: int, pos0: int, odds: np.ndarray,
+                 flags: LoanFlags | None = None, options: EngineOptions | None = None,
+                 geometry: PromptGeometry | None = None) -> Workload:
+        """What a prefill of `n_fresh` tokens after `pos0` with loan `kind` (STARTUP, REPEAT
+        or None) would do under `flags` and `options` (those in force by default): the
+        geometry it would get (`geometry`: the one it got), what its loan releases and
+        restores; `odds` are the routing odds in fill order (engine.forecast.routing_odds).
+        A question: nothing changes."""
+        flags, options = flags or self.flags, options or self.options
+        items = self.resources.select(loan_regions(flags, options, self.resources)
+                                      if kind is not None else frozenset())
+        released = sum(r.n_bytes for r in items if r.resident) if kind == REPEAT else 0
+        if geometry is None:
+            geometry = self.prompt.fit(self._request_geometry(kind, items, flags, options),
+                                       n_fresh)
+        n_cache = self.cache.n_slots if self.cache is not None else 0
+        lendable = self.plan_options.lendable_slots(n_cache, self.costs)
+        return workload(kind, n_fresh, pos0, geometry, Shapes.of(self.model), n_cache,
+                        lendable, odds, released, sum(r.n_bytes for r in items))
+
+    def _request_geometry(self, kind: str | None, items: list, flags: LoanFlags,
+                          options: EngineOptions) -> PromptGeometry:
+        """The geometry `prefill` would start from: the decode-time plan, the retained startup
+        geometry, or the loan's re-plan with what it would free."""
+        plan, opts = self.plan, self.plan_options
+        if options.prefill != self.options.prefill:
+            plan = replace(plan, prompt=self._prompt_plan(options.prefill))
+            opts = replace(opts, prefill=options.prefill)
+        if kind is None:
+            return plan.prompt
+        if kind == REPEAT and flags.retain_startup_chunk and self.retained_geometry is not None:
+            return self.retained_geometry
+        seg = self.ledger.segment_bytes
+        freed = sum(ceil_div(r.n_bytes, seg) * seg for r in items if r.resident)
+        return plan_loan(plan, self.ledger.free_bytes + freed, self.costs, opts)
+
     def check_integrity(self) -> None:
         """Ledger, cache, KV and resources agree; 0 slots lent between requests."""
         self.ledger.check_integrity()
@@ -198,7 +238,8 @@ class Runtime:
         Any failure or cancel leaves ledger, cache and resources as before the call; the
         caller rolls the session back to `req.reused`.
         """
-        req.loan = kind = admit(self.flags, self.startup_loan_pending, len(req.fresh))
+        req.loan = kind = admit(self.flags, self.startup_loan_pending, len(req.fresh),
+                                req.loan_pays)
         try:
             if kind is None:
                 self._prefill(req, self.plan.prompt, progress)
@@ -206,6 +247,7 @@ class Runtime:
                 with self._loan(kind) as tx:
                     assert tx.geometry is not None
                     self._prefill(req, tx.geometry, progress)
+                req.seconds.update((k, tx.seconds.get(k, 0.0)) for k in ("release", "restore"))
                 if kind == STARTUP:  # everything restored: the startup loan is over
                     self.startup_loan_pending = False
                     if self.flags.retain_startup_chunk:
@@ -245,14 +287,14 @@ class Runtime:
             progress.chunk(req, index, seconds)
 
         tr = self.model.transformer
-        tr.phase_clock = PhaseClock(self.xp) if self.report.trace_on else None
-        if tr.phase_clock is not None:
-            tr.phase_clock.start()
+        tr.phase_clock = clock = PhaseClock(self.xp)  # always: the forecast learns from it
+        clock.start()
         t0 = time.perf_counter()
         try:
             res = self.prompt.run(self.session, req.fresh, g, on_chunk)
-            if tr.phase_clock is not None:
-                self.report.trace(tr.phase_clock.line(time.perf_counter() - t0))
+            req.seconds.update(clock.totals())
+            if self.report.trace_on:
+                self.report.trace(clock.line(time.perf_counter() - t0))
         finally:
             tr.phase_clock = None
         req.timing.bytes_streamed = res.counters.bytes_streamed

@@ -10,12 +10,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
+
+from engine.build.cache import startup_profile
 from engine.build.startup import build_runtime
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
-from engine.errors import StrataError
+from engine.devices import hardware_name
+from engine.errors import FlagError, StrataError
 from engine.events import (
     EventBus,
     FlagsChanged,
@@ -29,9 +33,22 @@ from engine.events import (
 )
 from engine.experts.provider import StreamCounters
 from engine.faults import Faults
+from engine.forecast import (
+    LoanVerdict,
+    Rates,
+    RatesError,
+    load_rates,
+    measured_parts,
+    pays,
+    rates_path,
+    routing_odds,
+    save_rates,
+)
+from engine.loan.transaction import REPEAT, STARTUP, admission
 from engine.request import Request
 from engine.runtime import Runtime
 from engine.sampler import Sampler, SamplingParams
+from engine.synth.demo import cache_dir
 from engine.timing import Timing
 
 
@@ -48,6 +65,7 @@ class Reply:
     text: str
     timing: Timing
     cancelled: bool = False
+    verdict: LoanVerdict | None = None  # the loan and the forecast made before it ran
 
     @property
     def withdrawn(self) -> bool:
@@ -67,6 +85,16 @@ class ServeLoop:
         self._pending_options: EngineOptions | None = None
         self._conv_id: str | None = None  # the conversation whose tokens the KV holds
         self._request_id = 0
+        self.odds = self._routing_odds()
+        self.rates_file = rates_path(runtime.model.path, runtime.options.expert_profile,
+                                     cache_dir())
+        device = hardware_name(runtime.backend.device_index)
+        try:
+            self.rates = load_rates(self.rates_file, device)
+        except RatesError as e:
+            runtime.report.warn(f"strata: warning: {e}; the forecast starts from its defaults")
+            self.rates = Rates.fresh(device)
+        self._rates_saved = True
 
     @classmethod
     def create(
@@ -102,8 +130,57 @@ class ServeLoop:
         return len(self.rt.model.tokenizer.encode(text, special=False))
 
     def prompt_ids(self, conv: Conversation) -> list[int]:
+        return self._encode(conv.as_dicts())
+
+    def _encode(self, messages: list[dict[str, str]]) -> list[int]:
         tok = self.rt.model.tokenizer
-        return tok.encode(tok.render_chat(conv.as_dicts(), add_generation_prompt=True))
+        return tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+
+    def preview(self, conv: Conversation, text: str) -> LoanVerdict:
+        """What sending `text` in `conv` next would do: its prompt and fresh tokens, the loan it
+        would get (or why not) and the forecast with and without one. Tokenizes the whole
+        conversation: call it off the UI thread. A question: nothing changes."""
+        ids = self._encode([*conv.as_dicts(), {"role": "user", "content": text}])
+        reused = self.rt.session.reusable(ids) if conv.id == self._conv_id else 0
+        return self.verdict(len(ids), reused)
+
+    def verdict(self, n_prompt: int, reused: int, flags: LoanFlags | None = None,
+                options: EngineOptions | None = None) -> LoanVerdict:
+        """The loan a prompt of `n_prompt` tokens (the KV keeping its first `reused`) would get
+        under `flags` and `options` (the next request's by default), why, and the forecast
+        with and without a loan (engine.forecast). A question: nothing changes."""
+        flags, options, rt, rates = flags or self.flags, options or self.options, self.rt, self.rates
+        n_fresh = n_prompt - reused
+        pending = not rt.prefilled and flags.elastic_loan  # what the next request arms
+        without = rates.forecast(rt.workload(None, n_fresh, reused, self.odds, flags, options))
+        with_loan = None
+        if flags.elastic_loan and (pending or flags.repeat_loan):
+            kind = STARTUP if pending else REPEAT
+            with_loan = rates.forecast(rt.workload(kind, n_fresh, reused, self.odds, flags,
+                                                   options))
+        gain = pays(without, with_loan) if with_loan is not None else None
+        kind, reason = admission(flags, pending, n_fresh, gain)
+        return LoanVerdict(n_prompt, n_fresh, kind, reason, without, with_loan, gain)
+
+    def what_if(self, flags: LoanFlags, options: EngineOptions, n_fresh: int) -> LoanVerdict:
+        """`verdict` of an `n_fresh`-token message under flags and options not yet applied;
+        FlagError with every violation when the guards would refuse them."""
+        violations = self.rt.validate(options, flags)
+        if violations:
+            raise FlagError(violations)
+        return self.verdict(n_fresh, 0, flags, options)
+
+    def _routing_odds(self) -> np.ndarray:
+        """Routing odds in the cache's fill order, from the profile it was filled from
+        (loaded from where startup cached it); uniform without an expert cache."""
+        rt = self.rt
+        hp = rt.model.hp
+        profile = None
+        if rt.cache is not None:
+            cuda = rt.backend if rt.backend.device_index is not None else None
+            to_host = getattr(rt.xp, "asnumpy", np.asarray)
+            profile = startup_profile(rt.options.expert_profile, rt.model, to_host, cuda)
+        return routing_odds(profile, hp.n_layer, hp.n_expert, hp.n_expert_used)
 
     # -- actions ---------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -206,12 +283,15 @@ class ServeLoop:
         roll back to the reused prefix and publish the outcome."""
         rt, tok = self.rt, self.rt.model.tokenizer
         req = self._admit(ids)
+        verdict = self.verdict(len(ids), req.reused)
+        req.loan_pays = verdict.pays
         timing = req.timing
         pieces: list[str] = []
         t0 = time.perf_counter()
         try:
             logits = rt.prefill(req, self)
             timing.prefill_s = time.perf_counter() - t0
+            self._learn(req, verdict)
             before = _expert_reads(rt.experts.counters)
             stream = tok.stream()
             t1 = time.perf_counter()
@@ -233,10 +313,34 @@ class ServeLoop:
             rt.rollback(req.reused)
             self._done(req, cancelled=True)
             if isinstance(exc, Cancelled):
-                return Reply("".join(pieces), timing, cancelled=True)
+                return Reply("".join(pieces), timing, cancelled=True, verdict=verdict)
             raise
         self._done(req)
-        return Reply("".join(pieces), timing)
+        return Reply("".join(pieces), timing, verdict=verdict)
+
+    def _learn(self, req: Request, verdict: LoanVerdict) -> None:
+        """After a prefill: compare it with its forecast (a trace line, `timing.forecast_s`)
+        and keep what it measured for the next forecasts (saved beside the profile)."""
+        rt, timing = self.rt, req.timing
+        forecast = verdict.with_loan if req.loan is not None else verdict.without_loan
+        if forecast is not None and forecast.workload.kind == req.loan:
+            timing.forecast_s = forecast.total_s
+            error = 100 * (forecast.total_s / timing.prefill_s - 1) if timing.prefill_s else 0.0
+            rt.report.trace(f"strata forecast: prefill {forecast.total_s:.2f} s forecast "
+                            f"({verdict.line()}), {timing.prefill_s:.2f} s measured "
+                            f"({error:+.0f}%)")
+        w = rt.workload(req.loan, len(req.fresh), req.reused, self.odds, geometry=req.geometry)
+        w = replace(w, streamed_bytes=float(timing.bytes_streamed))
+        s = req.seconds
+        self.rates = self.rates.observe(measured_parts(
+            w, timing.prefill_s, s, s.get("release", 0.0), s.get("restore", 0.0)))
+        try:
+            save_rates(self.rates_file, self.rates)
+        except OSError as e:
+            if self._rates_saved:  # once: the forecast still learns in this process
+                rt.report.warn(f"strata: warning: cannot save the prefill rates to "
+                               f"{self.rates_file} ({e.strerror}); they last this run only")
+            self._rates_saved = False
 
     def _admit(self, ids: list[int]) -> Request:
         """The request record: the reuse rule applied to the KV (and the draft), its counts

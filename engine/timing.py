@@ -24,6 +24,7 @@ class Timing:
     decode_misses: int = 0  # ... and read from host memory (streamed, or decoded on the CPU)
     spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
     drafted_steps: int = 0
+    forecast_s: float = 0.0  # the prefill's forecast made before it ran (engine.forecast)
 
     @property
     def pp_tok_s(self) -> float:

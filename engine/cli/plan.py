@@ -1,4 +1,5 @@
-"""`strata plan`: the startup memory plan of a model on a device, as a table.
+"""`strata plan`: the startup memory plan of a model on a device, as a table; with
+`--prompt-tokens N`, the forecast of prefilling N tokens with the loan and without it.
 
 It runs the same guards as `strata run` (`engine.build.device.plan_device`): a combination `run`
 refuses is refused here, with the same one line and exit code 2.
@@ -9,20 +10,43 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.build.device import plan_device
+import numpy as np
+
+from engine.build.device import DevicePlan, plan_device
 from engine.cli.options import add_engine_args, engine_options, loan_flags
+from engine.config import LoanFlags
 from engine.costs import Shapes
-from engine.devices import deferred_regions, resolve_device
-from engine.memory.planner import format_plan_table
+from engine.devices import deferred_regions, hardware_name, resolve_device
+from engine.errors import FlagError, StrataError
+from engine.experts.profile import ExpertProfile
+from engine.forecast import (
+    Forecast,
+    RatesError,
+    Workload,
+    format_forecasts,
+    load_rates,
+    rates_path,
+    routing_odds,
+    workload,
+)
+from engine.memory.planner import format_plan_table, plan_loan
 from engine.memory.sizes import format_mib
 from engine.model.loader import load_model
-from engine.synth.demo import resolve_model
+from engine.profile_record import cached_profile
+from engine.prompt.path import shrink_geometry
+from engine.synth.demo import cache_dir, preset_path, resolve_model
 from engine.synth.model import PRESETS
+
+# The loan's forecast when the STRATA_PREFILL_* flags leave it off: every flag on.
+ALL_ON = LoanFlags(elastic_loan=True, mtp_loan=True, head_loan=True, retain_startup_chunk=True,
+                   repeat_loan=True)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="print the startup memory plan (regions, MiB, chunk / ring)")
     add_engine_args(p)
+    p.add_argument("--prompt-tokens", type=int, metavar="N",
+                   help="also forecast prefilling N fresh tokens, loan off and on")
     p.set_defaults(func=run)
 
 
@@ -30,7 +54,7 @@ def plan_text(args: argparse.Namespace) -> str:
     """The budget table for the model and device in `args`; allocates nothing. FlagError
     when the guards refuse the options and STRATA_PREFILL_* flags (as `strata run` does)."""
     options, flags = engine_options(args), loan_flags()
-    shapes, name = _shapes(options.model)
+    shapes, name, _ = _shapes(options.model)
     planned = plan_device(options, flags, shapes)
     costs, plan = planned.costs, planned.plan
     capacity, seg = planned.backend.capacity_bytes, plan.segment_bytes
@@ -57,14 +81,89 @@ def plan_text(args: argparse.Namespace) -> str:
     return "\n".join(head) + format_plan_table(plan)
 
 
-def _shapes(model: str) -> tuple[Shapes, str]:
-    """Shapes of a preset straight from its spec (no 17 GB file needed), else of the file."""
+def _shapes(model: str) -> tuple[Shapes, str, ExpertProfile | None]:
+    """Shapes of a preset straight from its spec (no 17 GB file needed), else of the file,
+    with the calibration profile an earlier run cached for it (None: none yet)."""
     if model in PRESETS and not Path(model).exists():
-        return Shapes.of_spec(PRESETS[model]), f"preset {model}"
+        return Shapes.of_spec(PRESETS[model]), f"preset {model}", None
     m = load_model(resolve_model(model), build=False)
-    return Shapes.of(m), m.path.name
+    return Shapes.of(m), m.path.name, cached_profile(m)
+
+
+def forecast_text(args: argparse.Namespace) -> str:
+    """The forecast of prefilling `--prompt-tokens` fresh tokens: without a loan, with the
+    startup loan and with a repeat loan (the STRATA_PREFILL_* flags, or every flag on when
+    they leave the loan off), from this device's rates (engine.forecast)."""
+    n = args.prompt_tokens
+    options, flags = engine_options(args), loan_flags()
+    shapes, _, profile = _shapes(options.model)
+    if options.expert_profile:
+        profile = ExpertProfile.load(options.expert_profile, n_layer=shapes.hp.n_layer,
+                                     n_expert=shapes.hp.n_expert)
+    hp = shapes.hp
+    odds = routing_odds(profile, hp.n_layer, hp.n_expert, hp.n_expert_used)
+    off = plan_device(options, flags, shapes)
+    on_flags = flags if flags.elastic_loan else ALL_ON
+    columns: list[tuple[str, Forecast | str]] = []
+    path = rates_path(_model_path(options.model), options.expert_profile, cache_dir())
+    device = hardware_name(off.backend.device_index)
+    try:
+        rates = load_rates(path, device)
+    except RatesError as e:
+        raise StrataError(str(e)) from None
+    columns.append(("loan off", rates.forecast(_workload(None, n, off, shapes, odds))))
+    refused = []
+    try:
+        on = plan_device(options, on_flags, shapes)
+    except FlagError as e:
+        columns.append(("loan", "refused"))
+        refused = [f"- the loan is refused: {v}" for v in e.violations]
+    else:
+        regions = deferred_regions(on_flags, options)
+        loan_bytes = sum(b for r, b in on.costs.decode_only_bytes().items() if r in regions)
+        for kind in ("startup", "repeat"):
+            w = _workload(kind, n, on, shapes, odds, loan_bytes)
+            columns.append((f"{kind} loan", rates.forecast(w)))
+    which = ("the STRATA_PREFILL_* flags" if flags.elastic_loan
+             else "every loan flag on (the STRATA_PREFILL_* flags leave it off)")
+    k = len(rates.observations)
+    seen = f"{k} earlier request{'s' * (k != 1)}" if k else "defaults (no request measured yet)"
+    first = columns[0][1]
+    assert not isinstance(first, str)
+    return "\n".join([
+        (f"forecast of a {n:,}-token prompt: the loan with {which}; rates of {device}: "
+         f"{seen} ({path})"),
+        format_forecasts(columns),
+        f"- rates at the loan-off geometry: {rates.summary(first.coefs)}",
+        f"- routing odds: {'the calibration profile' if profile else 'uniform (no profile yet)'}",
+        *refused,
+    ])
+
+
+def _workload(kind: str | None, n: int, planned: DevicePlan, shapes: Shapes, odds: np.ndarray,
+              loan_bytes: int = 0) -> Workload:
+    """The workload of a first request (startup) or a later one (repeat, or no loan) on a
+    freshly started engine of `planned`: the loan re-plans with every free segment."""
+    plan, costs, opts = planned.plan, planned.costs, planned.plan_options
+    g = plan.prompt if kind is None else plan_loan(plan, plan.free_bytes, costs, opts)
+    g = shrink_geometry(g, n, costs.act_bytes_per_token, costs.act_bytes_fixed,
+                        costs.expert_blob_bytes)
+    lendable = opts.lendable_slots(plan.n_cache_slots, costs)
+    return workload(kind, n, 0, g, shapes, plan.n_cache_slots, lendable, odds,
+                    loan_bytes if kind == "repeat" else 0, loan_bytes if kind else 0)
+
+
+def _model_path(model: str) -> Path:
+    if model in PRESETS and not Path(model).exists():
+        return preset_path(model)
+    return resolve_model(model)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        raise StrataError(f"--prompt-tokens {args.prompt_tokens} must be at least 1")
     print(plan_text(args))
+    if args.prompt_tokens is not None:
+        print()
+        print(forecast_text(args))
     return 0

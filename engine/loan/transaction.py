@@ -38,15 +38,31 @@ from engine.report import Reporter
 STARTUP, REPEAT = "startup", "repeat"
 
 
-def admit(flags: LoanFlags, startup_loan_pending: bool, n_fresh: int) -> str | None:
+def admit(flags: LoanFlags, startup_loan_pending: bool, n_fresh: int,
+          pays: bool | None = None) -> str | None:
     """Which loan this request gets: the startup loan, a repeat loan, or none."""
+    return admission(flags, startup_loan_pending, n_fresh, pays)[0]
+
+
+def admission(flags: LoanFlags, startup_loan_pending: bool, n_fresh: int,
+              pays: bool | None = None) -> tuple[str | None, str]:
+    """The loan a request of `n_fresh` fresh tokens gets (STARTUP, REPEAT or None) and why.
+
+    With STRATA_PREFILL_REPEAT_MIN_TOKENS=auto the repeat loan is taken when `pays` (the
+    forecast's verdict, engine.forecast.pays); with no forecast the threshold decides."""
     if not flags.elastic_loan:
-        return None
+        return None, "loan flags off"
     if startup_loan_pending:
-        return STARTUP
-    if flags.repeat_loan and n_fresh >= flags.repeat_min_tokens:
-        return REPEAT
-    return None
+        return STARTUP, "the first request takes the startup loan"
+    if not flags.repeat_loan:
+        return None, "repeat loan off"
+    if flags.repeat_auto and pays is not None:
+        if pays:
+            return REPEAT, "auto: the forecast says the loan pays"
+        return None, "auto: the forecast says the loan does not pay"
+    if n_fresh >= flags.repeat_min_tokens:
+        return REPEAT, f"{n_fresh:,} fresh >= {flags.repeat_min_tokens:,}"
+    return None, f"{n_fresh:,} fresh < {flags.repeat_min_tokens:,}"
 
 
 def _mib(n: int) -> str:
@@ -75,6 +91,7 @@ class LoanTransaction:
     released: list[DecodeResource] = field(default_factory=list, init=False)  # in release order
     grown: int = field(default=0, init=False)
     geometry: PromptGeometry | None = field(default=None, init=False)
+    seconds: dict[str, float] = field(default_factory=dict, init=False)  # step -> its time
 
     # -- enter: release, plan, grow ------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -211,6 +228,7 @@ class LoanTransaction:
             self._step("restore", line, sum(r.n_bytes for r in items), ms)
 
     def _step(self, step: str, line: str, n_bytes: int = 0, ms: float = 0.0) -> None:
+        self.seconds[step] = ms / 1e3
         self.report.publish(LoanStep(step, line.removeprefix("strata loan: "), n_bytes, ms))
         self.report.trace(line)
 

@@ -46,7 +46,7 @@ class Transformer:
         self.output_norm = to_device(dequantize(mf.tensor(names.OUTPUT_NORM)))
         self.head: Any = None  # [V, d] the output head; `release_head` / `load_head`
         self.arena_stats: ArenaStats | None = None  # prompt temporaries since reset (CUDA)
-        self.phase_clock: PhaseClock | None = None  # the prompt path's phases (STRATA_TRACE)
+        self.phase_clock: PhaseClock | None = None  # the prompt path's phases (runtime)
         self.token_graph: Any = None  # engine.token_graph.TokenGraph on CUDA (decode steps)
         self.on_warning: Any = None  # (line) -> None: the token graph gave up (runtime's trace)
         self._head_host: np.ndarray | None = None
