@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
+from rich.text import Text
 from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
@@ -25,9 +26,23 @@ from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation, Message
+from engine.errors import FlagError
 from engine.events import Event, Loading, PrefillProgress, Ready, Token
+from engine.forecast import LoanVerdict
 
 NARROW_COLUMNS = 100  # below this the dashboard and the chat take turns
+WHAT_IF_TOKENS = 4096  # the flags panel's what-if when the input holds no message
+
+
+def what_if_text(new: LoanVerdict, old: LoanVerdict, applied: bool) -> Text:
+    """'next message' / 'if applied', a message's forecast under the new flags, and under
+    the flags before when it differs."""
+    head = "from the next message" if applied else "if applied"
+    text = Text(f"{head}, a {new.fresh_tokens:,}-token message: ", style="dim")
+    text.append(new.line(), style="bold")
+    if old.line() != new.line():
+        text.append(f"\n{'was' if applied else 'now'}: {old.line()}", style="dim")
+    return text
 
 
 class StrataApp(App[None]):
@@ -79,7 +94,7 @@ class StrataApp(App[None]):
         with Horizontal(id="main"):
             with Vertical(id="chat-pane"):
                 yield self._chat
-                yield Composer(self.link.count_tokens)
+                yield Composer(self.link.count_tokens, self._ask)
             yield Dashboard()
         yield Footer()
 
@@ -87,7 +102,6 @@ class StrataApp(App[None]):
         self._views = [*self.query(EventView), *self.query(EventLog)]
         self.push_screen(LoadingScreen(self.config.options.model))
         self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
-        self._set_repeat_threshold(self.config.flags)
         self.call_after_refresh(self._start)
 
     async def _start(self) -> None:
@@ -179,8 +193,7 @@ class StrataApp(App[None]):
             self._fail("; ".join(violations))
             return
         self.query_one(FlagsPanel).show(loop.flags, loop.options)
-        self._set_repeat_threshold(loop.flags)
-        self.query_one(Composer).recount()
+        self.query_one(Composer).measure()
 
     def _startup_violations(self) -> list[str]:
         cfg = self.config
@@ -212,6 +225,11 @@ class StrataApp(App[None]):
         cfg = self.config
         self.link.send(self.conv, message.prompt, message.draft, cfg.params, cfg.max_new)
 
+    def _ask(self, text: str) -> LoanVerdict | None:
+        """The composer's question (from its worker thread): what sending `text` in the open
+        conversation would get."""
+        return self.link.preview(self.conv, text)
+
     async def on_engine_link_reply_done(self, message: EngineLink.ReplyDone) -> None:
         if self._quitting:  # the app quit mid-request; what it showed is stored already
             return
@@ -229,6 +247,7 @@ class StrataApp(App[None]):
             await chat.finish(reply.text, cancelled=reply.cancelled)
             if reply.cancelled:
                 self.notify("Cancelled; the answer so far is kept.", timeout=3)
+            self.query_one(Composer).measure()  # the next message reuses this exchange
         self.running = False  # last: the exchange is stored and shown
 
     async def on_engine_link_reply_failed(self, message: EngineLink.ReplyFailed) -> None:
@@ -346,6 +365,7 @@ class StrataApp(App[None]):
             self.notify("The engine is still loading.", severity="warning")
             panel.refused(["the engine is still loading"])
             return
+        before = (self.link.loop.flags, self.link.loop.options)
         violations = self.link.set_flags(flags, options)
         if violations:
             panel.refused(violations)
@@ -353,15 +373,37 @@ class StrataApp(App[None]):
             self.notify("\n".join(violations), title="Flags refused", severity="error", timeout=8)
             return
         panel.accepted(flags, options)
-        self._set_repeat_threshold(flags)
         self.notify("Applies from the next message.", title="Flags accepted")
+        self.query_one(Composer).measure()  # what the message in the input gets now
+        self._what_if(flags, options, before, applied=True)
 
     def on_flags_panel_requested(self, message: FlagsPanel.Requested) -> None:
         self.request_flags(message.flags, message.options)
 
-    def _set_repeat_threshold(self, flags: LoanFlags) -> None:
-        composer = self.query_one(Composer)
-        composer.repeat_threshold = flags.repeat_min_tokens if flags.repeat_loan else None
+    def on_flags_panel_what_if(self, message: FlagsPanel.WhatIf) -> None:
+        loop = self.link.loop
+        if loop is not None:
+            self._what_if(message.flags, message.options, (loop.flags, loop.options),
+                          applied=False)
+
+    def _what_if(self, flags: LoanFlags, options: EngineOptions,
+                 before: tuple[LoanFlags, EngineOptions], applied: bool) -> None:
+        """The flags panel's what-if: the forecast of the message being written (else of a
+        4,096-token one) under `flags` beside `before`, computed in a worker."""
+        panel = self.query_one(FlagsPanel)
+        verdict = self.query_one(Composer).verdict
+        n = verdict.fresh_tokens if verdict is not None else WHAT_IF_TOKENS
+        link = self.link
+
+        def work() -> None:
+            try:
+                text = what_if_text(link.what_if(flags, options, n),
+                                    link.what_if(*before, n), applied)
+            except FlagError as e:
+                text = Text("would be refused: " + "; ".join(e.violations), style="red")
+            self.call_from_thread(setattr, panel, "forecast", text)
+
+        self.run_worker(work, thread=True, exclusive=True, group="what-if")
 
     # -- conversations -----------------------------------------------------------------------
     async def action_new_conversation(self) -> None:
@@ -369,6 +411,7 @@ class StrataApp(App[None]):
             return
         self.conv = Conversation()
         await self.query_one(ChatLog).show(self.conv)
+        self.query_one(Composer).measure()
         self.notify("New conversation.", timeout=2)
 
     def action_open_conversation(self) -> None:
@@ -405,6 +448,7 @@ class StrataApp(App[None]):
         if conv is not None:
             self.conv = conv
             await self.query_one(ChatLog).show(conv)
+            self.query_one(Composer).measure()
 
     def action_export(self) -> None:
         if not self.conv.messages:

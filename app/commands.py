@@ -43,13 +43,22 @@ class FlagCommands(Provider):
                     f"now {'on' if on else 'off'}; applies from the next message",
                 )
             )
+        if not flags.repeat_auto:
+            out.append(
+                (
+                    f"Loan flag: {ENV_NAMES['repeat_min_tokens']} = auto",
+                    partial(ask, flags.with_changes(repeat_auto=True), options),
+                    f"now {flags.threshold_text}; the forecast decides each repeat loan",
+                )
+            )
         for n in REPEAT_THRESHOLDS:
-            if n != flags.repeat_min_tokens:
+            if flags.repeat_auto or n != flags.repeat_min_tokens:
                 out.append(
                     (
                         f"Loan flag: {ENV_NAMES['repeat_min_tokens']} = {n:,}",
-                        partial(ask, flags.with_changes(repeat_min_tokens=n), options),
-                        f"now {flags.repeat_min_tokens:,}",
+                        partial(ask, flags.with_changes(repeat_min_tokens=n, repeat_auto=False),
+                                options),
+                        f"now {flags.threshold_text}",
                     )
                 )
         for t in SPEC_CHOICES:

@@ -28,6 +28,7 @@ from engine.events import (
     PrefillProgress,
     Token,
 )
+from engine.forecast import LoanVerdict
 from engine.sampler import SamplingParams
 from engine.serve import Reply, ServeLoop
 
@@ -152,7 +153,20 @@ class EngineLink:
         return self.loop.set_flags(flags, options)
 
     def count_tokens(self, text: str) -> int | None:
+        """Tokens of `text` (None while the engine loads); call it from a worker thread."""
         return self.loop.count_tokens(text) if self.loop is not None else None
+
+    def preview(self, conv: Conversation, text: str) -> LoanVerdict | None:
+        """What sending `text` in `conv` would get: the loan or why not, and the forecast
+        (None while the engine loads). It tokenizes the conversation: call it from a worker
+        thread."""
+        return self.loop.preview(conv, text) if self.loop is not None else None
+
+    def what_if(self, flags: LoanFlags, options: EngineOptions, n_fresh: int) -> LoanVerdict:
+        """The verdict on an `n_fresh`-token message under flags not applied yet; FlagError
+        when the guards would refuse them."""
+        assert self.loop is not None, "what_if before the engine is loaded"
+        return self.loop.what_if(flags, options, n_fresh)
 
     def close(self) -> None:
         """Stop listening to the engine, cancel a running request, unfreeze the heap."""

@@ -19,10 +19,11 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
-from engine.config import EngineOptions, LoanFlags
+from engine.config import REPEAT_MIN_FLOOR, EngineOptions, LoanFlags
 from engine.costs import Shapes, prefill_flops
 from engine.events import EventBus, PlanChosen, TraceLine
 from engine.profile_record import calibration_text
@@ -264,20 +265,29 @@ class SoakResult:
     rss_end_mib: float
     rss_max_mib: float
     seconds: float
+    # the automatic decision (STRATA_PREFILL_REPEAT_MIN_TOKENS=auto): every request also ran
+    # with the other choice (its twin), so each decision is checked against the measured other
+    auto: bool = False
+    slower_loans: int = 0  # loans whose prefill was slower than the twin without the loan
+    worst_loan: float = 0.0  # the largest loan / no-loan prefill ratio of the loans taken
+    declined: int = 0  # requests the forecast kept off the loan
+    missed: int = 0  # ... whose twin with the loan was faster
+    best_missed: float = 0.0  # the smallest loan / no-loan ratio among those declined
 
     def markdown(self) -> str:
-        return "\n".join([
-            (
-                "| Requests | Repeat loans | Max slots lent after a request | Ledger drift (bytes) "
-                "| RSS start / end / max (MiB) | Time (s) |"
-            ),
-            "|---:|---:|---:|---:|---|---:|",
-            (
-                f"| {self.requests} | {self.loans} | {self.max_lent_after} | "
-                f"{self.ledger_drift_bytes} | {self.rss_start_mib:.0f} / {self.rss_end_mib:.0f} / "
-                f"{self.rss_max_mib:.0f} | {self.seconds:.0f} |"
-            ),
-        ])
+        head = ("| Requests | Repeat loans | Max slots lent after a request | Ledger drift (bytes) "
+                "| RSS start / end / max (MiB) | Time (s) |")
+        rule = "|---:|---:|---:|---:|---|---:|"
+        row = (f"| {self.requests} | {self.loans} | {self.max_lent_after} | "
+               f"{self.ledger_drift_bytes} | {self.rss_start_mib:.0f} / {self.rss_end_mib:.0f} / "
+               f"{self.rss_max_mib:.0f} | {self.seconds:.0f} |")
+        if self.auto:
+            head += (" Loans slower than without (worst loan / no loan) | Declined | Declined "
+                     "but the loan was faster (best loan / no loan) |")
+            rule += "---:|---:|---:|"
+            row += (f" {self.slower_loans} ({self.worst_loan:.2f}) | {self.declined} | "
+                    f"{self.missed} ({self.best_missed:.2f}) |")
+        return f"{head}\n{rule}\n{row}"
 
 
 def _rss_mib() -> float:
@@ -288,33 +298,79 @@ def _rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
 
 
-def soak(options: EngineOptions, requests: int, long_tokens: int, short_tokens: int,
-         progress: Callable[[str], None] | None = None) -> SoakResult:
-    """Alternate long (repeat loan) and short messages in one conversation-less engine;
-    after every request the ledger's region bytes and the lent slots are back to baseline."""
-    from engine.events import LoanStep
-
-    flags = LoanFlags.make(**{**LOAN_ON.as_kwargs(), "repeat_min_tokens": min(long_tokens, 1024)})
-    bus = EventBus()
-    loans = [0]
-    bus.subscribe(lambda e: loans.__setitem__(0, loans[0] + 1)
-                  if isinstance(e, LoanStep) and e.step == "restore" else None)
+def soak(options: EngineOptions, requests: int, long_tokens: int | Sequence[int],
+         short_tokens: int, progress: Callable[[str], None] | None = None,
+         auto: bool = False) -> SoakResult:
+    """Alternate long messages (cycling through `long_tokens`) and short ones in one
+    conversation-less engine; after every request the ledger's region bytes and the lent
+    slots are back to baseline. The repeat loan's threshold is the smallest long message (at
+    most 1,024); with `auto` the forecast decides instead, and every request also runs with
+    the other choice (its KV dropped first, so every token is fresh again): a loan taken
+    without the loan, a loan declined with it, each pair in alternating order."""
+    longs = [long_tokens] if isinstance(long_tokens, int) else list(long_tokens)
+    manual = LOAN_ON.with_changes(repeat_min_tokens=min(*longs, 1024))
+    flags = LOAN_ON.with_changes(repeat_auto=True) if auto else manual
     loop = ServeLoop.create(replace(options, serve=True, vram_elastic=True, mtp=True,
-                                    spec=options.spec or 4), flags, bus)
+                                    spec=options.spec or 4), flags, EventBus())
     loop.complete(prompt_tokens(loop, 32, salt=7), max_new=1)  # the startup loan
     base = loop.rt.ledger.snapshot().regions
     rss0 = rss_max = _rss_mib()
-    drift = max_lent = 0
+    drift = max_lent = loans = 0
+    out = SoakResult(requests, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, auto=auto)
     t0 = time.perf_counter()
     for i in range(requests):
-        n = long_tokens if i % 2 == 0 else short_tokens
-        loop.complete(prompt_tokens(loop, n, salt=i), max_new=2)  # new ids: all fresh
+        n = longs[(i // 2) % len(longs)] if i % 2 == 0 else short_tokens
+        ids = prompt_tokens(loop, n, salt=i)  # new ids: all fresh
+        if auto and n >= REPEAT_MIN_FLOOR:  # below it no loan is taken, auto or not
+            took, ratio = _decide_and_twin(loop, ids, flags, manual, twin_first=i % 4 >= 2)
+            _count(out, took, ratio)
+        else:
+            verdict = loop.complete(ids, max_new=2).verdict
+            took = verdict is not None and verdict.kind is not None
+        loans += took
         loop.rt.check_integrity()
         regions = loop.rt.ledger.snapshot().regions
         drift = max(drift, abs(sum(r.used_bytes for r in regions) - sum(r.used_bytes for r in base)))
         max_lent = max(max_lent, loop.rt.cache.n_lent if loop.rt.cache else 0)
         rss_max = max(rss_max, _rss_mib())
         if progress and (i + 1) % 20 == 0:
-            progress(f"soak {i + 1}/{requests}: rss {_rss_mib():.0f} MiB, {loans[0]} loans")
-    return SoakResult(requests, loans[0] - 1, max_lent, drift, rss0, _rss_mib(), rss_max,
-                      time.perf_counter() - t0)
+            progress(f"soak {i + 1}/{requests}: rss {_rss_mib():.0f} MiB, {loans} loans")
+    return replace(out, loans=loans, max_lent_after=max_lent, ledger_drift_bytes=drift,
+                   rss_start_mib=rss0, rss_end_mib=_rss_mib(), rss_max_mib=rss_max,
+                   seconds=time.perf_counter() - t0)
+
+
+def _decide_and_twin(loop: ServeLoop, ids: list[int], auto: LoanFlags, manual: LoanFlags,
+                     twin_first: bool) -> tuple[bool, float]:
+    """Run `ids` with the automatic decision and again with the other choice (the KV dropped
+    before each, so both prefill every token); returns (loan taken, loan / no-loan prefill)."""
+    def run(flags: LoanFlags) -> Any:
+        loop.rt.rollback(0)
+        if loop.set_flags(flags):
+            raise AssertionError(f"the soak's own flags were refused: {flags}")
+        return loop.complete(ids, max_new=2)
+
+    def other(took: bool) -> LoanFlags:
+        return LoanFlags() if took else manual.with_changes(repeat_min_tokens=256)
+
+    twin = None
+    if twin_first:  # the forecast's decision as it stands now; the twin runs first
+        twin = run(other(loop.verdict(len(ids), 0).kind is not None))
+    reply = run(auto)
+    took = reply.verdict.kind is not None
+    if twin is None or (twin.verdict.kind is not None) == took:  # the twin ran the same choice
+        twin = run(other(took))
+    if loop.set_flags(auto):
+        raise AssertionError("the soak's own flags were refused")
+    with_loan, without = (reply, twin) if took else (twin, reply)
+    return took, with_loan.timing.prefill_s / without.timing.prefill_s
+
+
+def _count(out: SoakResult, took: bool, ratio: float) -> None:
+    if took:
+        out.slower_loans += ratio > 1.0
+        out.worst_loan = max(out.worst_loan, ratio)
+    else:
+        out.declined += 1
+        out.missed += ratio < 1.0
+        out.best_missed = ratio if out.declined == 1 else min(out.best_missed, ratio)

@@ -428,8 +428,8 @@ def save_rates(path: Path, rates: Rates) -> None:
 @dataclass(frozen=True)
 class LoanVerdict:
     """What a message would get, asked before it is sent: its token counts, the loan it would
-    take ("startup", "repeat" or None) and why, and the forecast with and without a loan (`with_loan`
-    None where no loan is possible: flags off, or a guard refuses it)."""
+    take ("startup", "repeat" or None) and why, and the forecast with and without a loan
+    (`with_loan` None where no loan is possible: the loan flags are off)."""
 
     prompt_tokens: int
     fresh_tokens: int
@@ -446,10 +446,19 @@ class LoanVerdict:
 
     def line(self) -> str:
         """'repeat loan: 5.0 s -> 3.9 s' or 'no loan (300 fresh < 1,024): 0.6 s'."""
-        off = self.without_loan.total_s
+        off = seconds_text(self.without_loan.total_s)
         if self.kind is not None and self.with_loan is not None:
-            return f"{self.kind} loan: {off:.1f} s -> {self.with_loan.total_s:.1f} s"
-        return f"no loan ({self.reason}): {off:.1f} s"
+            return f"{self.kind} loan: {off} -> {seconds_text(self.with_loan.total_s)}"
+        return f"no loan ({self.reason}): {off}"
+
+
+def seconds_text(s: float) -> str:
+    """'12 s', '5.0 s', '320 ms', '4.5 ms': two or three significant figures."""
+    if s >= 10:
+        return f"{s:.0f} s"
+    if s >= 1:
+        return f"{s:.1f} s"
+    return f"{s * 1e3:.0f} ms" if s >= 0.01 else f"{s * 1e3:.1f} ms"
 
 
 def pays(without_loan: Forecast, with_loan: Forecast) -> bool:

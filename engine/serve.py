@@ -35,6 +35,7 @@ from engine.experts.provider import StreamCounters
 from engine.faults import Faults
 from engine.forecast import (
     LoanVerdict,
+    Observation,
     Rates,
     RatesError,
     load_rates,
@@ -95,6 +96,7 @@ class ServeLoop:
             runtime.report.warn(f"strata: warning: {e}; the forecast starts from its defaults")
             self.rates = Rates.fresh(device)
         self._rates_saved = True
+        self.last_observation: Observation | None = None  # what the last prefill measured
 
     @classmethod
     def create(
@@ -149,7 +151,8 @@ class ServeLoop:
         """The loan a prompt of `n_prompt` tokens (the KV keeping its first `reused`) would get
         under `flags` and `options` (the next request's by default), why, and the forecast
         with and without a loan (engine.forecast). A question: nothing changes."""
-        flags, options, rt, rates = flags or self.flags, options or self.options, self.rt, self.rates
+        flags, options = flags or self.flags, options or self.options
+        rt, rates = self.rt, self.rates
         n_fresh = n_prompt - reused
         pending = not rt.prefilled and flags.elastic_loan  # what the next request arms
         without = rates.forecast(rt.workload(None, n_fresh, reused, self.odds, flags, options))
@@ -332,8 +335,9 @@ class ServeLoop:
         w = rt.workload(req.loan, len(req.fresh), req.reused, self.odds, geometry=req.geometry)
         w = replace(w, streamed_bytes=float(timing.bytes_streamed))
         s = req.seconds
-        self.rates = self.rates.observe(measured_parts(
-            w, timing.prefill_s, s, s.get("release", 0.0), s.get("restore", 0.0)))
+        self.last_observation = obs = measured_parts(
+            w, timing.prefill_s, s, s.get("release", 0.0), s.get("restore", 0.0))
+        self.rates = self.rates.observe(obs)
         try:
             save_rates(self.rates_file, self.rates)
         except OSError as e:

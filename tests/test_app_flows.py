@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from test_app_store import store_all
+from test_app_widgets import plain
 from textual.events import Paste
 from textual.notifications import Notify
-from textual.widgets import Markdown, Switch
+from textual.widgets import Input, Markdown, Switch
 
 from app.app import StrataApp
 from app.config import ChatConfig
@@ -21,12 +22,13 @@ from app.store import Store
 from app.widgets.chat_log import MessageView, printable
 from app.widgets.chunk_plan import ChunkPlan
 from app.widgets.flags_panel import FlagsPanel
-from app.widgets.prompt_input import Composer, PromptInput
+from app.widgets.prompt_input import Composer, PromptInput, expand
 from app.widgets.timing_panel import TimingPanel
 from app.widgets.vram_bar import BLOCK, VramBar
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.events import Event, EventBus, PrefillProgress
+from engine.forecast import seconds_text
 from engine.serve import ServeLoop
 
 MAX_NEW = 8
@@ -130,9 +132,7 @@ async def test_long_paste_collapses_into_a_chip_and_expands_when_sent(tmp_path: 
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         loop = app.link.loop
-        threshold = loop.flags.repeat_min_tokens
         n_small, n_big = loop.count_tokens(small), loop.count_tokens(big)
-        assert n_small < threshold <= n_big, "the sample texts must straddle the threshold"
         prompt = app.query_one(PromptInput)
         await pilot.press(*"see: ")
         app.post_message(Paste(small))
@@ -140,19 +140,86 @@ async def test_long_paste_collapses_into_a_chip_and_expands_when_sent(tmp_path: 
         app.post_message(Paste(" and "))  # short: typed into the text as it is
         await pilot.pause()
         app.post_message(Paste(big))
-        await pilot.pause()
         composer = app.query_one(Composer)
+        await wait_until(pilot, lambda: len(composer.pastes) == 2 and composer.verdict is not None
+                         and all(p.n_tokens is not None for p in composer.pastes))
         first, second = composer.pastes
         assert (first.n_lines, first.n_tokens) == (11, n_small)
         assert (second.n_lines, second.n_tokens) == (30, n_big)
         assert prompt.text == f"see: {first.marker} and {second.marker}"
-        chips = str(composer.query_one("#chips").render())
-        assert f"11 lines · {n_small:,} tokens · < {threshold:,}: no repeat loan" in chips
-        assert f"30 lines · {n_big:,} tokens · ≥ {threshold:,}: repeat loan" in chips
+        # the last chip says what the engine says the whole message gets (here the startup loan)
+        asked = loop.preview(app.conv, f"see: {small} and {big}")
+        assert composer.verdict.kind == asked.kind == "startup"
+        chips = str(composer.query_one("#chips").render()).splitlines()
+        assert chips[0].endswith(f"11 lines · {n_small:,} tokens")
+        assert chips[1].endswith(f"30 lines · {n_big:,} tokens · {asked.line()}")
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(app.conv.messages) == 2 and not app.running)
         assert app.conv.messages[0].content == f"see: {small} and {big}"
         assert composer.pastes == ()
+
+
+@async_test
+async def test_the_chip_says_what_the_repeat_loan_will_buy(tmp_path: Path) -> None:
+    """After the startup loan, the chip asks the engine: under the threshold no repeat loan
+    (and why), over it the forecast without and with the loan; the same answer as the
+    engine's own verdict on the message, fresh tokens counted against the KV it holds."""
+    flags = LoanFlags(elastic_loan=True, repeat_loan=True)
+    app = make_app(tmp_path, flags, serve=True, vram_elastic=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await send(pilot, "hello")  # the startup loan
+        composer, loop = app.query_one(Composer), app.link.loop
+        app.post_message(Paste(sample_paste(11)))  # ~400 tokens: under 1,024
+        await wait_until(pilot, lambda: composer.verdict is not None)
+        verdict = composer.verdict
+        assert verdict.kind is None and "fresh < 1,024" in verdict.reason
+        assert verdict.with_loan is not None and verdict.with_loan.workload.kind == "repeat"
+        chip = str(composer.query_one("#chips").render())
+        assert f"no loan ({verdict.reason}): " in chip
+        app.post_message(Paste(sample_paste(30)))  # together over 1,024: the repeat loan
+        await wait_until(pilot, lambda: composer.verdict is not verdict
+                         and composer.verdict is not None and len(composer.pastes) == 2)
+        verdict = composer.verdict
+        text = expand(app.query_one(PromptInput).text, composer.pastes)
+        asked = loop.preview(app.conv, text)
+        assert verdict.kind == asked.kind == "repeat" and verdict.line() == asked.line()
+        conv = Conversation(messages=[*app.conv.messages])
+        conv.add("user", text)
+        ids = loop.prompt_ids(conv)  # the reply to "hello" is in the KV: reused, not fresh
+        assert verdict.prompt_tokens == len(ids)
+        assert verdict.fresh_tokens == len(ids) - loop.rt.session.reusable(ids) < len(ids)
+        assert f"repeat loan: {seconds_text(verdict.without_loan.total_s)} -> " in str(
+            composer.query_one("#chips").render())
+
+
+@async_test
+async def test_counting_a_paste_never_blocks_typing(tmp_path: Path) -> None:
+    """The chip's tokens are counted in a worker: while the count is held, keys still reach
+    the input; released, the count shows."""
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        composer = app.query_one(Composer)
+        held, counting = threading.Event(), threading.Event()
+        count = composer.count_tokens
+
+        def slow_count(text: str) -> int | None:
+            counting.set()
+            held.wait(30)
+            return count(text)
+
+        composer.count_tokens = slow_count
+        app.post_message(Paste(sample_paste(40)))
+        await wait_until(pilot, counting.is_set)
+        await pilot.press(*"typed meanwhile")
+        prompt = app.query_one(PromptInput)
+        assert prompt.text.endswith("typed meanwhile")
+        assert composer.pastes[0].n_tokens is None
+        assert "counting tokens…" in str(composer.query_one("#chips").render())
+        held.set()
+        await wait_until(pilot, lambda: composer.pastes[0].n_tokens is not None)
+        assert composer.pastes[0].n_tokens == app.link.count_tokens(sample_paste(40))
 
 
 @async_test
@@ -302,6 +369,43 @@ async def test_accepted_flag_applies_from_the_next_message(tmp_path: Path) -> No
         assert "applies from the next message" in str(panel.query_one("#flags-status").render())
         titles = [n.notification.title for n in notes if isinstance(n, Notify)]
         assert "Flags accepted" in titles
+
+
+@async_test
+async def test_the_flags_panel_forecasts_a_change_and_the_timing_panel_its_error(
+    tmp_path: Path,
+) -> None:
+    """Typing a threshold shows what a message would get if it applied, beside what it gets
+    now (the engine's own what-if); a switch that applies shows the forecast from the next
+    message; after a request the timing panel shows its forecast against what it took."""
+    flags = LoanFlags(elastic_loan=True, repeat_loan=True)
+    app = make_app(tmp_path, flags, serve=True, vram_elastic=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await send(pilot, "hello")  # the startup loan
+        done = app.query_one(TimingPanel).done
+        assert done is not None and done.forecast_s > 0
+        shown = plain(app.query_one(TimingPanel).render(), 60)
+        assert "forecast" in shown and "· measured" in shown, shown
+        panel, loop = app.query_one(FlagsPanel), app.link.loop
+        box = panel.query_one("#repeat_min_tokens", Input)
+        box.value = "8192"  # typed, not entered: a what-if
+        await wait_until(pilot, lambda: "if applied" in panel.forecast.plain)
+        high = loop.what_if(flags.with_changes(repeat_min_tokens=8192), loop.options, 4096)
+        now = loop.what_if(loop.flags, loop.options, 4096)
+        assert high.kind is None and now.kind == "repeat"
+        assert panel.forecast.plain == (f"if applied, a 4,096-token message: {high.line()}\n"
+                                        f"now: {now.line()}")
+        assert loop.flags.repeat_min_tokens == 1024  # nothing applied
+        box.value = "1024"  # back to the value in force: no what-if
+        await wait_until(pilot, lambda: not panel.forecast.plain)
+        await pilot.press("f3", "tab", "tab", "tab", "tab")  # to the REPEAT_LOAN switch
+        assert isinstance(app.focused, Switch) and app.focused.id == "repeat_loan"
+        await pilot.press("space")  # applies: the forecast from the next message
+        await wait_until(pilot, lambda: "from the next message" in panel.forecast.plain)
+        assert not loop.flags.repeat_loan
+        assert "no loan (repeat loan off)" in panel.forecast.plain
+        assert f"was: {now.line()}" in panel.forecast.plain
 
 
 @async_test

@@ -2,7 +2,9 @@
 
 Every change is posted as `FlagsPanel.Requested`; the app asks the engine and answers with
 `accepted` (the panel shows "applies from the next message") or `refused` (the panel shows
-the reasons and puts its controls back to the flags in force).
+the reasons and puts its controls back to the flags in force). While the threshold is being
+typed (before Enter) the panel posts `FlagsPanel.WhatIf`; the app answers both with the
+forecast of a message under the changed flags beside the flags in force (`forecast`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Input, Label, Select, Static, Switch
 
-from engine.config import ENV_NAMES, EngineOptions, LoanFlags
+from engine.config import AUTO, ENV_NAMES, EngineOptions, LoanFlags
 from engine.errors import FlagError
 
 SWITCHES = ("elastic_loan", "mtp_loan", "head_loan", "retain_startup_chunk", "repeat_loan")
@@ -50,6 +52,7 @@ class FlagsPanel(Widget):
         & Input { width: 12; height: 1; border: none; padding: 0 1; }
         & Select { width: 14; }
         & #flags-status { height: auto; margin-top: 1; }
+        & #flags-forecast { height: auto; }
         & .-refused { color: $error; }
         & .-accepted { color: $success; }
     }
@@ -62,9 +65,17 @@ class FlagsPanel(Widget):
         flags: LoanFlags
         options: EngineOptions
 
+    @dataclass
+    class WhatIf(Message):
+        """The user is changing a flag (not applied yet): what would these flags do?"""
+
+        flags: LoanFlags
+        options: EngineOptions
+
     flags: reactive[LoanFlags] = reactive(LoanFlags, init=False)
     options: reactive[EngineOptions] = reactive(EngineOptions, init=False)
     status: reactive[Text] = reactive(Text(""), init=False)
+    forecast: reactive[Text] = reactive(Text(""), init=False)  # the what-if, from the app
 
     def compose(self) -> ComposeResult:
         for name in SWITCHES:
@@ -73,8 +84,8 @@ class FlagsPanel(Widget):
                 yield Label(short_name(name))
         with Horizontal():
             yield Input(
-                str(self.flags.repeat_min_tokens),
-                type="integer",
+                self.flags.threshold_text,
+                restrict=r"[0-9]*|[aA][uU]?[tT]?[oO]?",  # a count, or auto as it is typed
                 id="repeat_min_tokens",
                 compact=True,
             )
@@ -98,9 +109,11 @@ class FlagsPanel(Widget):
             )
         yield Static(id="options-line")
         yield Static(id="flags-status")
+        yield Static(id="flags-forecast")
 
     def on_mount(self) -> None:
         self.border_title = "Loan flags"
+        self.query_one("#flags-forecast", Static).display = False
         self.call_later(self._sync)  # `is_mounted` turns true once this handler returns
 
     def focus_first(self) -> None:
@@ -121,6 +134,7 @@ class FlagsPanel(Widget):
 
     def refused(self, violations: list[str]) -> None:
         self.status = Text("refused:\n" + "\n".join(f"· {v}" for v in violations), style="red")
+        self.forecast = Text("")
         self._sync()  # put every control back to the flags in force
 
     # -- watchers ----------------------------------------------------------------------------
@@ -134,13 +148,19 @@ class FlagsPanel(Widget):
         if self.is_mounted:
             self.query_one("#flags-status", Static).update(status)
 
+    def watch_forecast(self, forecast: Text) -> None:
+        if self.is_mounted:
+            box = self.query_one("#flags-forecast", Static)
+            box.display = bool(forecast.plain)
+            box.update(forecast)
+
     def _sync(self) -> None:
         if not self.is_mounted:
             return
         with self.prevent(Switch.Changed, Select.Changed, Input.Changed):
             for name in SWITCHES:
                 self.query_one(f"#{name}", Switch).value = getattr(self.flags, name)
-            self.query_one("#repeat_min_tokens", Input).value = str(self.flags.repeat_min_tokens)
+            self.query_one("#repeat_min_tokens", Input).value = self.flags.threshold_text
             self.query_one("#spec", Select).value = self.options.spec
             prefill = self.options.prefill
             self.query_one("#prefill", Select).value = (
@@ -167,17 +187,23 @@ class FlagsPanel(Widget):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         try:
-            n = int(event.value)
-        except ValueError:
-            self.refused([f"{ENV_NAMES['repeat_min_tokens']}={event.value!r} is not an integer"])
+            flags = threshold_flags(self.flags, event.value)
+        except FlagError as exc:  # not a count, or a negative one
+            self.refused(exc.violations)
             return
-        if n != self.flags.repeat_min_tokens:
-            try:
-                flags = self.flags.with_changes(repeat_min_tokens=n)
-            except FlagError as exc:  # a negative threshold
-                self.refused(exc.violations)
-                return
+        if flags != self.flags or flags.warnings:  # a clamped count says so when accepted
             self.post_message(self.Requested(flags, self.options))
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        event.stop()
+        try:
+            flags = threshold_flags(self.flags, event.value)
+        except FlagError:  # half typed: nothing to forecast yet
+            return
+        if flags == self.flags:
+            self.forecast = Text("")
+        else:
+            self.post_message(self.WhatIf(flags, self.options))
 
     def on_select_changed(self, event: Select.Changed) -> None:
         event.stop()
@@ -190,3 +216,17 @@ class FlagsPanel(Widget):
             self.post_message(
                 self.Requested(self.flags, self.options.with_changes(prefill=event.value))
             )
+
+
+def threshold_flags(flags: LoanFlags, text: str) -> LoanFlags:
+    """`flags` with STRATA_PREFILL_REPEAT_MIN_TOKENS as typed: 'auto' or a count (FlagError
+    naming the value otherwise, as the variable is refused on the command line)."""
+    value = text.strip().lower()
+    if value == AUTO:
+        return flags.with_changes(repeat_auto=True)
+    try:
+        n = int(value)
+    except ValueError:
+        raise FlagError(f"{ENV_NAMES['repeat_min_tokens']}={text!r} is neither an integer nor "
+                        f"auto") from None
+    return flags.with_changes(repeat_min_tokens=n, repeat_auto=False)

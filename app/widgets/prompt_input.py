@@ -3,14 +3,16 @@
 Enter sends; ctrl+j (shift+enter or alt+enter where the terminal reports them) inserts a
 newline. A bracketed paste longer than LONG_PASTE_LINES lines or LONG_PASTE_CHARS characters
 is kept aside and stands in the text as a marker `[paste #N: L lines]`; a chip above the input
-shows its line and token counts and whether it crosses the repeat-loan threshold. Sending
-expands every marker into the full text.
+shows its line and token counts, and the last chip what the engine says the message will get:
+the loan it would take (or why not) and the forecast ("repeat loan: 5.0 s -> 3.9 s"). The
+counting and the question run in a thread worker, never on the UI thread: a huge paste does
+not stop typing. Sending expands every marker into the full text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.text import Text
 from textual import events
@@ -18,13 +20,17 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.message import Message
 from textual.reactive import reactive
+from textual.timer import Timer
 from textual.widgets import Static, TextArea
 
 from app.engine_link import Draft
+from engine.errors import StrataError
+from engine.forecast import LoanVerdict
 
 LONG_PASTE_LINES = 10
 LONG_PASTE_CHARS = 1000
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
+MEASURE_DELAY_S = 0.4  # typing beside a chip asks the engine again after this pause
 
 
 def newlines(text: str) -> str:
@@ -64,25 +70,31 @@ def expand(text: str, pastes: tuple[PastedText, ...]) -> str:
     return text
 
 
-def chip_text(paste: PastedText, repeat_threshold: int | None) -> Text:
-    chip = Text()
-    chip.append_text(
-        Text.assemble(
-            (f" ▤ paste #{paste.n} ", "bold reverse"),
-            f" {paste.n_lines:,} lines · ",
-            f"{paste.n_tokens:,} tokens"
-            if paste.n_tokens is not None
-            else "tokens: engine loading",
-            " · ",
-        )
+def chip_text(paste: PastedText, verdict: Text | None = None) -> Text:
+    """A paste's chip: its line and token counts ('counting' until the worker has them), then
+    `verdict` (the last chip carries the message's)."""
+    chip = Text.assemble(
+        (f" ▤ paste #{paste.n} ", "bold reverse"),
+        f" {paste.n_lines:,} lines · ",
+        f"{paste.n_tokens:,} tokens" if paste.n_tokens is not None
+        else ("counting tokens…", "dim"),
     )
-    if repeat_threshold is None:
-        chip.append("repeat loan off", style="dim")
-    elif paste.n_tokens is not None and paste.n_tokens >= repeat_threshold:
-        chip.append(f"≥ {repeat_threshold:,}: repeat loan", style="bold green")
-    else:
-        chip.append(f"< {repeat_threshold:,}: no repeat loan", style="yellow")
+    if verdict is not None:
+        chip.append(" · ")
+        chip.append_text(verdict)
     return chip
+
+
+def verdict_text(verdict: LoanVerdict | None, error: str = "") -> Text:
+    """What the engine says the message will get: 'repeat loan: 5.0 s -> 3.9 s' (green), 'no
+    loan (300 fresh < 1,024): 0.6 s' (yellow), 'loan: engine loading' or the error (dim)."""
+    if error:
+        return Text(f"no forecast: {error}", style="dim")
+    if verdict is None:
+        return Text("loan: engine loading", style="dim")
+    if verdict.kind is not None and verdict.with_loan is not None:
+        return Text(verdict.line(), style="bold green")
+    return Text(verdict.line(), style="yellow")
 
 
 class PromptInput(TextArea):
@@ -151,13 +163,28 @@ class Composer(Vertical):
         prompt: str
         draft: Draft
 
-    pastes: reactive[tuple[PastedText, ...]] = reactive((), layout=True)
-    repeat_threshold: reactive[int | None] = reactive(None)
+    @dataclass
+    class Measured(Message):
+        """A worker's counts (paste number -> tokens) and the engine's verdict on the message."""
 
-    def __init__(self, count_tokens: Callable[[str], int | None], **kwargs: object) -> None:
+        generation: int
+        counts: dict[int, int | None]
+        verdict: LoanVerdict | None
+        error: str = ""
+
+    pastes: reactive[tuple[PastedText, ...]] = reactive((), layout=True)
+    verdict: reactive[LoanVerdict | None] = reactive(None)
+
+    def __init__(self, count_tokens: Callable[[str], int | None],
+                 ask: Callable[[str], LoanVerdict | None], **kwargs: object) -> None:
+        """`count_tokens(text)` and `ask(message)` (the engine's verdict on sending it) run in
+        a worker thread; either returns None while the engine is loading."""
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.count_tokens = count_tokens
+        self.count_tokens, self.ask = count_tokens, ask
         self._next_n = 1
+        self._generation = 0  # measurements started; an older one's answer is dropped
+        self._error = ""
+        self._pending: Timer | None = None
 
     def compose(self) -> ComposeResult:
         yield Static(id="chips")
@@ -170,27 +197,79 @@ class Composer(Vertical):
     def watch_pastes(self) -> None:
         self._draw_chips()
 
-    def watch_repeat_threshold(self) -> None:
+    def watch_verdict(self) -> None:
         self._draw_chips()
 
     def _draw_chips(self) -> None:
         chips = self.query_one("#chips", Static)
         chips.display = bool(self.pastes)
-        chips.update(Text("\n").join(chip_text(p, self.repeat_threshold) for p in self.pastes))
+        last = len(self.pastes) - 1
+        verdict = verdict_text(self.verdict, self._error)
+        chips.update(Text("\n").join(chip_text(p, verdict if i == last else None)
+                                     for i, p in enumerate(self.pastes)))
 
+    # -- asking the engine (in a worker) ---------------------------------------------------
+    def measure(self) -> None:
+        """Count the pastes' tokens and ask the engine what the message would get, in a thread
+        worker; the answer comes back as `Measured` (a newer measurement supersedes it)."""
+        if self._pending is not None:
+            self._pending.stop()
+            self._pending = None
+        self._generation += 1
+        generation, pastes = self._generation, self.pastes
+        if not pastes:
+            self.verdict = None
+            return
+        message = expand(self.input.text, pastes)
+
+        def work() -> None:
+            counts: dict[int, int | None] = {}
+            try:
+                for p in pastes:
+                    counts[p.n] = (p.n_tokens if p.n_tokens is not None
+                                   else self.count_tokens(p.text))
+                answer = self.Measured(generation, counts, self.ask(message))
+            except StrataError as e:  # e.g. the message would not fit the context
+                answer = self.Measured(generation, counts, None, str(e))
+            self.post_message(answer)
+
+        self.run_worker(work, thread=True, exclusive=True, group="composer-measure")
+
+    def on_composer_measured(self, message: Measured) -> None:
+        message.stop()
+        if message.generation != self._generation:
+            return
+        self._error = message.error
+        self.pastes = tuple(
+            p if p.n_tokens is not None else replace(p, n_tokens=message.counts.get(p.n))
+            for p in self.pastes
+        )
+        self.verdict = message.verdict
+        self._draw_chips()  # the error alone changes no reactive
+
+    def _measure_soon(self) -> None:
+        if self._pending is not None:
+            self._pending.stop()
+        self._pending = self.set_timer(MEASURE_DELAY_S, self.measure)
+
+    # -- user actions ----------------------------------------------------------------------
     def on_prompt_input_long_paste(self, message: PromptInput.LongPaste) -> None:
         message.stop()
-        paste = PastedText(self._next_n, message.text, self.count_tokens(message.text))
+        paste = PastedText(self._next_n, message.text, None)
         self._next_n += 1
         self.pastes = (*self.pastes, paste)
         self.input.insert(paste.marker)
+        self.measure()
 
     def on_text_area_changed(self, message: TextArea.Changed) -> None:
-        # a marker the user deleted takes its chip with it
+        # a marker the user deleted takes its chip with it; typing beside chips asks again
         text = message.text_area.text
         kept = tuple(p for p in self.pastes if p.marker in text)
         if kept != self.pastes:
             self.pastes = kept
+            self.measure()
+        elif self.pastes:
+            self._measure_soon()
 
     def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
         message.stop()
@@ -203,21 +282,16 @@ class Composer(Vertical):
     def clear(self) -> None:
         self.input.clear()
         self.pastes = ()
+        self.measure()
 
     def restore(self, draft: Draft) -> None:
         """Put a sent prompt back, chips included (after a cancel or a failure); anything
         typed meanwhile stays after it."""
         typed = self.input.text
-        restored = tuple(PastedText(n, text, self.count_tokens(text)) for n, text in draft.pastes)
+        restored = tuple(PastedText(n, text, None) for n, text in draft.pastes)
         self.pastes = (*restored, *(p for p in self.pastes if p.marker in typed))
         self._next_n = max([self._next_n, *(n + 1 for n, _ in draft.pastes)])
         self.input.load_text(draft.text + (f"\n{typed}" if typed.strip() else ""))
         self.input.move_cursor(self.input.document.end)
         self.input.focus()
-
-    def recount(self) -> None:
-        """Count tokens of pastes made before the engine was loaded."""
-        self.pastes = tuple(
-            p if p.n_tokens is not None else PastedText(p.n, p.text, self.count_tokens(p.text))
-            for p in self.pastes
-        )
+        self.measure()

@@ -12,8 +12,8 @@ from engine.events import Event, RequestDone
 
 
 class TimingPanel(EventView):
-    """PP, TG, TTFT, drafts accepted (and how many steps drafted) and bytes streamed of the
-    last finished request."""
+    """PP, the prefill's forecast against what it took, TG, TTFT, drafts accepted (and how
+    many steps drafted) and bytes streamed of the last finished request."""
 
     TITLE = "Timing"
 
@@ -37,6 +37,10 @@ class TimingPanel(EventView):
         table.add_column()
         table.add_row("PP", f"{rate(d.fresh_tokens, d.prefill_s * 1e3)} · "
                             f"{d.fresh_tokens:,} in {fmt_ms(d.prefill_s * 1e3)}")
+        if d.forecast_s and d.prefill_s:  # the loan forecast, made before the request ran
+            error = 100 * (d.forecast_s / d.prefill_s - 1)
+            table.add_row("forecast", f"{fmt_ms(d.forecast_s * 1e3)} · measured "
+                                      f"{fmt_ms(d.prefill_s * 1e3)} ({error:+.0f}%)")
         tg = rate(d.generated, d.decode_s * 1e3) if d.decoded else "–"  # no decode step: no TG
         table.add_row("TG", f"{tg} · {d.generated:,} in {fmt_ms(d.decode_s * 1e3)}")
         table.add_row("TTFT", fmt_ms(d.ttft_s * 1e3) if d.ttft_s else "–")

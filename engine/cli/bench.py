@@ -1,4 +1,5 @@
-"""`strata bench`: seed 000's tables on any model and device (see engine.bench)."""
+"""`strata bench`: seed 000's tables on any model and device (see engine.bench); the soak;
+`--forecast`: the loan forecast against measured prefills (engine.bench_forecast)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,23 @@ from engine.bench import (
     scenario,
     soak,
 )
+from engine.bench_forecast import as_json as forecast_json
+from engine.bench_forecast import markdown as forecast_markdown
+from engine.bench_forecast import run_forecast_bench
 from engine.cli.options import add_engine_args, engine_options
 from engine.errors import StrataError
+
+
+def token_counts(text: str) -> list[int]:
+    """'8192,31258' -> [8192, 31258]: counts >= 1, comma separated."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a token count or a comma-separated list of them") from None
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: every token count must be at least 1")
+    return counts
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     p.add_argument("--scenario", action="append", choices=SCENARIOS,
                    help="which tables (repeatable; default ab, auto, repeat)")
-    p.add_argument("--prompt-tokens", type=int, default=4096, help="fresh prompt tokens")
+    p.add_argument("--prompt-tokens", type=token_counts, default=[4096], metavar="N[,N...]",
+                   help="fresh prompt tokens; a list runs each size (the soak cycles its long "
+                        "messages through it)")
     p.add_argument("--max-new", type=int, default=32, help="completion cap")
     p.add_argument("--runs", type=int, default=3, help="runs per configuration (median, range)")
     p.add_argument("--json", help="also write the samples as JSON to this path")
@@ -39,6 +57,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--soak", type=int, metavar="N",
                    help="instead: N requests alternating long and short messages (repeat loan)")
     p.add_argument("--short-tokens", type=int, default=64, help="soak: short message tokens")
+    p.add_argument("--auto", action="store_true",
+                   help="soak: STRATA_PREFILL_REPEAT_MIN_TOKENS=auto (the forecast decides); "
+                        "every decision is checked against the prompt run the other way")
+    p.add_argument("--forecast", action="store_true",
+                   help="instead: forecast against measured prefill per size, loan off and on "
+                        "(startup loan, a calibration pair, then --runs pairs)")
+    p.add_argument("--fresh-rates", action="store_true",
+                   help="forecast: start from the device's default rates, not the stored ones")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="instead: print the tables of these --json files, runs pooled")
     p.set_defaults(func=run)
@@ -67,8 +93,8 @@ def print_merged(paths: list[str]) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.merge:
         return print_merged(args.merge)
-    if args.runs < 1 or args.prompt_tokens < 1 or args.max_new < 1:
-        raise StrataError("--runs, --prompt-tokens and --max-new must be at least 1")
+    if args.runs < 1 or args.max_new < 1:
+        raise StrataError("--runs and --max-new must be at least 1")
     hw = None
     if (args.h2d_gbs is None) != (args.peak_tflops is None):
         raise StrataError("--h2d-gbs and --peak-tflops go together (the lower bound needs both)")
@@ -77,26 +103,41 @@ def run(args: argparse.Namespace) -> int:
             raise StrataError("--h2d-gbs and --peak-tflops must be positive")
         hw = Hardware(args.h2d_gbs * 1e9, args.peak_tflops * 1e12)
     base = engine_options(args)
+    sizes: list[int] = args.prompt_tokens
+
+    def progress(line: str) -> None:
+        print(f"  {line}", file=sys.stderr)
+
+    if args.forecast:
+        shots = run_forecast_bench(base, sizes, args.runs, args.max_new, args.fresh_rates,
+                                   progress)
+        print(forecast_markdown(shots, (
+            f"Forecast against measured prefill: {' / '.join(f'{n:,}' for n in sizes)} "
+            f"fresh tokens, {args.runs} measured runs after a calibration pair")))
+        if args.json:
+            Path(args.json).write_text(forecast_json(shots) + "\n")
+        return 0
     if args.soak:
-        result = soak(base.with_changes(ctx=max(args.ctx, 2 * args.prompt_tokens + 256)),
-                      args.soak, args.prompt_tokens, args.short_tokens,
-                      progress=lambda s: print(f"  {s}", file=sys.stderr))
-        print(f"### Soak: {args.soak} requests, {args.prompt_tokens:,} / {args.short_tokens} "
-              "tokens alternating, repeat loan on\n")
+        result = soak(base.with_changes(ctx=max(args.ctx, 2 * max(sizes) + 256)),
+                      args.soak, sizes, args.short_tokens, progress=progress, auto=args.auto)
+        longs = ", ".join(f"{n:,}" for n in sizes)
+        how = ("STRATA_PREFILL_REPEAT_MIN_TOKENS=auto, each decision checked against its twin"
+               if args.auto else "repeat loan on")
+        print(f"### Soak: {args.soak} requests, {longs} / {args.short_tokens} tokens "
+              f"alternating, {how}\n")
         print(result.markdown())
         return 0
-    if args.ctx < args.prompt_tokens + args.max_new + 128:
-        base = base.with_changes(ctx=args.prompt_tokens + args.max_new + 128)
     out, data = [], {}
-    for i, name in enumerate(args.scenario or ["ab", "auto", "repeat"]):
-        title, configs = scenario(name, base, args.prompt_tokens)
-        rows = run_bench(configs, args.prompt_tokens, args.max_new, args.runs,
-                         progress=lambda s: print(f"  {s}", file=sys.stderr),
-                         warmup=not args.no_warmup and i == 0, hw=hw)
-        out.append(markdown(rows, f"{title}: {args.prompt_tokens:,} fresh tokens, "
-                                  f"{args.max_new}-token cap, {args.runs} runs"))
-        data[name] = as_json(rows)
-        print(out[-1] + "\n", flush=True)
+    for n in sizes:
+        opts = base.with_changes(ctx=max(args.ctx, n + args.max_new + 128))
+        for i, name in enumerate(args.scenario or ["ab", "auto", "repeat"]):
+            title, configs = scenario(name, opts, n)
+            rows = run_bench(configs, n, args.max_new, args.runs, progress=progress,
+                             warmup=not args.no_warmup and i == 0 and n == sizes[0], hw=hw)
+            out.append(markdown(rows, f"{title}: {n:,} fresh tokens, "
+                                      f"{args.max_new}-token cap, {args.runs} runs"))
+            data[name if len(sizes) == 1 else f"{name}-{n}"] = as_json(rows)
+            print(out[-1] + "\n", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             f.write("{" + ",".join(f'"{k}": {v}' for k, v in data.items()) + "}\n")

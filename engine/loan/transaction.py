@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
 
-from engine.config import EngineOptions, LoanFlags
+from engine.config import REPEAT_MIN_FLOOR, EngineOptions, LoanFlags
 from engine.devices import deferred_regions
 from engine.errors import StrataError
 from engine.events import LoanStep
@@ -49,7 +49,8 @@ def admission(flags: LoanFlags, startup_loan_pending: bool, n_fresh: int,
     """The loan a request of `n_fresh` fresh tokens gets (STARTUP, REPEAT or None) and why.
 
     With STRATA_PREFILL_REPEAT_MIN_TOKENS=auto the repeat loan is taken when `pays` (the
-    forecast's verdict, engine.forecast.pays); with no forecast the threshold decides."""
+    forecast's verdict, engine.forecast.pays) for a message of at least the 256-token floor;
+    with no forecast the threshold decides."""
     if not flags.elastic_loan:
         return None, "loan flags off"
     if startup_loan_pending:
@@ -57,6 +58,8 @@ def admission(flags: LoanFlags, startup_loan_pending: bool, n_fresh: int,
     if not flags.repeat_loan:
         return None, "repeat loan off"
     if flags.repeat_auto and pays is not None:
+        if n_fresh < REPEAT_MIN_FLOOR:
+            return None, f"auto: {n_fresh:,} fresh < {REPEAT_MIN_FLOOR} (the floor)"
         if pays:
             return REPEAT, "auto: the forecast says the loan pays"
         return None, "auto: the forecast says the loan does not pay"
