@@ -1,10 +1,12 @@
 """`strata bench --forecast`: the loan forecast against measured prefills (engine.forecast).
 
-For each prompt size one engine runs: its first request takes the startup loan; then a
-calibration pair (loan off, then a repeat loan) and `runs` measured pairs, every request a new
-prompt of the same size with all its tokens fresh. Each forecast is made just before its
-request from the rates measured by every earlier request (the engine's own `verdict`), and
-every request is then kept for the next forecasts, as in normal use. Sizes run in the order
+After one short warm-up request in an engine of its own (what a process does once: CUDA
+kernels compile), each prompt size gets one engine: its first request takes the startup loan;
+then a calibration pair (loan off, then a repeat loan) and `runs` measured pairs, every
+request a new prompt of the same size with all its tokens fresh. Each forecast is made just
+before its request from the rates measured by every earlier request (the engine's own
+`verdict`), and every request is then kept for the next forecasts, as in normal use (on CUDA
+but the first prefill of each engine: engine.serve). Sizes run in the order
 given; the rates carry over from one size's engine to the next (and start from the model's
 stored rates, or from the defaults with `fresh_rates`).
 
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
-from engine.bench import LOAN_ON, prompt_tokens
+from engine.bench import LOAN_ON, WARMUP_NEW, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import hardware_name, resolve_device
 from engine.events import EventBus
@@ -65,15 +69,17 @@ def _parts_forecast(seconds: dict[str, float]) -> dict[str, float]:
 
 
 def run_size(base: EngineOptions, n_tokens: int, runs: int, max_new: int, rates: Rates | None,
+             rates_file: Path | None = None,
              progress: Callable[[str], None] | None = None) -> tuple[list[Shot], Rates]:
     """One engine at `n_tokens`: the startup loan, the calibration pair, `runs` pairs.
-    `rates`: the rates to start from (None: the model's stored ones). Returns the shots and
-    the rates after them."""
-    options = replace(base, serve=True, vram_elastic=True, mtp=True, spec=base.spec or 4,
-                      prefill="auto", ctx=max(base.ctx, n_tokens + max_new + 128))
+    `rates`: the rates to start from (None: the model's stored ones), saved to `rates_file`
+    (None: the model's). Returns the shots and the rates after them."""
+    options = size_options(base, n_tokens, max_new)
     loop = ServeLoop.create(options, LOAN_FLAGS, EventBus())
     if rates is not None:
         loop.rates = rates
+    if rates_file is not None:
+        loop.rates_file = rates_file
     shots: list[Shot] = []
     schedule = [("startup loan", LOAN_FLAGS, True)]
     schedule += [(c, f, i == 0) for i in range(runs + 1)
@@ -85,16 +91,15 @@ def run_size(base: EngineOptions, n_tokens: int, runs: int, max_new: int, rates:
         reply = loop.complete(prompt_tokens(loop, n_tokens, salt=1000 * n_tokens + i),
                               max_new=max_new)
         loop.rt.check_integrity()
-        v = reply.verdict
-        assert v is not None and loop.last_observation is not None
-        forecast = v.chosen
-        obs = loop.last_observation
-        t = reply.timing
+        assert reply.verdict is not None
+        forecast, t = reply.verdict.chosen, reply.timing
+        w = forecast.workload
+        obs = loop.last_observation  # None where it was not kept (CUDA's first prefill)
         shots.append(Shot(
-            n_tokens, config, f"{obs.workload.chunk_tokens:,} / {obs.workload.ring_slots}",
-            forecast.total_s, t.prefill_s, first, forecast.workload.streamed_bytes / (1 << 20),
-            t.bytes_streamed / (1 << 20), _parts_forecast(dict(forecast.seconds)),
-            _parts_measured(dict(obs.seconds)),
+            n_tokens, config, f"{w.chunk_tokens:,} / {w.ring_slots}", forecast.total_s,
+            t.prefill_s, first, w.streamed_bytes / (1 << 20), t.bytes_streamed / (1 << 20),
+            _parts_forecast(dict(forecast.seconds)),
+            _parts_measured(dict(obs.seconds)) if obs is not None else {},
         ))  # fmt: skip
         if progress:
             progress(f"{n_tokens:,} {config}: forecast {forecast.total_s:.2f} s, measured "
@@ -103,16 +108,36 @@ def run_size(base: EngineOptions, n_tokens: int, runs: int, max_new: int, rates:
     return shots, loop.rates
 
 
+def size_options(base: EngineOptions, n_tokens: int, max_new: int) -> EngineOptions:
+    """The engine of one size: loan-ready, the automatic planner, a context that fits."""
+    return replace(base, serve=True, vram_elastic=True, mtp=True, spec=base.spec or 4,
+                   prefill="auto", ctx=max(base.ctx, n_tokens + max_new + 128))
+
+
 def run_forecast_bench(base: EngineOptions, sizes: Sequence[int], runs: int, max_new: int,
-                       fresh_rates: bool = False,
+                       fresh_rates: bool = False, warmup: bool = True,
                        progress: Callable[[str], None] | None = None) -> list[Shot]:
     """Every size in order (see the module docstring); returns every request's shot.
-    `fresh_rates`: start from the device's defaults instead of the model's stored rates."""
+    `fresh_rates`: start from the device's defaults (and keep the model's stored rates out of
+    it: the bench's are saved to a temporary file). `warmup`: first one short request in an
+    engine of its own, so no measured request pays what a process does once (CUDA kernels
+    compile, the model file comes into the page cache)."""
     shots: list[Shot] = []
     rates = Rates.fresh(_device_name(base.device)) if fresh_rates else None
-    for n in sizes:
-        size_shots, rates = run_size(base, n, runs, max_new, rates, progress)
-        shots += size_shots
+    with tempfile.TemporaryDirectory(prefix="strata-rates-") as tmp:
+        rates_file = Path(tmp) / "bench.rates.json" if fresh_rates else None
+        if warmup:
+            t0 = time.perf_counter()
+            loop = ServeLoop.create(size_options(base, sizes[0], WARMUP_NEW), LoanFlags(),
+                                    EventBus())
+            loop.rates_file = rates_file or loop.rates_file
+            loop.complete(prompt_tokens(loop, min(sizes[0], 256), salt=7), max_new=WARMUP_NEW)
+            del loop
+            if progress:
+                progress(f"warm-up: {time.perf_counter() - t0:.1f} s")
+        for n in sizes:
+            size_shots, rates = run_size(base, n, runs, max_new, rates, rates_file, progress)
+            shots += size_shots
     return shots
 
 
@@ -170,7 +195,10 @@ def markdown(shots: list[Shot], title: str) -> str:
               "| Prompt | Configuration | " + " | ".join(PARTS) + " |",
               "|---:|---|" + "---:|" * len(PARTS)]
     for n, config in keys:
-        s = [s for s in shots if (s.n_tokens, s.config) == (n, config)][-1]
+        mine = [s for s in shots if (s.n_tokens, s.config) == (n, config) and s.measured_parts]
+        if not mine:  # CUDA's first prefill of a process: not measured by part
+            continue
+        s = mine[-1]
         cells = " | ".join(f"{s.forecast_parts[p]:.3f} / {s.measured_parts[p]:.3f}" for p in PARTS)
         lines.append(f"| {n:,} | {config} | {cells} |")
     return "\n".join(lines)

@@ -74,8 +74,8 @@ class LoanFlags:
                 n = _parse_count(raw)
                 if n is None:
                     errors.append(
-                        f"{var}={raw!r} is neither an integer nor auto; give a token count "
-                        "such as 1024, or auto (the forecast decides)"
+                        f"{var}={raw!r} is not an integer; give a token count such as "
+                        "1024, or auto (the forecast decides)"
                     )
                 elif n < 0:
                     errors.append(_negative_repeat_min(n))

@@ -97,6 +97,7 @@ class ServeLoop:
             self.rates = Rates.fresh(device)
         self._rates_saved = True
         self.last_observation: Observation | None = None  # what the last prefill measured
+        self._prefills = 0  # prefills this loop ran
 
     @classmethod
     def create(
@@ -323,7 +324,8 @@ class ServeLoop:
 
     def _learn(self, req: Request, verdict: LoanVerdict) -> None:
         """After a prefill: compare it with its forecast (a trace line, `timing.forecast_s`)
-        and keep what it measured for the next forecasts (saved beside the profile)."""
+        and keep what it measured for the next forecasts (saved beside the profile); on CUDA
+        not the first prefill of the process, which compiles the kernels it runs."""
         rt, timing = self.rt, req.timing
         forecast = verdict.with_loan if req.loan is not None else verdict.without_loan
         if forecast is not None and forecast.workload.kind == req.loan:
@@ -332,6 +334,10 @@ class ServeLoop:
             rt.report.trace(f"strata forecast: prefill {forecast.total_s:.2f} s forecast "
                             f"({verdict.line()}), {timing.prefill_s:.2f} s measured "
                             f"({error:+.0f}%)")
+        self._prefills += 1
+        self.last_observation = None
+        if self._prefills == 1 and rt.backend.device_index is not None:
+            return  # the process's first CUDA prefill compiles its kernels: not a rate
         w = rt.workload(req.loan, len(req.fresh), req.reused, self.odds, geometry=req.geometry)
         w = replace(w, streamed_bytes=float(timing.bytes_streamed))
         s = req.seconds

@@ -21,6 +21,9 @@
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
 #             ONLY=auto or ONLY=ab runs one of the two tables (a call is at most 10 minutes)
+#   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
+#             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
+#             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
@@ -54,6 +57,9 @@ for stage in "$@"; do
         $auto $ab --runs "$RUNS" --prompt-tokens "$n" \
         --max-new "$MAX_NEW" --kv q4_0 --ctx $((n + MAX_NEW + 64)) --json "$OUT/$stage${ONLY:+-$ONLY}.json" \
         2>&1 | tee "$OUT/$stage${ONLY:+-$ONLY}.md" ;;
+    fc) strata bench --forecast --fresh-rates --model models/q48.gguf --device cuda \
+          --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --prompt-tokens "${SIZES:-8192,31258,72061}" \
+          --runs "$RUNS" --max-new 8 --json "$OUT/forecast.json" 2>&1 | tee "$OUT/forecast.md" ;;
     tg) for spec in "--mtp --spec 2" ""; do
           STRATA_TRACE=1 strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB \
             $spec --scenario auto --runs "$RUNS" --prompt-tokens 2048 --max-new 128 --kv q4_0 \

@@ -227,6 +227,6 @@ def threshold_flags(flags: LoanFlags, text: str) -> LoanFlags:
     try:
         n = int(value)
     except ValueError:
-        raise FlagError(f"{ENV_NAMES['repeat_min_tokens']}={text!r} is neither an integer nor "
-                        f"auto") from None
+        raise FlagError(f"{ENV_NAMES['repeat_min_tokens']}={text!r} is not an integer; give "
+                        "a count or auto") from None
     return flags.with_changes(repeat_min_tokens=n, repeat_auto=False)

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.forecast:
         shots = run_forecast_bench(base, sizes, args.runs, args.max_new, args.fresh_rates,
-                                   progress)
+                                   not args.no_warmup, progress)
         print(forecast_markdown(shots, (
             f"Forecast against measured prefill: {' / '.join(f'{n:,}' for n in sizes)} "
             f"fresh tokens, {args.runs} measured runs after a calibration pair")))
