@@ -5,10 +5,10 @@ kernels compile), each prompt size gets one engine: its first request takes the 
 then a calibration pair (loan off, then a repeat loan) and `runs` measured pairs, every
 request a new prompt of the same size with all its tokens fresh. Each forecast is made just
 before its request from the rates measured by every earlier request (the engine's own
-`verdict`), and every request is then kept for the next forecasts, as in normal use (on CUDA
-but the first prefill of each engine: engine.serve). Sizes run in the order
-given; the rates carry over from one size's engine to the next (and start from the model's
-stored rates, or from the defaults with `fresh_rates`).
+`verdict`), and every request is then kept for the next forecasts, as in normal use (but
+the first prefill of each engine, engine.serve). Sizes run in the order given; the rates
+carry over from one size's engine to the next (and start from the model's stored rates, or
+from the defaults with `fresh_rates`).
 
 The table shows, per size and configuration, the forecast and the measured prefill (median and
 range of the measured runs) and the median absolute error; the calibration pair and the startup
@@ -94,7 +94,7 @@ def run_size(base: EngineOptions, n_tokens: int, runs: int, max_new: int, rates:
         assert reply.verdict is not None
         forecast, t = reply.verdict.chosen, reply.timing
         w = forecast.workload
-        obs = loop.last_observation  # None where it was not kept (CUDA's first prefill)
+        obs = loop.last_observation  # None where it was not kept (an engine's first prefill)
         shots.append(Shot(
             n_tokens, config, f"{w.chunk_tokens:,} / {w.ring_slots}", forecast.total_s,
             t.prefill_s, first, w.streamed_bytes / (1 << 20), t.bytes_streamed / (1 << 20),
@@ -196,7 +196,7 @@ def markdown(shots: list[Shot], title: str) -> str:
               "|---:|---|" + "---:|" * len(PARTS)]
     for n, config in keys:
         mine = [s for s in shots if (s.n_tokens, s.config) == (n, config) and s.measured_parts]
-        if not mine:  # CUDA's first prefill of a process: not measured by part
+        if not mine:  # an engine's first prefill: not kept
             continue
         s = mine[-1]
         cells = " | ".join(f"{s.forecast_parts[p]:.3f} / {s.measured_parts[p]:.3f}" for p in PARTS)

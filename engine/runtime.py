@@ -140,23 +140,32 @@ class Runtime:
         or None) would do under `flags` and `options` (those in force by default): the
         geometry it would get (`geometry`: the one it got), what its loan releases and
         restores; `odds` are the routing odds in fill order (engine.forecast.routing_odds).
-        A question: nothing changes."""
+        It reads the engine as it is between requests, so a question asked from another thread
+        while a request runs sees neither that request's loan nor its lent slots. A question:
+        nothing changes."""
         flags, options = flags or self.flags, options or self.options
         items = self.resources.select(loan_regions(flags, options, self.resources)
                                       if kind is not None else frozenset())
-        released = sum(r.n_bytes for r in items if r.resident) if kind == REPEAT else 0
+        resident = [r for r in items if self._resident_at_rest(r.region)]
+        released = sum(r.n_bytes for r in resident) if kind == REPEAT else 0
         if geometry is None:
-            geometry = self.prompt.fit(self._request_geometry(kind, items, flags, options),
-                                       n_fresh)
-        n_cache = self.cache.n_slots if self.cache is not None else 0
+            geometry = self.prompt.fit(
+                self._request_geometry(kind, resident, flags, options), n_fresh)
+        n_cache = self.plan.n_cache_slots if self.cache is not None else 0
         lendable = self.plan_options.lendable_slots(n_cache, self.costs)
         return workload(kind, n_fresh, pos0, geometry, Shapes.of(self.model), n_cache,
                         lendable, odds, released, sum(r.n_bytes for r in items))
 
-    def _request_geometry(self, kind: str | None, items: list, flags: LoanFlags,
+    def _resident_at_rest(self, region: str) -> bool:
+        """Between requests every decode-only region is resident but those the pending
+        startup loan defers."""
+        return self.prefilled or region not in self.plan_options.deferred
+
+    def _request_geometry(self, kind: str | None, resident: list, flags: LoanFlags,
                           options: EngineOptions) -> PromptGeometry:
         """The geometry `prefill` would start from: the decode-time plan, the retained startup
-        geometry, or the loan's re-plan with what it would free."""
+        geometry, or the loan's re-plan with the memory free between requests and what the
+        loan releases of the `resident` regions it lends."""
         plan, opts = self.plan, self.plan_options
         if options.prefill != self.options.prefill:
             plan = replace(plan, prompt=self._prompt_plan(options.prefill))
@@ -165,9 +174,10 @@ class Runtime:
             return plan.prompt
         if kind == REPEAT and flags.retain_startup_chunk and self.retained_geometry is not None:
             return self.retained_geometry
-        seg = self.ledger.segment_bytes
-        freed = sum(ceil_div(r.n_bytes, seg) * seg for r in items if r.resident)
-        return plan_loan(plan, self.ledger.free_bytes + freed, self.costs, opts)
+        seg = plan.segment_bytes
+        restored = sum(r.n_segments for r in plan.deferred) * seg if self.prefilled else 0
+        freed = sum(ceil_div(r.n_bytes, seg) * seg for r in resident)
+        return plan_loan(plan, plan.free_bytes - restored + freed, self.costs, opts)
 
     def check_integrity(self) -> None:
         """Ledger, cache, KV and resources agree; 0 slots lent between requests."""

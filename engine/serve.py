@@ -98,6 +98,7 @@ class ServeLoop:
         self._rates_saved = True
         self.last_observation: Observation | None = None  # what the last prefill measured
         self._prefills = 0  # prefills this loop ran
+        self._running: list[int] | None = None  # the prompt of the request in flight
 
     @classmethod
     def create(
@@ -144,7 +145,11 @@ class ServeLoop:
         would get (or why not) and the forecast with and without one. Tokenizes the whole
         conversation: call it off the UI thread. A question: nothing changes."""
         ids = self._encode([*conv.as_dicts(), {"role": "user", "content": text}])
-        reused = self.rt.session.reusable(ids) if conv.id == self._conv_id else 0
+        reused = 0  # another conversation: its KV starts empty
+        if conv.id == self._conv_id:
+            running = self._running  # a request in flight: its prompt will be in the KV
+            reused = (min(_shared(ids, running), len(ids) - 1) if running is not None
+                      else self.rt.session.reusable(ids))
         return self.verdict(len(ids), reused)
 
     def verdict(self, n_prompt: int, reused: int, flags: LoanFlags | None = None,
@@ -324,8 +329,9 @@ class ServeLoop:
 
     def _learn(self, req: Request, verdict: LoanVerdict) -> None:
         """After a prefill: compare it with its forecast (a trace line, `timing.forecast_s`)
-        and keep what it measured for the next forecasts (saved beside the profile); on CUDA
-        not the first prefill of the process, which compiles the kernels it runs."""
+        and keep what it measured for the next forecasts (saved beside the profile); but not
+        the engine's first prefill, which pays what an engine does once (CUDA compiles its
+        kernels, the CPU decodes its resident experts)."""
         rt, timing = self.rt, req.timing
         forecast = verdict.with_loan if req.loan is not None else verdict.without_loan
         if forecast is not None and forecast.workload.kind == req.loan:
@@ -336,8 +342,8 @@ class ServeLoop:
                             f"({error:+.0f}%)")
         self._prefills += 1
         self.last_observation = None
-        if self._prefills == 1 and rt.backend.device_index is not None:
-            return  # the process's first CUDA prefill compiles its kernels: not a rate
+        if self._prefills == 1:  # it pays what an engine does once: not a rate
+            return
         w = rt.workload(req.loan, len(req.fresh), req.reused, self.odds, geometry=req.geometry)
         w = replace(w, streamed_bytes=float(timing.bytes_streamed))
         s = req.seconds
@@ -357,6 +363,7 @@ class ServeLoop:
         published."""
         self._request_id += 1
         req = Request.start(self._request_id, ids, self.rt.session, self.rt.spec)
+        self._running = ids
         self.bus.publish(RequestStarted(req.id, len(ids), len(req.fresh)))
         return req
 
@@ -388,9 +395,20 @@ class ServeLoop:
             raise Cancelled("cancelled during prefill")
 
     def _done(self, req: Request, cancelled: bool = False) -> None:
+        self._running = None
         done = RequestDone.of(req.timing, cancelled=cancelled)
         self.bus.publish(TraceLine(done.line))
         self.bus.publish(done)
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _expert_reads(c: StreamCounters) -> tuple[int, int]:

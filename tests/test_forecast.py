@@ -297,15 +297,19 @@ def test_every_request_is_measured_kept_and_saved(demo_path: Path, fresh_cache: 
     loop = make(demo_path, bus=bus)
     assert loop.rates.observations == () and loop.rates.device.startswith("sim ")
     loop.complete(prompt_tokens(loop, 600, salt=1), max_new=2)  # the startup loan
+    assert loop.rates.observations == () and loop.last_observation is None  # once-only costs
+    assert not loop.set_flags(LoanFlags())
+    loop.complete(prompt_tokens(loop, 500, salt=3), max_new=2)  # no loan
+    assert not loop.set_flags(FLAGS)
     loop.complete(prompt_tokens(loop, 700, salt=2), max_new=2)  # a repeat loan
     first, second = loop.rates.observations
     assert loop.last_observation is second and second.workload.kind == "repeat"
     for o in (first, second):
         assert sum(o.seconds.values()) == pytest.approx(o.prefill_s)
-        assert o.seconds["attention"] > 0 and o.seconds["moe"] > 0 and o.seconds["restore"] > 0
-    # the startup loan finds its regions deferred: it releases nothing, restores all
-    assert first.workload.released_bytes == 0 < second.workload.released_bytes
-    assert first.workload.restored_bytes == second.workload.restored_bytes > 0
+        assert o.seconds["attention"] > 0 and o.seconds["moe"] > 0
+    assert first.workload.kind is None and first.seconds["restore"] == 0
+    assert first.workload.released_bytes == first.workload.restored_bytes == 0
+    assert second.workload.released_bytes == second.workload.restored_bytes > 0
     assert second.workload.streamed_bytes == done[-1].bytes_streamed
     assert done[-1].forecast_s > 0
     again = make(demo_path)  # another process on the same model finds them
@@ -403,6 +407,7 @@ def test_plan_prints_the_forecast_loan_off_and_on(demo_path: Path, fresh_cache: 
     assert reply.verdict is not None
     w = reply.verdict.chosen.workload
     assert f"{w.chunk_tokens:,} / {w.ring_slots:,}" in plan_row.split("|")[3]
+    loop.complete(prompt_tokens(loop, 2048, salt=4), max_new=2)  # kept: not the first
     rc, out, _ = _run(capsys, *args)
     assert rc == 0 and "1 earlier request (" in out and "routing odds: the calibration" in out
 
@@ -427,7 +432,8 @@ def test_bench_forecast_prints_forecast_against_measured(tiny_path: Path, fresh_
                       "--fresh-rates", "--json", str(out_json))
     assert rc == 0
     rows = [line for line in out.splitlines() if line.startswith(("| 300 |", "| 600 |"))]
-    assert len(rows) == 2 * 3 * 2  # two sizes x three configurations, two tables
+    # two sizes x three configurations; the parts table lacks each engine's first prefill
+    assert len(rows) == 2 * 3 + 2 * 2
     assert "Median absolute error of the measured runs:" in out
     shots = json.loads(out_json.read_text())
     assert [s["config"] for s in shots[:5]] == ["startup loan", "loan off", "repeat loan",
@@ -454,3 +460,41 @@ def test_bench_token_lists_are_checked(value: str, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit) as e:
         _run(capsys, "bench", "--prompt-tokens", value)
     assert e.value.code == 2 and "--prompt-tokens" in capsys.readouterr().err
+
+
+def test_a_question_during_a_loan_sees_the_engine_between_requests(demo_path: Path,
+                                                                    fresh_cache: Path) -> None:
+    """Asked from another thread while a repeat loan holds its slots and its released
+    regions, the verdict is the one asked before the request started (the loan's grown cache,
+    lent slots and released regions are not the engine's resting state)."""
+    import threading
+
+    from engine.events import PrefillProgress
+
+    bus = EventBus()
+    reached, release = threading.Event(), threading.Event()
+
+    def hold(e: object) -> None:
+        if isinstance(e, PrefillProgress) and not reached.is_set():
+            reached.set()
+            release.wait(30)
+
+    loop = make(demo_path, FLAGS.with_changes(retain_startup_chunk=False), bus)
+    loop.complete(prompt_tokens(loop, 300, salt=1), max_new=1)  # the startup loan
+    before = [loop.verdict(n, 0) for n in (300, 2048)]
+    bus.subscribe(hold)
+    worker = threading.Thread(target=loop.complete, args=(prompt_tokens(loop, 2048, salt=2),),
+                              kwargs={"max_new": 1})
+    worker.start()
+    try:
+        assert reached.wait(30) and loop.busy and loop.rt.cache is not None
+        assert loop.rt.cache.n_lent > 0  # the loan is in flight
+        during = [loop.verdict(n, 0) for n in (300, 2048)]
+    finally:
+        release.set()
+        worker.join(30)
+    for a, b in zip(before, during):
+        assert (a.kind, a.line()) == (b.kind, b.line())
+        assert a.with_loan is not None and b.with_loan is not None
+        assert a.with_loan.workload == b.with_loan.workload
+        assert a.without_loan.workload == b.without_loan.workload
