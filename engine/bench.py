@@ -285,8 +285,9 @@ class SoakResult:
             head += (" Loans slower than without (worst loan / no loan) | Declined | Declined "
                      "but the loan was faster (best loan / no loan) |")
             rule += "---:|---:|---:|"
-            row += (f" {self.slower_loans} ({self.worst_loan:.2f}) | {self.declined} | "
-                    f"{self.missed} ({self.best_missed:.2f}) |")
+            worst = f" ({self.worst_loan:.2f})" if self.loans else ""
+            best = f" ({self.best_missed:.2f})" if self.declined else ""
+            row += f" {self.slower_loans}{worst} | {self.declined} | {self.missed}{best} |"
         return f"{head}\n{rule}\n{row}"
 
 
