@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -51,6 +51,7 @@ from engine.events import (
 from engine.experts.cache import LENT, ExpertCache
 from engine.experts.provider import CachedExperts
 from engine.guards import validate
+from engine.kernels.warmup import warm_up
 from engine.loan import STARTUP, Faults, LoanTransaction, admit, loan_regions, on_chunk_guard
 from engine.memory.arena import Arena
 from engine.memory.ledger import REGION_NAMES, Ledger
@@ -93,7 +94,7 @@ def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes) -> Dev
     reserve = options.vram_reserve_mib * MiB
     limit = vram_limit_bytes(options)
     backend = make_backend(sim_device(device, costs, reserve, limit), limit,
-                           elastic=options.vram_elastic)
+                           elastic=options.vram_elastic, warm_up=warm_up)
     capacity = backend.capacity_bytes
     seg = segment_bytes(options, capacity)
     violations = validate(options, flags, device, shapes.has_mtp, shapes.hp.has_output,
@@ -130,6 +131,7 @@ class Runtime:
         self.warnings: list[str] = []
         self._telemetry: Any = None  # engine.telemetry.Telemetry, False without NVML
         self._gpu_t = 0.0
+        self.closed = False
         self.trace = os.environ.get("STRATA_TRACE", "") not in ("", "0")
 
     # -- construction ------------------------------------------------------------------------
@@ -186,6 +188,7 @@ class Runtime:
         self._trace_fn = on_trace
         cuda = self.backend if self.on_cuda else None
         if cuda is not None:
+            self._serve_line(f"strata serve: {cuda.budget.line()}")  # type: ignore[attr-defined]
             pin_model_file(cuda, m.mf.data, self._trace, self._warn)
         self.cache, self.plan, self.plan_options = make_cache(
             self.ledger, m.experts, self.plan, self.costs, self.plan_options,
@@ -382,20 +385,24 @@ class Runtime:
             self.spec.draft.truncate(min(cp.n_tokens, len(self.session.tokens)))
 
     def publish_gpu(self, force: bool = False) -> None:
-        """On CUDA, an NVML reading as a GpuStats event (at most twice a second)."""
-        if not self.on_cuda:
+        """On CUDA (at most twice a second): measure what the process holds outside the
+        ledger again (growth comes off the pool's limit, `CudaBackend.refresh_outside`) and
+        publish an NVML reading as a GpuStats event."""
+        if not self.on_cuda or self.closed:
             return
         now = time.monotonic()
         if not force and now - self._gpu_t < 0.5:
             return
         self._gpu_t = now
+        self.backend.refresh_outside()  # type: ignore[attr-defined]
         if self._telemetry is None:
             from engine.telemetry import Telemetry
 
             self._telemetry = Telemetry.open(int(self.backend.name.partition(":")[2] or 0)) or False
         if self._telemetry:
             used = sum(r.used_bytes for r in self.ledger.snapshot().regions)
-            self.bus.publish(GpuStats(self._telemetry.snapshot(), used))
+            limit = self.backend.mem_info().total_bytes
+            self.bus.publish(GpuStats(self._telemetry.snapshot(), used, limit))
 
     def publish_cache(self) -> None:
         if self.cache is None:
@@ -408,6 +415,11 @@ class Runtime:
     def _trace(self, line: str) -> None:
         self.bus.publish(TraceLine(line))
         self.emit_trace(line)
+
+    def _serve_line(self, line: str) -> None:
+        """A line always printed (as the plan line is) and published for the event log."""
+        self.bus.publish(TraceLine(line))
+        self.emit_trace(line, always=True)
 
     def _warn(self, line: str) -> None:
         """A warning: kept in `warnings` and always printed."""
@@ -441,6 +453,7 @@ class Runtime:
         Any failure or cancel leaves ledger, cache and resources as before the call; the
         caller truncates the session back to its checkpoint.
         """
+        assert not self.closed, "prefill on a closed engine"
         kind = admit(self.flags, self.startup_loan_pending, len(fresh))
         cb = on_chunk_guard(self.faults, on_chunk)
         on_plan = on_plan or (lambda g, loan: None)
@@ -553,3 +566,36 @@ class Runtime:
         n = timing.decode_hits + timing.decode_misses
         hits = f", expert cache hits {100 * timing.decode_hits / n:.0f}%" if n else ""
         self._trace(f"{line}; decode {timing.decode_s:.2f} s wall{hits}")
+
+    # -- the end -----------------------------------------------------------------------------
+    # The parts whose arrays live on the device outside the ledger (CuPy's pool on CUDA).
+    _PARTS = ("spec", "resources", "session", "experts", "cache", "owned_chunk", "owned_ring",
+              "active_lent", "retained_geometry", "model")
+
+    def close(self) -> None:
+        """Give back every byte this engine holds on its device: the captured decode steps,
+        the parts whose arrays live in CuPy's pool (dropped), every ledger region (VMM
+        segments unmapped, address ranges freed; a last LedgerChanged shows none), then the
+        backend's own buffers, cached pool blocks and page-locked host memory. Idempotent; a
+        closed engine keeps its options, plan, ledger and backend (both empty) and runs
+        nothing more. `strata bench` closes each configuration's engine before the next."""
+        if self.closed:
+            return
+        self.closed = True
+        self.backend.synchronize()
+        detach_token_graph(self.model.transformer)
+        for name in self._PARTS:
+            if name in self.__dict__:
+                delattr(self, name)
+        gc.collect()  # the parts hold each other and this engine's bound methods in cycles
+        self.ledger.close()
+        self.backend.close()
+        if self._telemetry:
+            self._telemetry.close()
+        self._telemetry = False
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

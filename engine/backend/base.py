@@ -28,7 +28,8 @@ DeviceArray = Any
 
 @dataclass(frozen=True)
 class MemInfo:
-    """Device memory as the device reports it; `process_bytes` is None where it cannot tell."""
+    """The process's device budget (the simulated capacity; on CUDA the whole-process
+    `--vram-limit`), what is left of it, and the process's bytes (None where NVML cannot tell)."""
 
     total_bytes: int
     free_bytes: int
@@ -145,4 +146,9 @@ class Backend(Protocol):
 
     def synchronize(self) -> None:
         """Wait for all queued device work and copies."""
+        ...
+
+    def close(self) -> None:
+        """Give back what the backend holds itself (standalone buffers, cached blocks,
+        page-locked host memory); ledger regions are closed by their ledger first. Idempotent."""
         ...
