@@ -395,6 +395,8 @@ class Runtime:
             return
         self._gpu_t = now
         self.backend.refresh_outside()  # type: ignore[attr-defined]
+        if force and self.trace:
+            self._trace(self.backend.memory_line())  # type: ignore[attr-defined]
         if self._telemetry is None:
             from engine.telemetry import Telemetry
 
@@ -553,9 +555,11 @@ class Runtime:
         yield from self.session.decode(logits, sampler, max_new, stop_ids, timing, cancel)
 
     def trace_decode(self, timing: Timing) -> None:
-        """With STRATA_TRACE=1, after a request: what the drafting policy did (speculative
-        decoding), and the token graph's GPU time per step with the decode steps'
-        expert-cache hits."""
+        """After a request: on CUDA the device memory measured again (`publish_gpu`: decode's
+        kernels and captured graphs are outside the ledger); with STRATA_TRACE=1 what the
+        drafting policy did (speculative decoding), and the token graph's GPU time per step
+        with the decode steps' expert-cache hits."""
+        self.publish_gpu(force=True)
         graph = self.model.transformer.token_graph
         line = graph.stats_line() if graph is not None else None
         if self.trace and self.spec is not None and self.options.spec >= 2:

@@ -44,7 +44,7 @@ def first_logits(loop: ServeLoop, ids: list[int]) -> np.ndarray:
 def test_cuda_matches_the_simulated_device(demo_path: Path) -> None:
     sim = ServeLoop.create(EngineOptions(model=str(demo_path), device="sim", ctx=2048))
     gpu = ServeLoop.create(EngineOptions(model=str(demo_path), device="cuda", ctx=2048,
-                                         vram_limit="1GiB", vram_segment_mib=2))
+                                         vram_limit="2GiB", vram_segment_mib=2))
     ids = sim.rt.model.tokenizer.encode("the river runs through the old city " * 40)
     a, b = first_logits(sim, ids), first_logits(gpu, ids)
     rel = float(np.abs(a - b).max() / np.abs(a).max())

@@ -51,6 +51,7 @@ _H2D = 1  # cudaMemcpyHostToDevice
 _HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 _HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
 _ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+_live: weakref.WeakSet[CudaBackend] = weakref.WeakSet()  # backends of this process not closed
 ASSUMED_OUTSIDE_BYTES = 640 * MiB  # without NVML: a CuPy context, cuBLAS and kernels (H200)
 DEFAULT_STAGING_BYTES = 64 * MiB
 _PARALLEL_COPY_BYTES = 4 * MiB  # host copies larger than this are split over threads
@@ -113,6 +114,7 @@ class CudaBackend:
         self._unpin: dict[int, weakref.finalize] = {}  # host ptr -> its registration's end
         self._n_copy_threads = min(8, os.cpu_count() or 1)
         self._copy_pool = ThreadPoolExecutor(max_workers=self._n_copy_threads)
+        _live.add(self)
         self._warm_up(warm_up)
         free, total = cupy.cuda.runtime.memGetInfo()
         self.device_total_bytes = int(total)
@@ -146,12 +148,14 @@ class CudaBackend:
 
     def _measure_outside(self) -> tuple[int, str]:
         """(bytes, source): what the process holds on this device that neither the ledger's
-        mappings, `alloc` buffers nor CuPy's pool account for; assumed without NVML."""
+        mappings and `alloc` buffers, nor CuPy's pool, nor another live engine's ledger
+        account for; assumed without NVML. (Two engines alive in one process, as some tests
+        hold, each get the limit less the shared part: one engine is bounded whole.)"""
         if self._memory is None:
             return ASSUMED_OUTSIDE_BYTES, "assumed (no NVML)"
-        self.synchronize()
         r = self._memory.read()
-        return max(0, r.n_bytes - self.used_bytes - self._pool.total_bytes()), r.source
+        held = sum(b.used_bytes for b in list(_live) if b.device == self.device)
+        return max(0, r.n_bytes - held - self._pool.total_bytes()), r.source
 
     def refresh_outside(self) -> int:
         """Measure the outside again (kernels loaded, graphs captured and local memory grown
@@ -163,6 +167,20 @@ class CudaBackend:
                 self.outside_bytes = now
                 self._update_pool_limit()
         return self.outside_bytes
+
+    def memory_line(self) -> str:
+        """A trace line (STRATA_TRACE=1): the process's bytes now and their parts, in MiB."""
+        mib = MiB
+        pool = self._pool.total_bytes()
+        pool_limit = self.budget.pool_limit_bytes(self.used_bytes, self.outside_bytes)
+        process = self._process_bytes()
+        now = "n/a" if process is None else f"{process / mib:,.0f}"
+        return (
+            f"strata trace: vram process {now} MiB (limit {self.limit_bytes / mib:,.0f}) = ledger "
+            f"{self.used_bytes / mib:,.0f} + pool {pool / mib:,.0f} (of {pool_limit / mib:,.0f}) "
+            f"+ outside {self._measure_outside()[0] / mib:,.0f} (planned "
+            f"{self.budget.outside_bytes / mib:,.0f} + margin {self.margin_bytes / mib:,.0f})"
+        )
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -264,6 +282,7 @@ class CudaBackend:
             return
         self.synchronize()
         self._closed = True
+        _live.discard(self)
         self._buffers.clear()
         self._buffer_bytes = 0
         for unpin in list(self._unpin.values()):
