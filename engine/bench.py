@@ -219,9 +219,13 @@ def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
     for r in range(runs):
         for cfg, row in zip(configs, rows):
             t0 = time.perf_counter()
-            row.samples.append(run_once(cfg, n_tokens, max_new, hw, progress))
+            s = run_once(cfg, n_tokens, max_new, hw, progress)
+            row.samples.append(s)
             if progress:
-                progress(f"run {r + 1}/{runs} {cfg.label}: {time.perf_counter() - t0:.1f} s")
+                peak = f", peak {s.peak_mib:,.0f} MiB" if s.peak_source else ""
+                over = f" (over --vram-limit {s.limit_mib:,.0f} MiB)" if s.over_limit else ""
+                progress(f"run {r + 1}/{runs} {cfg.label}: {time.perf_counter() - t0:.1f} s"
+                         f"{peak}{over}")
     return rows
 
 

@@ -244,15 +244,16 @@ class CudaBackend:
 
     def reserve_address_space(self, n_bytes: int) -> VmmAddressSpace | PlainAddressSpace:
         """Reserve device addresses (VMM), or the plain fallback where VMM is missing."""
-        cls = VmmAddressSpace if self.use_vmm else PlainAddressSpace
-        return cls(
-            self.device,
-            n_bytes,
-            self.granularity_bytes,
-            self._charge,
-            self._uncharge,
-            self.synchronize,
-        )
+        args = (self.device, n_bytes, self.granularity_bytes, self._charge, self._uncharge,
+                self.synchronize)
+        if self.use_vmm:
+            return VmmAddressSpace(*args, forget=self._forget)
+        return PlainAddressSpace(*args)
+
+    def _forget(self, n_bytes: int) -> None:
+        """Memory a collected address space gave back: off the count, the pool's limit left
+        alone (a newer engine may own the pool by now)."""
+        self._mapped_bytes -= n_bytes
 
     def mem_info(self) -> MemInfo:
         """The whole-process limit, what is left of it, and the process's bytes (NVML; None

@@ -141,7 +141,11 @@ class VmmAddressSpace:
         charge: Callable[[int], None],
         uncharge: Callable[[int], None],
         synchronize: Callable[[], None],
+        *,
+        forget: Callable[[int], None] | None = None,
     ):
+        """`forget(n)`: what the finalizer tells the owner instead of `uncharge` (it may run
+        when a newer engine owns the pool)."""
         assert n_bytes > 0, n_bytes
         self.device = device
         self.granularity_bytes = granularity_bytes
@@ -162,7 +166,7 @@ class VmmAddressSpace:
         self._closed = False
         # its arguments must not hold self: the finalizer runs when self is unreachable
         self._collect = weakref.finalize(self, _release_range, device, self.base, self.n_bytes,
-                                         self._maps.items, uncharge)
+                                         self._maps.items, forget or uncharge)
         self._collect.atexit = False
 
     def _current(self) -> None:
@@ -231,7 +235,7 @@ class VmmAddressSpace:
 
 
 def _release_range(device: int, base: int, n_bytes: int, items: dict[int, tuple[int, Any]],
-                   uncharge: Callable[[int], None]) -> None:
+                   forget: Callable[[int], None]) -> None:
     """The end of a `VmmAddressSpace` that was never closed: wait for the device, unmap and
     release every mapping (`items`: offset -> (n_bytes, handle)), free the address range."""
     import cupy
@@ -242,7 +246,7 @@ def _release_range(device: int, base: int, n_bytes: int, items: dict[int, tuple[
     for offset, (n, handle) in list(items.items()):
         drv.cuMemUnmap(drv.CUdeviceptr(base + offset), n)
         drv.cuMemRelease(handle)
-        uncharge(n)
+        forget(n)
     items.clear()
     drv.cuMemAddressFree(drv.CUdeviceptr(base), n_bytes)
 
