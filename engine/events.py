@@ -105,8 +105,9 @@ class PrefillProgress(Event):
 
 @dataclass(frozen=True)
 class LoanStep(Event):
-    """One step of the loan transaction: release, plan, restore, failed, cancelled (the lent
-    range and its refill are `CacheChanged` events and trace lines)."""
+    """One step of a request's memory transaction: the loan's release, plan, restore, failed,
+    cancelled, and the prompt path's lend and refill of cache-tail slots (with or without a
+    loan; the slots' states are `CacheChanged` events)."""
 
     step: str
     detail: str

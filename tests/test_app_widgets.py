@@ -146,6 +146,7 @@ def test_loan_timeline_orders_phases_with_their_durations() -> None:
         LoanStep("release", "verifier, head", n_bytes=12 * MIB, ms=4.0, t=t0),
         LoanStep("plan", "512 / 16", ms=0.5, t=t0 + 0.01),
         PlanChosen(512, 16, True, 3, 1400, t=t0 + 0.02),
+        LoanStep("lend", "lent 16 slots", n_bytes=32 * MIB, ms=0.2, t=t0 + 0.03),
         PrefillProgress(1, 3, 512, 1400, 80.0, t=t0 + 0.1),
         LoanStep("refill", "16 slots", n_bytes=32 * MIB, ms=9.0, t=t0 + 0.4),
         LoanStep("restore", "verifier, head", ms=3.0, t=t0 + 0.41),
@@ -153,7 +154,8 @@ def test_loan_timeline_orders_phases_with_their_durations() -> None:
     )
     text = feed(widget, *events, size=(100, 20))
     steps = [line.split()[0] for line in text.splitlines()]
-    assert steps == ["release", "plan", "prefill", "refill", "restore"]
+    # the lend arrives after the prefill row opens; it is drawn before it
+    assert steps == ["release", "plan", "lend", "prefill", "refill", "restore"]
     assert "250 ms" in text and "9.0 ms" in text and fmt_bytes(12 * MIB) in text
     assert widget.border_title == "Loan timeline · loan on"
     # the next request starts a new timeline
