@@ -35,8 +35,8 @@ class DraftPolicy:
     def __init__(
         self,
         always: bool = False,
-        first_span: int = 8,
-        probe: int = 4,
+        first_span: int = 2,
+        probe: int = 2,
         max_span: int = 256,
         window: int = 8,
         prior: DraftPolicy | None = None,
@@ -78,11 +78,12 @@ class DraftPolicy:
         if self.mode == self.home:  # probe the other mode
             self._switch(PLAIN if self.home == DRAFT else DRAFT, self.probe)
             return
-        best = self._best()
+        best, growth = self._best(), self._growth()
         if best == self.home:
-            self.span = min(self._growth() * self.span, self.max_span)
-        else:
-            self.home, self.span = best, self.first_span
+            self.span = min(growth * self.span, self.max_span)
+        else:  # a clear win starts long: probing the loser costs a step at its price
+            self.home = best
+            self.span = min(self.first_span * (16 if growth == 4 else 1), self.max_span)
         self._switch(best, self.span)
 
     def rates(self) -> str:
@@ -100,13 +101,12 @@ class DraftPolicy:
         return DRAFT if d <= p else PLAIN
 
     def _growth(self) -> int:
-        """How much longer the home mode's next span is: x4 after a clear win (the other mode
-        over 1.25x its seconds per token), else x2."""
+        """How much longer the next span is: x4 after a clear win (one mode over 1.25x the
+        other's seconds per token), else x2."""
         d, p = self.seconds_per_token(DRAFT), self.seconds_per_token(PLAIN)
         if d is None or p is None:
             return 2
-        ours, theirs = (d, p) if self.home == DRAFT else (p, d)
-        return 4 if theirs > 1.25 * ours else 2
+        return 4 if max(d, p) > 1.25 * min(d, p) else 2
 
     def _switch(self, mode: str, steps: int) -> None:
         if mode != self.mode:
