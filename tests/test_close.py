@@ -11,23 +11,22 @@ import pytest
 from engine.bench import LOAN_ON, SCENARIOS, SIMULATED, run_once, scenario
 from engine.config import EngineOptions
 from engine.events import EventBus, LedgerChanged
-from engine.runtime import Runtime
+from engine.serve import ServeLoop
 
 
 def test_close_empties_the_ledger_and_the_device_and_is_idempotent(tiny_path: Path) -> None:
     opts = EngineOptions(model=str(tiny_path), ctx=1024, serve=True, vram_elastic=True,
                          mtp=True, spec=2, prefill=128)
-    with Runtime.create(opts, LOAN_ON) as rt:
-        ids = rt.model.tokenizer.encode("the river runs " * 30)
-        rt.prefill(ids)
+    loop = ServeLoop.create(opts, LOAN_ON)
+    with loop.rt as rt:  # the runtime is a context manager whose exit closes it
+        loop.complete(rt.model.tokenizer.encode("the river runs " * 30), max_new=4)
         assert rt.ledger.snapshot().regions and rt.backend.mem_info().process_bytes
     assert rt.closed and rt.ledger.snapshot().regions == ()
     assert rt.ledger.free_bytes == rt.ledger.capacity_bytes
     info = rt.backend.mem_info()
     assert info.process_bytes == 0 and info.free_bytes == info.total_bytes  # the device is empty
-    rt.close()  # again: nothing to do
-    with pytest.raises(AssertionError, match="closed engine"):
-        rt.prefill(ids)
+    loop.close()  # again: nothing to do
+    assert not hasattr(rt, "session") and not hasattr(rt, "model")  # its parts are gone
 
 
 @pytest.mark.parametrize("name", SCENARIOS)

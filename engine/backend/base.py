@@ -115,6 +115,7 @@ class Backend(Protocol):
     """A device: its array module, its memory and its (counted) copies."""
 
     name: str  # "sim" or "cuda:0"
+    device_index: int | None  # the CUDA device's index; None on the simulated device
     xp: ModuleType  # numpy on sim, cupy on CUDA
     capacity_bytes: int
     stats: CopyStats

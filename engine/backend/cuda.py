@@ -80,7 +80,7 @@ class CudaBackend:
             raise DeviceError(f"--device cuda:{device}: no usable CUDA device ({e})") from None
         if not 0 <= device < n_devices:
             raise DeviceError(f"--device cuda:{device}: there are {n_devices} CUDA devices")
-        self.device = device
+        self.device = self.device_index = device
         self.name = f"cuda:{device}"
         self.xp = cupy
         self.stats = CopyStats()

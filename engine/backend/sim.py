@@ -32,6 +32,7 @@ class SimBackend:
     def __init__(self, capacity_bytes: int, *, name: str = "sim"):
         assert capacity_bytes > 0, capacity_bytes
         self.name = name
+        self.device_index = None
         self.xp = np
         self.capacity_bytes = capacity_bytes
         self.stats = CopyStats()
