@@ -231,6 +231,15 @@ class CudaBackend:
         self._pinned[ptr] = (host.nbytes, None)
         weakref.finalize(host, self._unregister, ptr)  # kept alive by weakref's registry
 
+    def keep_for_upload(self, host: np.ndarray) -> None:
+        """Page-lock `host` (a restore source) so each upload of it is one DMA; where the
+        host cannot lock it, uploads keep going through the staging buffer."""
+        if host.flags.c_contiguous and not self._is_pinned(host.ctypes.data, host.nbytes):
+            try:
+                self.pin(host)
+            except DeviceError:
+                pass
+
     def _unregister(self, ptr: int) -> None:
         _, owner = self._pinned.pop(ptr)
         assert owner is None, "a host_buffer() is never unregistered"
