@@ -141,6 +141,12 @@ class Backend(Protocol):
         """A host copy of a device array."""
         ...
 
+    def keep_for_upload(self, host: np.ndarray) -> None:
+        """`host` will be uploaded again and again (a loan's restore source: the decoded
+        head): make those copies as fast as the device allows (page-locked on CUDA, so a
+        restore is one DMA instead of a staged copy); nothing where copies are memcpy."""
+        ...
+
     def mem_info(self) -> MemInfo:
         """Total, free and (where known) this process's device bytes."""
         ...

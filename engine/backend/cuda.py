@@ -323,6 +323,15 @@ class CudaBackend:
         self._pinned[ptr] = (host.nbytes, None)
         self._unpin[ptr] = weakref.finalize(host, self._unregister, ptr)  # or at close()
 
+    def keep_for_upload(self, host: np.ndarray) -> None:
+        """Page-lock `host` (a restore source) so each upload of it is one DMA; where the
+        host cannot lock it, uploads keep going through the staging buffer."""
+        if host.flags.c_contiguous and not self._is_pinned(host.ctypes.data, host.nbytes):
+            try:
+                self.pin(host)
+            except DeviceError:
+                pass
+
     def _unregister(self, ptr: int) -> None:
         _, owner = self._pinned.pop(ptr)
         del self._unpin[ptr]

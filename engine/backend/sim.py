@@ -107,6 +107,9 @@ class SimBackend:
         self.stats.count_d2h(host.nbytes)
         return host
 
+    def keep_for_upload(self, host: np.ndarray) -> None:
+        """Nothing to do: the simulated device's uploads are memcpy."""
+
     def synchronize(self) -> None:
         """Nothing is queued on the sim device; every call has finished when it returns."""
 
