@@ -76,6 +76,15 @@ def run_size(base: EngineOptions, n_tokens: int, runs: int, max_new: int, rates:
     (None: the model's). Returns the shots and the rates after them."""
     options = size_options(base, n_tokens, max_new)
     loop = ServeLoop.create(options, LOAN_FLAGS, EventBus())
+    try:
+        return _run_shots(loop, options, n_tokens, runs, max_new, rates, rates_file, progress)
+    finally:
+        loop.close()  # every device byte back before the next size's engine plans
+
+
+def _run_shots(loop: ServeLoop, options: EngineOptions, n_tokens: int, runs: int, max_new: int,
+               rates: Rates | None, rates_file: Path | None,
+               progress: Callable[[str], None] | None) -> tuple[list[Shot], Rates]:
     if rates is not None:
         loop.rates = rates
     if rates_file is not None:
@@ -130,9 +139,12 @@ def run_forecast_bench(base: EngineOptions, sizes: Sequence[int], runs: int, max
             t0 = time.perf_counter()
             loop = ServeLoop.create(size_options(base, sizes[0], WARMUP_NEW), LoanFlags(),
                                     EventBus())
-            loop.rates_file = rates_file or loop.rates_file
-            loop.complete(prompt_tokens(loop, min(sizes[0], 256), salt=7), max_new=WARMUP_NEW)
-            del loop
+            try:
+                loop.rates_file = rates_file or loop.rates_file
+                loop.complete(prompt_tokens(loop, min(sizes[0], 256), salt=7),
+                              max_new=WARMUP_NEW)
+            finally:
+                loop.close()
             if progress:
                 progress(f"warm-up: {time.perf_counter() - t0:.1f} s")
         for n in sizes:

@@ -56,12 +56,13 @@ class LedgerChanged(Event):
     regions: tuple[RegionInfo, ...]  # name, used_bytes, n_segments, mapped_bytes
     free_bytes: int
     segment_map: tuple[str, ...]
-    unaccounted_bytes: int | None = None
+    unaccounted_bytes: int | None = None  # outside the ledger (on CUDA: NVML minus the regions)
+    limit_bytes: int | None = None  # what the whole process may hold (None: the capacity)
 
     @classmethod
     def of(cls, s: LedgerSnapshot) -> LedgerChanged:
         return cls(s.capacity_bytes, s.segment_bytes, s.regions, s.free_bytes, s.segment_map,
-                   s.unaccounted_bytes)
+                   s.unaccounted_bytes, s.limit_bytes)
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ class PrefillProgress(Event):
 
 @dataclass(frozen=True)
 class LoanStep(Event):
-    """One step of the loan transaction: release, plan, restore, failed, cancelled (the lent
-    range and its refill are `CacheChanged` events and trace lines)."""
+    """One step of a request's memory transaction: the loan's release, plan, restore, failed,
+    cancelled, and the prompt path's lend and refill of cache-tail slots (with or without a
+    loan; the slots' states are `CacheChanged` events)."""
 
     step: str
     detail: str
@@ -177,6 +179,7 @@ class GpuStats(Event):
 
     snapshot: Any  # engine.telemetry.GpuSnapshot
     ledger_bytes: int  # bytes the ledger's regions hold
+    limit_bytes: int | None = None  # the whole process's budget (--vram-limit)
 
 
 class EventBus:

@@ -192,6 +192,10 @@ class ServeLoop:
         return routing_odds(profile, hp.n_layer, hp.n_expert, hp.n_expert_used)
 
     # -- actions ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the engine (`Runtime.close`): every byte it holds on the device goes back."""
+        self.rt.close()
+
     def cancel(self) -> None:
         """Ask the running request to stop; it rolls back at the next chunk or token."""
         self._cancel.set()

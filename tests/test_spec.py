@@ -53,6 +53,7 @@ def spec_run(dec: SpecDecoder, model: Model, ids: list[int], max_new: int, chunk
 @pytest.mark.parametrize("n_window", range(2, 9))
 def test_greedy_mtp_spec_equals_plain_decoding(model: Model, n_window: int) -> None:
     dec = SpecDecoder.with_mtp(model, n_window)
+    dec.always = True  # every step drafts (the policy would stop where drafts do not pay)
     for i, n in enumerate(PROMPT_LENGTHS):
         ids = prompt(n, seed=n_window * 10 + i)
         chunk = 7 if i % 2 else 512  # chunked prefill on every other prompt

@@ -23,7 +23,7 @@ from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widgets import Static, TextArea
 
-from app.engine_link import Draft
+from app.draft import Draft
 from engine.errors import StrataError
 from engine.forecast import LoanVerdict
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.build.device import DevicePlan, plan_device
 from engine.cli.options import add_engine_args, engine_options, loan_flags
-from engine.config import LoanFlags
+from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes
 from engine.devices import deferred_regions, hardware_name, resolve_device
 from engine.errors import FlagError, StrataError
@@ -50,12 +50,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def plan_text(args: argparse.Namespace) -> str:
-    """The budget table for the model and device in `args`; allocates nothing. FlagError
-    when the guards refuse the options and STRATA_PREFILL_* flags (as `strata run` does)."""
-    options, flags = engine_options(args), loan_flags()
-    shapes, name, _ = _shapes(options.model)
-    planned = plan_device(options, flags, shapes)
+def plan_text(options: EngineOptions, flags: LoanFlags, shapes: Shapes, name: str,
+              planned: DevicePlan) -> str:
+    """The budget table of `planned` (plan_device of the model `name` with these options and
+    flags); allocates nothing."""
     costs, plan = planned.costs, planned.plan
     capacity, seg = planned.backend.capacity_bytes, plan.segment_bytes
     device = resolve_device(options.device)
@@ -72,6 +70,7 @@ def plan_text(args: argparse.Namespace) -> str:
             f"device  {device} = {format_mib(capacity)} MiB in {plan.n_segments} segments of "
             f"{format_mib(seg)} MiB"
         ),
+        *budget_lines(planned.backend),
         f"loan    deferred at startup: {', '.join(sorted(deferred_regions(flags, options))) or 'none'}",
         f"costs   dense {format_mib(costs.dense_bytes)}, kv {format_mib(costs.kv_bytes)}, "
         + ", ".join(f"{k} {format_mib(v)}" for k, v in costs.decode_only_bytes().items())
@@ -79,6 +78,12 @@ def plan_text(args: argparse.Namespace) -> str:
         "",
     ]
     return "\n".join(head) + format_plan_table(plan)
+
+
+def budget_lines(backend: object) -> list[str]:
+    """On CUDA, how the whole-process limit was divided (engine/memory/budget.py)."""
+    budget = getattr(backend, "budget", None)
+    return [] if budget is None else [f"budget  {budget.line()}"]
 
 
 def _shapes(model: str) -> tuple[Shapes, str, ExpertProfile | None]:
@@ -90,19 +95,16 @@ def _shapes(model: str) -> tuple[Shapes, str, ExpertProfile | None]:
     return Shapes.of(m), m.path.name, cached_profile(m)
 
 
-def forecast_text(args: argparse.Namespace) -> str:
-    """The forecast of prefilling `--prompt-tokens` fresh tokens: without a loan, with the
-    startup loan and with a repeat loan (the STRATA_PREFILL_* flags, or every flag on when
-    they leave the loan off), from this device's rates (engine.forecast)."""
-    n = args.prompt_tokens
-    options, flags = engine_options(args), loan_flags()
-    shapes, _, profile = _shapes(options.model)
+def forecast_text(n: int, options: EngineOptions, flags: LoanFlags, shapes: Shapes,
+                  profile: ExpertProfile | None, off: DevicePlan) -> str:
+    """The forecast of prefilling `n` fresh tokens: without a loan, with the startup loan and
+    with a repeat loan (the STRATA_PREFILL_* flags, or every flag on when they leave the loan
+    off), from this device's rates (engine.forecast); `off` is the plan with `flags`."""
     if options.expert_profile:
         profile = ExpertProfile.load(options.expert_profile, n_layer=shapes.hp.n_layer,
                                      n_expert=shapes.hp.n_expert)
     hp = shapes.hp
     odds = routing_odds(profile, hp.n_layer, hp.n_expert, hp.n_expert_used)
-    off = plan_device(options, flags, shapes)
     on_flags = flags if flags.elastic_loan else ALL_ON
     columns: list[tuple[str, Forecast | str]] = []
     path = rates_path(_model_path(options.model), options.expert_profile, cache_dir())
@@ -114,7 +116,7 @@ def forecast_text(args: argparse.Namespace) -> str:
     columns.append(("loan off", rates.forecast(_workload(None, n, off, shapes, odds))))
     refused = []
     try:
-        on = plan_device(options, on_flags, shapes)
+        on = plan_device(options, on_flags, shapes, backend=off.backend)
     except FlagError as e:
         columns.append(("loan", "refused"))
         refused = [f"- the loan is refused: {v}" for v in e.violations]
@@ -162,8 +164,11 @@ def _model_path(model: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     if args.prompt_tokens is not None and args.prompt_tokens < 1:
         raise StrataError(f"--prompt-tokens {args.prompt_tokens} must be at least 1")
-    print(plan_text(args))
+    options, flags = engine_options(args), loan_flags()
+    shapes, name, profile = _shapes(options.model)
+    planned = plan_device(options, flags, shapes)
+    print(plan_text(options, flags, shapes, name, planned))
     if args.prompt_tokens is not None:
         print()
-        print(forecast_text(args))
+        print(forecast_text(args.prompt_tokens, options, flags, shapes, profile, planned))
     return 0

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.backend.base import Backend
+from engine.events import LoanStep
 from engine.experts.cache import ExpertCache, LentRange
 from engine.experts.provider import CachedExperts, StreamCounters
 from engine.faults import Faults
@@ -100,7 +101,11 @@ class PromptPath:
             assert self.chunk.region is not None and self.ring.region is not None
             chunk_buf = self.chunk.region.view(0, g.chunk_bytes)
             ring_slots = self.ring.region.view(0, g.ring_slots * blob).reshape(g.ring_slots, blob)
-        lend_trace = self.lent.trace if self.lent is not None else ""
+        lend_trace = ""
+        if self.lent is not None:
+            lend_trace = self.lent.trace
+            self.report.publish(LoanStep("lend", lend_trace, self.lent.n_slots * blob,
+                                         self.lent.elapsed_ms))
         self.report.cache(self.cache)
         try:
             self.faults.hit("lent")
@@ -125,7 +130,10 @@ class PromptPath:
         if self.cache is not None and lent is not None and self.cache.n_lent:
             for attempt in (1, 2):
                 try:
-                    trace = self.cache.refill(lent).trace
+                    done = self.cache.refill(lent)
+                    trace = done.trace
+                    self.report.publish(LoanStep("refill", trace, done.h2d_bytes,
+                                                 done.elapsed_ms))
                     break
                 except Exception:
                     if attempt == 2:

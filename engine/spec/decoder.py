@@ -225,9 +225,10 @@ class SpecDecoder:
                 self._unseen = None
 
     def new_policy(self, greedy: bool) -> DraftPolicy:
-        """A request's drafting policy: measured for greedy decoding; a sampled request
-        drafts every step, so a seed gives the same text every time."""
-        return DraftPolicy(always=self.always or not greedy)
+        """A request's drafting policy: measured for greedy decoding, going on from the last
+        request's; a sampled request drafts every step, so a seed gives the same text every
+        time."""
+        return DraftPolicy(always=self.always or not greedy, prior=self.policy)
 
     def _catch_up(self, session: Session) -> None:
         """Feed the draft the hidden rows of the plain steps since it last observed (those
