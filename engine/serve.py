@@ -49,6 +49,7 @@ from engine.loan.transaction import REPEAT, STARTUP, admission
 from engine.request import Request
 from engine.runtime import Runtime
 from engine.sampler import Sampler, SamplingParams
+from engine.session import reusable
 from engine.synth.demo import cache_dir
 from engine.timing import Timing
 
@@ -148,8 +149,7 @@ class ServeLoop:
         reused = 0  # another conversation: its KV starts empty
         if conv.id == self._conv_id:
             running = self._running  # a request in flight: its prompt will be in the KV
-            reused = (min(_shared(ids, running), len(ids) - 1) if running is not None
-                      else self.rt.session.reusable(ids))
+            reused = reusable(running if running is not None else self.rt.session.tokens, ids)
         return self.verdict(len(ids), reused)
 
     def verdict(self, n_prompt: int, reused: int, flags: LoanFlags | None = None,
@@ -403,16 +403,6 @@ class ServeLoop:
         done = RequestDone.of(req.timing, cancelled=cancelled)
         self.bus.publish(TraceLine(done.line))
         self.bus.publish(done)
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _expert_reads(c: StreamCounters) -> tuple[int, int]:

@@ -22,6 +22,24 @@ from engine.sampler import Sampler
 from engine.timing import Timing
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two token lists share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reusable(held: list[int], ids: list[int]) -> int:
+    """How many leading tokens of prompt `ids` a request keeps from a KV holding `held`: the
+    common prefix, but never all of `ids` (the last prompt token is always recomputed, its
+    logits give the first new token). The one owner of that rule: `Session.reusable`, and the
+    serve loop's preview of a message while a request is in flight."""
+    return min(common_prefix(held, ids), max(len(ids) - 1, 0))
+
+
 class Session:
     """Holds the KV cache of one token sequence and runs prefill and decode on it."""
 
@@ -59,19 +77,12 @@ class Session:
         self.kv.truncate(n)
 
     def common_prefix(self, ids: list[int]) -> int:
-        n = 0
-        for a, b in zip(self.tokens, ids):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, ids)
 
     def reusable(self, ids: list[int]) -> int:
-        """How many leading tokens of prompt `ids` a request keeps from this KV: the common
-        prefix, but never all of `ids` (the last prompt token is always recomputed, its
-        logits give the first new token). The one owner of that rule: the serve loop, the
-        speculative decoder and `generate` ask here."""
-        return min(self.common_prefix(ids), max(len(ids) - 1, 0))
+        """How many leading tokens of prompt `ids` a request keeps from this KV (`reusable`:
+        the serve loop, the speculative decoder and `generate` ask here)."""
+        return reusable(self.tokens, ids)
 
     def forward(self, ids: list[int], logits: str = "last", scratch: Any = None) -> Any:
         """Append ids to the sequence in one forward pass; returns logits per `logits`."""

@@ -592,6 +592,30 @@ async def test_palette_switches_drafting_to_every_step(tmp_path: Path) -> None:
         assert "Speculative decoding: draft only while it pays (measured)" in again
 
 
+@async_test
+async def test_palette_and_panel_set_the_threshold_to_auto(tmp_path: Path) -> None:
+    """STRATA_PREFILL_REPEAT_MIN_TOKENS=auto from the palette; the panel's box shows it and
+    takes a count back (the forecast decides only while it says auto)."""
+    from app.commands import FlagCommands
+
+    flags = LoanFlags(elastic_loan=True, repeat_loan=True)
+    app = make_app(tmp_path, flags, serve=True, vram_elastic=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        found = {name: run for name, run, _ in FlagCommands(app.screen).commands()}
+        found["Loan flag: STRATA_PREFILL_REPEAT_MIN_TOKENS = auto"]()
+        await pilot.pause()
+        loop, box = app.link.loop, app.query_one("#repeat_min_tokens", Input)
+        assert loop.flags.repeat_auto and box.value == "auto"
+        again = {name for name, _, _ in FlagCommands(app.screen).commands()}
+        assert "Loan flag: STRATA_PREFILL_REPEAT_MIN_TOKENS = auto" not in again
+        assert "Loan flag: STRATA_PREFILL_REPEAT_MIN_TOKENS = 1,024" in again
+        box.value = "2048"
+        box.post_message(Input.Submitted(box, "2048"))  # what Enter sends
+        await wait_until(pilot, lambda: not loop.flags.repeat_auto)
+        assert loop.flags.repeat_min_tokens == 2048
+
+
 def test_bench_decode_runs_strata_run_with_the_apps_options() -> None:
     """`python -m app.bench_decode` compares like with like: `strata run` gets the app's engine
     options and sampling (checked by parsing the command line back)."""
