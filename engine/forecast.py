@@ -484,8 +484,8 @@ def format_forecasts(columns: Sequence[tuple[str, Forecast | str]]) -> str:
             return [f] + [""] * (len(ROWS) + 4)
         w = f.workload
         mib = w.streamed_bytes / (1 << 20)
-        parts = [f"{f.seconds[p]:.3f}" if p not in ("release", "restore") or w.kind
-                 else "-" for p, _ in ROWS]
+        moved = {"release": w.released_bytes, "restore": w.restored_bytes}
+        parts = [f"{f.seconds[p]:.3f}" if moved.get(p, 1) else "-" for p, _ in ROWS]
         pp = w.n_fresh / f.total_s if f.total_s > 0 else 0.0
         return [f"{w.chunk_tokens:,} / {w.ring_slots:,}", f"{w.n_chunks:,}", f"{mib:,.0f}",
                 *parts, f"{f.total_s:.3f}", f"{pp:,.0f}"]
