@@ -16,8 +16,7 @@ from gguf import quants as gq
 
 from engine.kernels.bench import random_quant_bytes
 from engine.kernels.dequant import SUPPORTED, check_layouts, kernel_source, lookup_table
-from engine.model.weights import ExpertLayout
-from engine.quant import dequantize_bytes
+from engine.quant import ExpertLayout, dequantize_bytes
 
 
 def _ref(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> np.ndarray:

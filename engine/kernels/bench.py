@@ -27,6 +27,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
+from engine.quant import ExpertLayout
 from engine.synth.blocks import SCALE_FIELDS
 
 GB = 1e9
@@ -163,7 +164,6 @@ def bench_moe(
         moe_decode,
         moe_prefill,
     )
-    from engine.model.weights import ExpertLayout
 
     rng = np.random.default_rng(2)
     layout = ExpertLayout(qtypes, ((f, d), (f, d), (d, f)))

@@ -25,16 +25,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from engine.kernels.dequant import dequantize_ptrs, gemv_ptrs
 from engine.kernels.source import cuda_source
 from engine.phases import lap
-
-if TYPE_CHECKING:
-    from engine.model.weights import ExpertLayout
+from engine.quant import ExpertLayout
 
 DEFAULT_SCRATCH_BYTES = 256 << 20
 _ONE, _ZERO = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)  # cuBLAS alpha, beta

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import ModelFile, TensorView
 from engine.model.attention import AttentionWeights
-from engine.quant import dequantize, dequantize_bytes, row_bytes
+from engine.quant import ExpertLayout, dequantize, dequantize_bytes, row_bytes
 
 
 @dataclass
@@ -26,31 +25,6 @@ class BlockWeights:
     attn: AttentionWeights
     ffn_norm: Any  # [d]
     router: Any  # [E, d]
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Byte layout of one expert blob: three matrices, each with its own quant type."""
-
-    qtypes: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType]
-    shapes: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]  # gate [f,d], up [f,d], down [d,f]
-
-    @property
-    def part_bytes(self) -> tuple[int, int, int]:
-        return tuple(s[0] * row_bytes(q, s[1]) for q, s in zip(self.qtypes, self.shapes))  # type: ignore[return-value]
-
-    @property
-    def blob_bytes(self) -> int:
-        return sum(self.part_bytes)
-
-    def decode(self, blob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """uint8 [blob_bytes] -> float32 (gate [f, d], up [f, d], down [d, f])."""
-        out = []
-        off = 0
-        for q, shape, n in zip(self.qtypes, self.shapes, self.part_bytes):
-            out.append(dequantize_bytes(blob[off : off + n], q, shape))
-            off += n
-        return out[0], out[1], out[2]
 
 
 class HostExperts:
