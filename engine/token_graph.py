@@ -35,6 +35,7 @@ from engine.experts.provider import CachedExperts
 from engine.kernels.decode import (
     GRAPH_KV_KINDS,
     ExpertSource,
+    KVCells,
     attention_at,
     attention_workspace,
     kv_write_at,
@@ -228,7 +229,7 @@ class TokenGraph:
         v = _gemv(h, w.wv).reshape(t, hp.n_head_kv, hp.head_dim)
         rope_neox_(q, 0, hp.rope_base, pos=self.pos)
         rope_neox_(k, 0, hp.rope_base, pos=self.pos)
-        kv_write_at(self.kv, layer, k, cp.ascontiguousarray(v), self.pos)
+        kv_write_at(layer_cells(self.kv, layer), k, cp.ascontiguousarray(v), self.pos)
         return q
 
     def _attend(self, q: Any, layer: int) -> Any:
@@ -236,7 +237,7 @@ class TokenGraph:
         cp, hp, t = self._cp, self.tr.hp, q.shape[0]
         ml_shape, acc_shape = attention_workspace(t, hp.n_head, hp.head_dim, self.kv.n_ctx)
         ml, acc = cp.empty(ml_shape, dtype=cp.float32), cp.empty(acc_shape, dtype=cp.float32)
-        return attention_at(q, self.kv, layer, self.pos, ml, acc)  # [T, H, D]
+        return attention_at(q, layer_cells(self.kv, layer), self.pos, ml, acc)  # [T, H, D]
 
     # -- addresses -------------------------------------------------------------------------------
     def _expert_sources(self) -> list[ExpertSource]:
@@ -277,6 +278,13 @@ class TokenGraph:
         head = self.tr.head
         cache = (self.cache.table_view().data.ptr, self.cache.slots_address) if self.cache else ()
         return (0 if head is None else head.data.ptr, self.kv.data.data.ptr, *cache)
+
+
+def layer_cells(kv: KVCache, layer: int) -> KVCells:
+    """Every cell of `layer` of `kv` as the decode kernels take them (views, no copy)."""
+    scale = kv.scale
+    return KVCells(kv.kind, kv.data[layer, 0], None if scale is None else scale[layer, 0],
+                   kv.data[layer, 1], None if scale is None else scale[layer, 1])
 
 
 def _gemv(x: Any, w: Any) -> Any:

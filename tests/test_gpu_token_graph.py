@@ -30,6 +30,7 @@ def test_attention_and_kv_write_match_the_eager_path(cp, kind: str) -> None:  # 
     from engine.kernels.decode import attention_at, attention_workspace, kv_write_at
     from engine.kv import KVCache
     from engine.model.attention import causal_gqa
+    from engine.token_graph import layer_cells
 
     rng = np.random.default_rng(0)
     n_ctx, h, hkv, d, t, pos0 = 700, 32, 4, 128, 3, 517  # rows span a tile boundary (512)
@@ -41,11 +42,11 @@ def test_attention_and_kv_write_match_the_eager_path(cp, kind: str) -> None:  # 
     k, v = (cp.asarray(rng.standard_normal((t, hkv, d)), dtype=cp.float32) for _ in range(2))
     q = cp.asarray(rng.standard_normal((t, h, d)), dtype=cp.float32)
     pos = cp.asarray([pos0], dtype=cp.int32)
-    kv_write_at(kv, 1, k, v, pos)
+    kv_write_at(layer_cells(kv, 1), k, v, pos)
     ref.write(1, pos0, k, v)
     assert bool((kv.data == ref.data).all())
     ml, acc = (cp.empty(s, dtype=cp.float32) for s in attention_workspace(t, h, d, n_ctx))
-    out = attention_at(q, kv, 1, pos, ml, acc)
+    out = attention_at(q, layer_cells(kv, 1), pos, ml, acc)
     k_all, v_all = ref.read(1, pos0 + t)
     want = causal_gqa(cp, q, k_all, v_all, pos0)
     assert float(cp.abs(out - want).max()) < 1e-4 * float(cp.abs(want).max()) + 1e-5

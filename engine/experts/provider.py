@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine import phases
 from engine.backend.base import Backend
 from engine.experts.cache import ExpertCache
 from engine.memory.ring import StagingRing
@@ -151,11 +152,13 @@ class CachedExperts:
             return moe_decode(h, ids, w, {e: self.blob(layer, e) for e in used}, layout)
         ring = self.ring
         if ring is None:
-            return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, counts=counts)
+            return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, counts=counts,
+                               lap=phases.lap)
         table = self.cache.table if self.cache is not None else None  # (uncounted lookups)
         return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, counts=counts,
                            max_group=ring.n_slots, release=lambda es: ring.release(layer, es),
-                           staged=lambda e: table is None or table.lookup(layer, e) < 0)  # fmt: skip
+                           staged=lambda e: table is None or table.lookup(layer, e) < 0,
+                           lap=phases.lap)  # fmt: skip
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         layout = self.host.layout
@@ -179,4 +182,4 @@ def kernel_ffn(layout: Any, blobs: dict[int, Any], h: Any, ids: Any, w: Any,
 
     if h.shape[0] <= 8:
         return moe_decode(h, ids, w, blobs, layout)
-    return moe_prefill(h, ids, w, blobs, layout, counts=counts)
+    return moe_prefill(h, ids, w, blobs, layout, counts=counts, lap=phases.lap)

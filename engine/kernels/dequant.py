@@ -25,6 +25,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
+from engine.kernels.lifetime import process_lifetime
+
 _DIR = Path(__file__).parent
 _THREADS = 128  # 4 warps; must match WARPS in quant_kernels.cu
 _MAX_BATCH = 8
@@ -105,8 +107,6 @@ def _function(name_expression: str) -> Any:
 def _device_table(qtype: Q, device_id: int) -> tuple[Any, int]:
     cp = _cupy()
     host = lookup_table(qtype)
-    from engine.backend.cuda_arena import process_lifetime
-
     # cached for the process: never from a prompt chunk's arena, whose memory is lent
     with cp.cuda.Device(device_id), process_lifetime():
         table = cp.asarray(host if host.size else np.zeros(1, dtype=np.uint32))

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.kernels.lifetime import process_lifetime
 from engine.kernels.source import cuda_source
 
 _THREADS = 256
@@ -70,13 +71,11 @@ def rms_norm(x: Any, w: Any, eps: float) -> Any:
 
 @functools.cache
 def _inv_freq(d: int, base: float, device_id: int) -> Any:
-    """float32 [d/2]: base^(-2i/d), computed as engine.model.ops.rope_neox does (host numpy,
+    """float32 [d/2]: base^(-2i/d), computed as the array reference `rope_neox` does (host numpy,
     float32), kept for the process (from the default pool, never from a chunk arena)."""
     import cupy
 
     host = base ** (-np.arange(0, d // 2, dtype=np.float32) * 2.0 / d)
-    from engine.backend.cuda_arena import process_lifetime
-
     with cupy.cuda.Device(device_id), process_lifetime():
         return cupy.asarray(host.astype(np.float32))
 

@@ -31,7 +31,6 @@ import numpy as np
 
 from engine.kernels.dequant import dequantize_ptrs, gemv_ptrs
 from engine.kernels.source import cuda_source
-from engine.phases import lap
 from engine.quant import ExpertLayout
 
 DEFAULT_SCRATCH_BYTES = 256 << 20
@@ -201,6 +200,7 @@ def moe_prefill(
     release: Callable[[list[int]], None] | None = None,
     counts: np.ndarray | None = None,
     staged: Callable[[int], bool] | None = None,
+    lap: Callable[[str], None] | None = None,
 ) -> Any:
     """Routed-expert FFN of a token chunk on the GPU (see the module docstring).
 
@@ -213,11 +213,15 @@ def moe_prefill(
     experts that need a ring slot, `max_group` bounds only those); `release(ids)` (optional) is
     told the moment the decode of those experts' blobs is queued, before their GEMMs, so the
     next group's uploads can overlap the GEMMs of this one. `counts` (optional, host [E]):
-    rows per expert id, when the caller has read them already (saves a host read).
+    rows per expert id, when the caller has read them already (saves a host read). `lap`
+    (optional) marks where each stage ends, in stream order: 'moe route' (all since the
+    previous mark: router, top-k, the routing's host read), then per group 'moe fetch+decode'
+    and 'moe gemm' (the prefill phases STRATA_TRACE prints).
     Returns float32 [T, d]: sum_j weights[t, j] * down(silu(gate h_t) * up h_t) of expert ids[t, j].
     """
     cp = _cupy()
     _, combine = _kernels()
+    lap = lap or _no_lap
     f, d = _dims(layout)
     n_tok, k = ids.shape
     assert h.shape == (n_tok, d), f"h {h.shape} for {n_tok} tokens of width {d}"
@@ -270,6 +274,10 @@ def moe_prefill(
     w = cp.ascontiguousarray(weights, dtype=cp.float32)  # [T, k]
     combine((n_tok,), (256,), (y, pos.reshape(n_tok, k), w, out, np.int32(k), np.int32(d)))
     return out
+
+
+def _no_lap(stage: str) -> None:
+    pass
 
 
 @functools.cache
