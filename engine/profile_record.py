@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from engine.experts.profile import ExpertProfile, ProfileError, ProfileRecorder
+from engine.experts.provider import DirectExperts
 from engine.kv import KVCache
 from engine.model.loader import Model
 from engine.model.moe import ExpertProvider
-from engine.model.weights import DirectExperts
 from engine.synth.demo import cache_dir
 from engine.synth.vocab import word_list
 

@@ -50,6 +50,7 @@ from engine.events import (
     TraceLine,
 )
 from engine.experts.cache import LENT, ExpertCache
+from engine.experts.decoded import DecodedLRU
 from engine.experts.provider import CachedExperts
 from engine.loan.faults import Faults
 from engine.loan.guards import validate
@@ -61,7 +62,6 @@ from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, St
 from engine.memory.planner import plan_loan, plan_prompt, plan_startup
 from engine.memory.sizes import MiB, format_mib
 from engine.model.loader import Model, load_model
-from engine.model.weights import DecodedLRU
 from engine.phases import PhaseClock
 from engine.prompt.path import PrefillResult, run_prompt, shrink_geometry
 from engine.sampler import Sampler

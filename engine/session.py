@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from engine.errors import StrataError
+from engine.experts.provider import DirectExperts
 from engine.kv import KVCache
 from engine.model.loader import Model
 from engine.model.moe import ExpertProvider
-from engine.model.weights import DirectExperts
 from engine.sampler import Sampler, SamplingParams
 
 

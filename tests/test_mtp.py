@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from engine.errors import FlagError, ModelError
+from engine.experts.provider import DirectExperts
 from engine.gguf import names
 from engine.gguf.tokenizer import TokenType
 from engine.model.loader import Model, load_model
 from engine.model.moe import moe_block
 from engine.model.mtp import MTPBlock, MTPExperts
 from engine.model.ops import rms_norm
-from engine.model.weights import DirectExperts
 from engine.quant import dequantize
 from engine.sampler import SamplingParams
 from engine.session import Session, Timing

@@ -27,7 +27,7 @@ from engine.memory.planner import plan_startup
 from engine.memory.sizes import format_mib
 from engine.model.loader import Model
 from engine.model.transformer import Transformer
-from engine.model.weights import DecodedLRU
+from engine.experts.decoded import DecodedLRU
 from engine.profile_record import default_profile
 from engine.token_graph import TokenGraph
 

@@ -17,9 +17,9 @@ import numpy as np
 
 from engine.cli.options import add_sampling_args, sampling_params
 from engine.errors import FlagError, StrataError
+from engine.experts.provider import DirectExperts
 from engine.gguf.tokenizer import TokenType
 from engine.model.loader import load_model
-from engine.model.weights import DirectExperts
 from engine.sampler import SamplingParams
 from engine.session import Session, Timing
 from engine.spec.decoder import SpecDecoder, check_spec

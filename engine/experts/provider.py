@@ -11,11 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from engine import phases
 from engine.backend.base import Backend
 from engine.experts.cache import ExpertCache
+from engine.experts.decoded import DecodedLRU
+from engine.experts.host import FileExperts
 from engine.memory.ring import StagingRing
-from engine.model.weights import DecodedLRU, HostExperts
 
 
 @dataclass
@@ -40,7 +43,7 @@ class CachedExperts:
     CUDA copies them into a transient device buffer.
     """
 
-    def __init__(self, cache: ExpertCache | None, host: HostExperts, decoded: DecodedLRU,
+    def __init__(self, cache: ExpertCache | None, host: FileExperts, decoded: DecodedLRU,
                  to_host: Callable[[Any], Any], backend: Backend | None = None):
         """`backend`: given on CUDA, where experts are computed from their quantized bytes by
         the MoE kernels and a decode miss is streamed into a transient device buffer."""
@@ -183,3 +186,21 @@ def kernel_ffn(layout: Any, blobs: dict[int, Any], h: Any, ids: Any, w: Any,
     if h.shape[0] <= 8:
         return moe_decode(h, ids, w, blobs, layout)
     return moe_prefill(h, ids, w, blobs, layout, counts=counts, lap=phases.lap)
+
+
+class DirectExperts:
+    """ExpertProvider that decodes experts straight from host memory (no cache, no ring)."""
+
+    def __init__(self, host: FileExperts, to_device: Any = np.asarray, max_bytes: int = 256 << 20):
+        self.host = host
+        self._to_device = to_device
+        self._decoded = DecodedLRU(max_bytes)
+
+    def prepare(self, layer: int, experts: list[int]) -> None:
+        pass
+
+    def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
+        return self._decoded.get(
+            (layer, expert),
+            lambda: tuple(self._to_device(w) for w in self.host.weights(layer, expert)),  # type: ignore[return-value]
+        )

@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 
 from engine.errors import ModelError
+from engine.experts.host import FileExperts
 from engine.gguf.hparams import HParams, read_hparams
 from engine.gguf.reader import ModelFile, open_gguf
 from engine.gguf.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
-from engine.model.weights import HostExperts, dense_bytes
+from engine.model.weights import dense_bytes
 
 
 @dataclass
@@ -26,8 +27,8 @@ class Model:
     hp: HParams
     tokenizer: Tokenizer
     transformer: Transformer | None  # None until `build` (weights decoded onto the device)
-    experts: HostExperts  # routed experts of the main blocks
-    mtp_experts: HostExperts | None  # routed experts of the MTP block, if any
+    experts: FileExperts  # routed experts of the main blocks
+    mtp_experts: FileExperts | None  # routed experts of the MTP block, if any
     dense_bytes: int
 
     @property
@@ -61,8 +62,8 @@ def load_model(
         hp=hp,
         tokenizer=tokenizer,
         transformer=None,
-        experts=HostExperts(mf, range(hp.n_layer)),
-        mtp_experts=HostExperts(mf, range(hp.n_layer, hp.n_layer + hp.n_nextn)) if hp.n_nextn else None,
+        experts=FileExperts(mf, range(hp.n_layer)),
+        mtp_experts=FileExperts(mf, range(hp.n_layer, hp.n_layer + hp.n_nextn)) if hp.n_nextn else None,
         dense_bytes=dense_bytes(mf, hp),
     )
     if build:

@@ -24,19 +24,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from engine.errors import ModelError
+from engine.experts.decoded import DecodedLRU
+from engine.experts.host import FileExperts
 from engine.gguf import names
 from engine.kv import KVCache
 from engine.model.attention import attention_block
 from engine.model.loader import Model
 from engine.model.moe import ExpertProvider, moe_block
 from engine.model.ops import linear, rms_norm
-from engine.model.weights import (
-    BlockWeights,
-    DecodedLRU,
-    HostExperts,
-    TokenEmbedding,
-    load_block,
-)
+from engine.model.weights import BlockWeights, TokenEmbedding, load_block
 from engine.quant import dequantize
 
 NO_MTP = "model has no MTP (nextn) layer; drop --mtp"
@@ -62,7 +58,7 @@ class MTPExperts:
 
     def __init__(
         self,
-        host: HostExperts,
+        host: FileExperts,
         xp: Any = np,
         to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
     ):
