@@ -179,7 +179,7 @@ class Runtime:
         wdt = self.weight_dtype
         dense = Arena(self.ledger, "weights.dense", self.costs.dense_bytes, float_dtype=wdt)
         head = Arena(self.ledger, "head.native", self.costs.head_bytes, float_dtype=wdt)
-        m.build(self.xp, dense.to_device, head.to_device)
+        m.build(self.backend, dense.to_device, head.to_device)
         publish(Loading("decoding weights", 1, 3))
         kv = Arena(self.ledger, "kv", self.costs.kv_bytes)
         if self.plan_options.reserve_bytes:
@@ -190,12 +190,12 @@ class Runtime:
             pin_model_file(cuda, m.mf.data, self._trace, self._warn)
         self.cache, self.plan, self.plan_options = make_cache(
             self.ledger, m.experts, self.plan, self.costs, self.plan_options,
-            profile=lambda: startup_profile(o.expert_profile, m, self.to_host, cuda),
+            profile=lambda: startup_profile(o.expert_profile, m, self.backend),
             token_graph=self.token_graph_wanted, faults=self.faults, trace=self._trace,
             warn=self._warn,
         )
-        self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), self.to_host, cuda)
-        self.session = Session(m, n_ctx=o.ctx, kv_kind=o.kv, xp=self.xp, experts=self.experts,
+        self.experts = CachedExperts(self.cache, m.experts, DecodedLRU(), self.backend)
+        self.session = Session(m, n_ctx=o.ctx, kv_kind=o.kv, experts=self.experts,
                                kv_alloc=kv.alloc)
         self._attach_token_graph()
         self._owned_prompt()
@@ -218,8 +218,7 @@ class Runtime:
 
     def _make_spec(self, dense: Arena, kv: Arena) -> list[DecodeResource]:
         self.spec, items = build_spec(self.options, self.model, self.ledger, self.costs,
-                                      xp=self.xp, weight_dtype=self.weight_dtype,
-                                      on_cuda=self.on_cuda, dense=dense, kv=kv)
+                                      weight_dtype=self.weight_dtype, dense=dense, kv=kv)
         if self.spec is not None:
             self.session.on_hidden = self.spec.collect
         return items
@@ -247,7 +246,7 @@ class Runtime:
         return np.float16 if weight_bytes(self.backend.name) == 2 else np.float32
 
     def to_host(self, a: Any) -> np.ndarray:
-        return getattr(self.xp, "asnumpy", np.asarray)(a)
+        return self.backend.download(a)
 
     # -- questions ---------------------------------------------------------------------------
     def ready(self) -> Ready:
@@ -503,7 +502,7 @@ class Runtime:
             owned = (self.owned_chunk.region.view(0, g.chunk_bytes),
                      self.owned_ring.region.view(0, g.ring_bytes))
         tr = self.model.transformer
-        tr.phase_clock = PhaseClock(self.xp) if self.trace else None
+        tr.phase_clock = PhaseClock(self.backend) if self.trace else None
         if tr.phase_clock is not None:
             tr.phase_clock.start()
         t0 = time.perf_counter()

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from engine.backend.base import ExpertProvider
 from engine.errors import StrataError
 from engine.experts.provider import DirectExperts
 from engine.kv import KVCache
 from engine.model.loader import Model
-from engine.model.moe import ExpertProvider
 from engine.sampler import Sampler, SamplingParams
 
 
@@ -83,14 +83,16 @@ class Session:
         model: Model,
         n_ctx: int = 4096,
         kv_kind: str = "f16",
-        xp: Any = np,
         experts: ExpertProvider | None = None,
         kv_alloc: Callable | None = None,
     ):
-        self.model, self.xp = model, xp
+        assert model.transformer is not None, "build the model's weights first"
+        self.model, self.backend = model, model.transformer.backend
+        self.xp = self.backend.xp
         hp = model.hp
-        self.kv = KVCache(xp, hp.n_layer, n_ctx, hp.n_head_kv, hp.head_dim, kv_kind, kv_alloc)
-        self.experts: ExpertProvider = experts or DirectExperts(model.experts)
+        self.kv = KVCache(self.backend, hp.n_layer, n_ctx, hp.n_head_kv, hp.head_dim, kv_kind,
+                          kv_alloc)
+        self.experts: ExpertProvider = experts or DirectExperts(model.experts, self.backend)
         self.tokens: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last_hidden: Any = None  # [1, d] pre-norm hidden of the last token (MTP input)
         self.on_hidden: Callable[[int, Any], None] | None = None  # (pos0, hidden [T, d])
@@ -208,9 +210,8 @@ class Session:
     ) -> Iterator[int]:
         """Plain decoding from the prompt's last logits [.., V]: one forward per token, until
         a stop id, `max_new`, a full context or `cancel`."""
-        to_host = getattr(self.xp, "asnumpy", np.asarray)
         for i in range(max_new):
-            tok = sampler.sample(to_host(logits[-1]))
+            tok = sampler.sample(self.backend.download(logits[-1]))
             if timing is not None:
                 timing.generated += 1
             yield tok

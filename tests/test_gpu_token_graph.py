@@ -27,15 +27,17 @@ def mid_path(tmp_path_factory: pytest.TempPathFactory, cp) -> Path:  # type: ign
 
 @pytest.mark.parametrize("kind", ["q4_0", "f16"])
 def test_attention_and_kv_write_match_the_eager_path(cp, kind: str) -> None:  # type: ignore[no-untyped-def]
+    from engine.backend.array_ops import causal_gqa
+    from engine.backend.cuda import CudaBackend
     from engine.kernels.decode import attention_at, attention_workspace, kv_write_at
     from engine.kv import KVCache
-    from engine.model.attention import causal_gqa
     from engine.token_graph import layer_cells
 
     rng = np.random.default_rng(0)
     n_ctx, h, hkv, d, t, pos0 = 700, 32, 4, 128, 3, 517  # rows span a tile boundary (512)
-    kv = KVCache(cp, 2, n_ctx, hkv, d, kind)
-    ref = KVCache(cp, 2, n_ctx, hkv, d, kind)
+    cuda = CudaBackend(0)
+    kv = KVCache(cuda, 2, n_ctx, hkv, d, kind)
+    ref = KVCache(cuda, 2, n_ctx, hkv, d, kind)
     past = cp.asarray(rng.standard_normal((2, pos0, hkv, d)), dtype=cp.float32)
     for c in (kv, ref):
         c.write(1, 0, past[0], past[1])

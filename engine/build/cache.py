@@ -109,14 +109,13 @@ def detach_token_graph(tr: Transformer) -> None:
         tr.token_graph = None
 
 
-def startup_profile(path: str | None, model: Model, to_host: Callable[[Any], Any],
-                    backend: Backend | None) -> ExpertProfile:
+def startup_profile(path: str | None, model: Model, backend: Backend) -> ExpertProfile:
     """The profile the cache is filled from: --expert-profile, else the calibration one
-    (`backend`: given on CUDA, where the calibration pass runs the MoE kernels)."""
+    (routed on `backend`)."""
     if path:
         profile = ExpertProfile.load(path)
         profile.check_model(model.hp.n_layer, model.hp.n_expert)
         return profile
     # the calibration pass streams every expert it routes to (the cache is not filled yet)
-    stream = CachedExperts(None, model.experts, DecodedLRU(), to_host, backend)
+    stream = CachedExperts(None, model.experts, DecodedLRU(), backend)
     return default_profile(model, stream)

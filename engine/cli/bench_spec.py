@@ -113,7 +113,7 @@ def bench(
         raise StrataError("--prompt is empty; give a message")
     model = load_model(model_path)
     decoders = {t: SpecDecoder.with_mtp(model, t, draft_vocab) for t in specs if t}
-    experts = DirectExperts(model.experts)  # decoded experts shared: every run as warm
+    experts = DirectExperts(model.experts, model.transformer.backend)  # decoded once: every run warm
     for d in decoders.values():
         d.always = always
     tok = model.tokenizer

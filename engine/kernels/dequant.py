@@ -29,7 +29,7 @@ from engine.kernels.lifetime import process_lifetime
 
 _DIR = Path(__file__).parent
 _THREADS = 128  # 4 warps; must match WARPS in quant_kernels.cu
-_MAX_BATCH = 8
+GEMV_MAX_ROWS = 8  # vectors one gemv launch takes at most
 
 # quant type -> decoder struct in quant_blocks.cu
 DECODERS: dict[Q, str] = {
@@ -202,7 +202,7 @@ def _gemv_kernel(
 ) -> Any:
     """The gemv instantiation and grid for these weight addresses (decoder-aligned)."""
     _check_qtype(qtype)
-    assert 1 <= n_batch <= _MAX_BATCH, f"gemv takes at most {_MAX_BATCH} vectors, got {n_batch}"
+    assert 1 <= n_batch <= GEMV_MAX_ROWS, f"gemv takes at most {GEMV_MAX_ROWS} vectors, got {n_batch}"
     align = _decoder_align(qtype)
     assert all(p % align == 0 for p in ptrs), f"{qtype.name} weights need {align}-alignment"
     rows = rows or _rows_per_warp(n_out)

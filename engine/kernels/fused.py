@@ -5,12 +5,13 @@ and CuPy's per-launch cost (~10-20 us of Python and driver time each) is the ste
 - `rms_norm(x [.., n], w [n], eps)` -> float32, one block per row;
 - `rope_neox_(x [T, H, D], pos0, base)`: NEOX rotary embedding in place, positions pos0..;
 - `kv_q4_encode(x [T, H, D]) -> (packed [T, H, D/2] uint8, scale [T, H, D/32] fp16)` and
-  `kv_q4_decode(packed, scale) -> float32 [n, H, D]`: the q4_0 KV codec of engine/kv.py;
+  `kv_q4_decode(packed, scale) -> float32 [n, H, D]`: the q4_0 KV codec;
 - `route_topk(logits [T, E], k) -> (ids [T, k] int64, w [T, k], margin [T])`: softmax, top-k
   (ties: lower index first, as a stable argsort), renormalised weights and the tie margin.
 
-Each matches its NumPy reference (engine/model/ops.py, engine/kv.py, engine/model/moe.py) to
-float32 rounding (tests/test_gpu_fused.py); the q4 codec's rounding steps are the reference's.
+Each matches its array-code reference in engine/backend/array_ops.py (`rms_norm`, `rope_neox`,
+`kv_encode`/`kv_decode`, `route_topk`) to float32 rounding (tests/test_gpu_fused.py); the q4
+codec's rounding steps are the reference's.
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
+from engine.backend import DEFAULT_SIM_BYTES, SimBackend
+from engine.backend.base import Backend
 from engine.errors import ModelError
 from engine.experts.host import FileExperts
 from engine.gguf.hparams import HParams, read_hparams
@@ -35,19 +34,18 @@ class Model:
     def has_mtp(self) -> bool:
         return self.hp.n_nextn > 0
 
-    def build(self, xp: Any, to_device: Callable, head_to_device: Callable | None = None) -> None:
-        """Decode the dense weights onto the device (into ledger regions via `to_device`)."""
-        self.transformer = Transformer(self.mf, self.hp, xp, to_device, head_to_device)
+    def build(self, backend: Backend, to_device: Callable | None = None,
+              head_to_device: Callable | None = None) -> None:
+        """Decode the dense weights onto `backend` (into ledger regions via `to_device`; by
+        default new device arrays)."""
+        to_device = to_device or backend.to_device
+        self.transformer = Transformer(self.mf, self.hp, backend, to_device, head_to_device)
 
 
-def load_model(
-    path: str | Path,
-    xp: Any = np,
-    to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
-    build: bool = True,
-) -> Model:
-    """Open and validate `path`; with `build`, decode the dense weights too (else call
-    `Model.build` once device memory is planned). Experts stay memory-mapped."""
+def load_model(path: str | Path, backend: Backend | None = None, build: bool = True) -> Model:
+    """Open and validate `path`; with `build`, decode the dense weights too, onto `backend`
+    (default: a simulated device of the default size), else call `Model.build` once device
+    memory is planned. Experts stay memory-mapped."""
     mf = open_gguf(path)
     hp = read_hparams(mf)
     tokenizer = Tokenizer.from_metadata(mf.metadata)
@@ -67,5 +65,5 @@ def load_model(
         dense_bytes=dense_bytes(mf, hp),
     )
     if build:
-        model.build(xp, to_device)
+        model.build(backend or SimBackend(DEFAULT_SIM_BYTES))
     return model

@@ -9,20 +9,18 @@ from typing import Any
 import numpy as np
 
 from engine import phases
+from engine.backend.base import Backend, ExpertProvider
 from engine.errors import TokenGraphError
 from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import ModelFile
 from engine.kv import KVCache
-from engine.memory.compute_arena import ArenaStats, open_arena
+from engine.memory.compute_arena import ArenaStats
 from engine.model.attention import attention_block
-from engine.model.moe import ExpertProvider, moe_block
-from engine.model.ops import linear, rms_norm
+from engine.model.moe import moe_block
 from engine.model.weights import BlockWeights, TokenEmbedding, load_block
 from engine.phases import PhaseClock
 from engine.quant import dequantize
-
-EMBED_ON_HOST_ROWS = 8  # CUDA: longer token runs decode their embedding rows on the device
 
 
 @dataclass
@@ -37,9 +35,10 @@ class Transformer:
     """Main blocks of the model. Weights are read-only; run-state lives in the KV cache."""
 
     def __init__(
-        self, mf: ModelFile, hp: HParams, xp: Any, to_device: Any, head_to_device: Any = None
+        self, mf: ModelFile, hp: HParams, backend: Backend, to_device: Any,
+        head_to_device: Any = None,
     ):
-        self.hp, self.xp, self.mf = hp, xp, mf
+        self.hp, self.backend, self.xp, self.mf = hp, backend, backend.xp, mf
         self.embd = TokenEmbedding(mf.tensor(names.TOKEN_EMBD))  # stays in host memory
         self._to_device = to_device
         self.blocks: list[BlockWeights] = [load_block(mf, i, to_device) for i in range(hp.n_layer)]
@@ -67,19 +66,10 @@ class Transformer:
         self.head = None
 
     def embed(self, tokens: np.ndarray) -> Any:
-        """tokens: [T] -> [T, d] float32. On CUDA a prompt chunk's rows go up quantized and
-        are decoded there (a 20k-token chunk: ~45 MB of Q8_0 rows instead of ~170 MB of
-        float32 decoded by numpy); activations, not weights: never in a weight region."""
+        """tokens: [T] -> [T, d] float32 on the device (activations, not weights: never in a
+        weight region); the backend decodes the quantized rows (`Backend.embed`)."""
         ids = np.asarray(tokens, dtype=np.int64)
-        if self.xp.__name__ == "cupy" and len(ids) > EMBED_ON_HOST_ROWS:
-            from engine.kernels.dequant import SUPPORTED
-            from engine.kernels.dequant import dequantize as decode_on_device
-
-            if self.embd.t.qtype in SUPPORTED:
-                raw = self.xp.asarray(self.embd.raw_rows(ids))  # [T, row_bytes]
-                shape = (len(ids), self.hp.n_embd)
-                return decode_on_device(raw.reshape(-1), self.embd.t.qtype, shape, np.float32)
-        return self.xp.asarray(self.embd.rows(ids))
+        return self.backend.embed(self.embd.raw_rows(ids), self.embd.t.qtype, self.hp.n_embd)
 
     def forward(
         self,
@@ -104,7 +94,7 @@ class Transformer:
                 graph.release()
                 if self.on_warning is not None:
                     self.on_warning(f"strata: warning: {e}; decode steps run eagerly")
-        xp, hp = self.xp, self.hp
+        be, xp, hp = self.backend, self.xp, self.hp
         x = self.embed(tokens)  # [T, d]
         arena = None
         if scratch is not None:
@@ -112,20 +102,19 @@ class Transformer:
             stream = scratch[:n].view(xp.float32).reshape(x.shape)  # [T, d] in the chunk buffer
             stream[...] = x
             x = stream
-            arena = open_arena(xp, scratch[-(-n // 4096) * 4096 :])  # the rest: temporaries
+            arena = be.chunk_arena(scratch[-(-n // 4096) * 4096 :])  # the rest: temporaries
         routes = []
         margins = xp.full(len(tokens), xp.inf, dtype=xp.float32)
-        prefetch = getattr(experts, "prefetch", lambda layer: None)
-        prefetch(0)
+        experts.prefetch(0)
         clock = self.phase_clock if scratch is not None else None
         lap = clock.lap if clock is not None else (lambda phase: None)
         lap("embed+setup")  # since the previous chunk's last layer (or the prompt's start)
         with arena or nullcontext(), phases.active(clock):
             for i, blk in enumerate(self.blocks):
-                prefetch(i + 1)  # the next layer's experts upload while this layer computes
-                x += attention_block(xp, hp, blk.attn, x, pos0, kv, i)
+                experts.prefetch(i + 1)  # the next layer's experts upload while this one computes
+                x += attention_block(be, hp, blk.attn, x, pos0, kv, i)
                 lap("attention")
-                ffn, ids, margin = moe_block(xp, hp, blk.ffn_norm, blk.router, x, i, experts)
+                ffn, ids, margin = moe_block(be, hp, blk.ffn_norm, blk.router, x, i, experts)
                 x += ffn
                 lap("moe")
                 routes.append(ids)
@@ -146,4 +135,5 @@ class Transformer:
     def logits(self, hidden: Any) -> Any:
         """hidden: [T, d] pre-norm -> [T, V] with the native output head."""
         assert self.head is not None, "output head is released (on loan); restore it first"
-        return linear(self.xp, rms_norm(self.xp, hidden, self.output_norm, self.hp.rms_eps), self.head)
+        be = self.backend
+        return be.linear(be.rms_norm(hidden, self.output_norm, self.hp.rms_eps), self.head)
