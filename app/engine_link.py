@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from textual.app import App
 from textual.message import Message
 
+from app.draft import Draft
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.errors import StrataError
@@ -52,14 +53,6 @@ def coalesce(events: Iterable[Event]) -> tuple[Event, ...]:
             continue
         out.append(e)
     return tuple(out)
-
-
-@dataclass(frozen=True)
-class Draft:
-    """What the prompt input held when a message was sent, to put back on cancel."""
-
-    text: str
-    pastes: tuple[tuple[int, str], ...] = ()
 
 
 class EngineLink:

@@ -146,14 +146,16 @@ def test_loan_timeline_orders_phases_with_their_durations() -> None:
         LoanStep("release", "verifier, head", n_bytes=12 * MIB, ms=4.0, t=t0),
         LoanStep("plan", "512 / 16", ms=0.5, t=t0 + 0.01),
         PlanChosen(512, 16, True, 3, 1400, t=t0 + 0.02),
+        LoanStep("lend", "lent 16 slots", n_bytes=32 * MIB, ms=0.2, t=t0 + 0.03),
         PrefillProgress(1, 3, 512, 1400, 80.0, t=t0 + 0.1),
         LoanStep("refill", "16 slots", n_bytes=32 * MIB, ms=9.0, t=t0 + 0.4),
         LoanStep("restore", "verifier, head", ms=3.0, t=t0 + 0.41),
-        RequestDone(1400, 0, 1400, 250.0, 4, 20.0, 255.0, 0, 0, 0, t=t0 + 0.5),
+        RequestDone(1400, 0, 1400, 0.25, 4, 0.02, 0.255, 0, 0, 0, t=t0 + 0.5),
     )
     text = feed(widget, *events, size=(100, 20))
     steps = [line.split()[0] for line in text.splitlines()]
-    assert steps == ["release", "plan", "prefill", "refill", "restore"]
+    # the lend arrives after the prefill row opens; it is drawn before it
+    assert steps == ["release", "plan", "lend", "prefill", "refill", "restore"]
     assert "250 ms" in text and "9.0 ms" in text and fmt_bytes(12 * MIB) in text
     assert widget.border_title == "Loan timeline · loan on"
     # the next request starts a new timeline
@@ -188,20 +190,20 @@ def test_chunk_plan_shows_the_plan_and_moves_the_bar() -> None:
 
 
 def test_timing_panel_rates() -> None:
-    done = RequestDone(2000, 500, 1500, 1000.0, 40, 2000.0, 1100.0, 30, 21, 5 * MIB)
+    done = RequestDone(2000, 500, 1500, 1.0, 40, 2.0, 1.1, 30, 21, 5 * MIB)
     text = feed(TimingPanel(), done, size=(100, 20))
     assert "1,500.0 tok/s" in text and "20.0 tok/s" in text  # PP and TG
     assert "21 of 30 (70%)" in text and fmt_bytes(5 * MIB) in text
     assert "2,000 = 500 reused + 1,500" in text
     assert "steps" not in text  # plain decoding: no drafting policy to report
-    spec = RequestDone(2000, 500, 1500, 1000.0, 40, 2000.0, 1100.0, 30, 0, 5 * MIB,
+    spec = RequestDone(2000, 500, 1500, 1.0, 40, 2.0, 1.1, 30, 0, 5 * MIB,
                        spec_steps=40, drafted_steps=10)
     shown = feed(TimingPanel(), spec, size=(100, 20))
     assert "0 of 30 (0%)" in shown and "10/40 steps" in shown
 
 
 def test_timing_panel_gives_each_fact_one_line_in_the_dashboard_at_120_columns() -> None:
-    done = RequestDone(7099, 0, 7099, 2345.0, 64, 410.0, 2400.0, 30, 21, 523 * MIB,
+    done = RequestDone(7099, 0, 7099, 2.345, 64, 0.41, 2.4, 30, 21, 523 * MIB,
                        spec_steps=40, drafted_steps=10)
     lines = feed(TimingPanel(), done, size=(47, 20)).splitlines()  # the pane at 120 columns
     labels = [line.split()[0] for line in lines]

@@ -163,3 +163,22 @@ def test_mem_info_reports_budget_and_process(backend) -> None:
     assert info.total_bytes == backend.budget_bytes
     assert 0 <= info.free_bytes <= info.total_bytes
     assert info.process_bytes is None or info.process_bytes > 0
+
+
+def test_a_restored_head_uploads_from_page_locked_memory(backend, cp) -> None:
+    """A loan restores the head from its converted host copy; that copy is page-locked once,
+    so every restore is one DMA (not a staged copy), and the bytes arrive intact."""
+    from engine.memory.arena import Arena
+    from engine.memory.ledger import Ledger
+
+    ledger = Ledger(backend, backend.capacity_bytes, segment_bytes=64 * MiB)
+    head = Arena(ledger, "head.native", 64 * MiB, float_dtype=np.float16)
+    rows = np.random.default_rng(0).standard_normal((4096, 1024), dtype=np.float32)  # 16 MiB
+    for _ in range(2):  # startup, then a loan's release and restore
+        dev = head.to_device(rows)
+        (_, converted), = head._converted.values()
+        assert backend._is_pinned(converted.ctypes.data, converted.nbytes)
+        assert cp.array_equal(dev, cp.asarray(rows.astype(np.float16)))
+        head.release()
+        head.restore()
+    ledger.close()

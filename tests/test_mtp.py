@@ -17,13 +17,15 @@ from engine.model.loader import Model, load_model
 from engine.model.moe import moe_block
 from engine.model.mtp import MTPBlock, MTPExperts
 from engine.quant import dequantize
+from engine.request import generate
 from engine.sampler import SamplingParams
-from engine.session import Session, Timing
+from engine.session import Session
 from engine.spec.decoder import SpecDecoder
 from engine.spec.draft import MTPDraft
 from engine.spec.draft_head import DraftHead, select_draft_ids
 from engine.spec.verifier import Verifier
 from engine.synth.fit_mtp import fit_mtp
+from engine.timing import Timing
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +166,7 @@ def test_mtp_kv_matches_a_clean_catch_up(model: Model) -> None:
     assert isinstance(draft, MTPDraft)
     ids = np.random.default_rng(3).integers(0, 1000, 21).tolist()
     s = Session(model, 256)
-    out = list(dec.generate(s, ids, 30, SamplingParams(), 5))
+    out = list(generate(s, ids, 30, SamplingParams(), 5, spec=dec))
     assert draft.kv is not None and draft.n_cells == len(s.tokens) == draft.kv.n_tokens
     assert draft.seq == [*s.tokens, out[-1]]
 
@@ -203,9 +205,9 @@ def test_fit_makes_the_mtp_block_predictive(tiny_path: Path, tmp_path: Path) -> 
         dec = SpecDecoder.with_mtp(m, 2)
         for seed in range(3):
             ids = np.random.default_rng(seed).integers(0, 1000, 16).tolist()
-            want = list(Session(src, 256).generate(ids, 40, SamplingParams()))
+            want = list(generate(Session(src, 256), ids, 40, SamplingParams()))
             assert (
-                list(dec.generate(Session(m, 256), ids, 40, SamplingParams(), timing=timing))
+                list(generate(Session(m, 256), ids, 40, SamplingParams(), timing=timing, spec=dec))
                 == want
             )
         rates[label] = timing.drafts_accepted / timing.drafts_offered

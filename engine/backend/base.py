@@ -193,6 +193,7 @@ class Backend(Protocol):
     """
 
     name: str  # "sim" or "cuda:0"
+    device_index: int | None  # the CUDA device's index; None on the simulated device
     xp: ModuleType  # numpy on sim, cupy on CUDA
     capacity_bytes: int
     stats: CopyStats
@@ -252,6 +253,12 @@ class Backend(Protocol):
 
     def wait(self, event: Any) -> None:
         """Make compute queued from now on wait for `event` (from `upload_many`)."""
+        ...
+
+    def keep_for_upload(self, host: np.ndarray) -> None:
+        """`host` will be uploaded again and again (a loan's restore source: the decoded
+        head): make those copies as fast as the device allows (page-locked on CUDA, so a
+        restore is one DMA instead of a staged copy); nothing where copies are memcpy."""
         ...
 
     def synchronize(self) -> None:

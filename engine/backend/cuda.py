@@ -70,7 +70,7 @@ class CudaBackend(CudaOps):
             raise DeviceError(f"--device cuda:{device}: no usable CUDA device ({e})") from None
         if not 0 <= device < n_devices:
             raise DeviceError(f"--device cuda:{device}: there are {n_devices} CUDA devices")
-        self.device = device
+        self.device = self.device_index = device
         self.name = f"cuda:{device}"
         self.xp = cupy
         self.stats = CopyStats()
@@ -239,6 +239,15 @@ class CudaBackend(CudaOps):
             ) from None
         self._pinned[ptr] = (host.nbytes, None)
         weakref.finalize(host, self._unregister, ptr)  # kept alive by weakref's registry
+
+    def keep_for_upload(self, host: np.ndarray) -> None:
+        """Page-lock `host` (a restore source) so each upload of it is one DMA; where the
+        host cannot lock it, uploads keep going through the staging buffer."""
+        if host.flags.c_contiguous and not self._is_pinned(host.ctypes.data, host.nbytes):
+            try:
+                self.pin(host)
+            except DeviceError:
+                pass
 
     def _unregister(self, ptr: int) -> None:
         _, owner = self._pinned.pop(ptr)

@@ -39,6 +39,7 @@ class SimBackend(ArrayOps):
     def __init__(self, capacity_bytes: int, *, name: str = "sim"):
         assert capacity_bytes > 0, capacity_bytes
         self.name = name
+        self.device_index = None
         self.xp = np
         self.capacity_bytes = capacity_bytes
         self.stats = CopyStats()
@@ -139,6 +140,9 @@ class SimBackend(ArrayOps):
 
     def wait(self, event: object) -> None:
         """Nothing to wait for: every copy has finished."""
+
+    def keep_for_upload(self, host: np.ndarray) -> None:
+        """Nothing to do: the simulated device's uploads are memcpy."""
 
     def synchronize(self) -> None:
         """Nothing is queued on the sim device; every call has finished when it returns."""

@@ -1,6 +1,6 @@
 """`strata plan`: the startup memory plan of a model on a device, as a table.
 
-It runs the same guards as `strata run` (`engine.runtime.plan_device`): a combination `run`
+It runs the same guards as `strata run` (`engine.build.device.plan_device`): a combination `run`
 refuses is refused here, with the same one line and exit code 2.
 """
 
@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from engine.build.device import plan_device
 from engine.cli.options import add_engine_args, engine_options, loan_flags
 from engine.costs import Shapes
 from engine.devices import deferred_regions, resolve_device
 from engine.memory.planner import format_plan_table
 from engine.memory.sizes import format_mib
 from engine.model.loader import load_model
-from engine.runtime import plan_device
 from engine.synth.demo import resolve_model
 from engine.synth.model import PRESETS
 

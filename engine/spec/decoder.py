@@ -18,8 +18,8 @@ in one pass once the first token is known (the loan has restored the MTP experts
 after each verify the block runs over the accepted positions, whose hidden the verifier holds,
 and that same pass yields the next step's first draft.
 
-Two entry points: `generate` (prefill + decode, the contract of `Session.generate`) and, for a
-runtime that prefills itself, `begin` -> prefill with `collect` on each chunk -> `decode`.
+A request calls `begin` (engine.request.prompt_start) -> prefill with `collect` on each
+chunk -> `decode`.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ from engine.errors import FlagError
 from engine.model.loader import Model
 from engine.model.mtp import MTPBlock
 from engine.sampler import Sampler, SamplingParams, distribution
-from engine.session import Session, Timing
+from engine.session import Session
 from engine.spec.draft import Draft, DraftSource, MTPDraft
 from engine.spec.draft_head import DraftHead
 from engine.spec.policy import DraftPolicy
 from engine.spec.verifier import Verifier
+from engine.timing import Timing
 
 MIN_WINDOW, MAX_WINDOW = 2, 8
 
@@ -226,46 +227,11 @@ class SpecDecoder:
             else:  # an error: no more device work; the next request re-reads what the draft lacks
                 self._unseen = None
 
-    # -- the plain-session entry point -----------------------------------------------------
-    def generate(
-        self,
-        session: Session,
-        prompt_ids: list[int],
-        max_new: int,
-        params: SamplingParams,
-        chunk_tokens: int = 512,
-        stop_ids: frozenset[int] = frozenset(),
-        timing: Timing | None = None,
-    ) -> Iterator[int]:
-        """Prefill the fresh part of `prompt_ids` (reusing a common prefix), then decode with
-        drafts: `Session.generate`'s contract."""
-        timing = timing if timing is not None else Timing()
-        keep = self.begin(session, prompt_ids, session.reusable(prompt_ids))
-        session.truncate(keep)
-        fresh = prompt_ids[keep:]
-        timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = (
-            len(prompt_ids),
-            keep,
-            len(fresh),
-        )
-        t0 = time.perf_counter()
-        logits = self._prefill(session, fresh, chunk_tokens)
-        timing.prefill_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        tokens = self.decode(session, logits, Sampler(params), max_new, stop_ids, timing)
-        try:
-            for tok in tokens:
-                if timing.generated == 1:
-                    timing.ttft_s = time.perf_counter() - t0
-                yield tok
-        finally:
-            tokens.close()  # settles the KV now, not when the generator is collected
-            timing.decode_s = time.perf_counter() - t1
-
     def new_policy(self, greedy: bool) -> DraftPolicy:
-        """A request's drafting policy: measured for greedy decoding; a sampled request
-        drafts every step, so a seed gives the same text every time."""
-        return DraftPolicy(always=self.always or not greedy)
+        """A request's drafting policy: measured for greedy decoding, going on from the last
+        request's; a sampled request drafts every step, so a seed gives the same text every
+        time."""
+        return DraftPolicy(always=self.always or not greedy, prior=self.policy)
 
     def _catch_up(self, session: Session) -> None:
         """Feed the draft the hidden rows of the plain steps since it last observed (those
@@ -278,14 +244,6 @@ class SpecDecoder:
         if n > 0:
             hidden = session.xp.concatenate(rows[:n])  # [n, d]
             self.draft.observe(session, first, hidden, ids[:n])
-
-    def _prefill(self, session: Session, ids: list[int], chunk_tokens: int) -> Any:
-        """`Session.prefill`, handing every chunk's hidden to `collect`."""
-        prev, session.on_hidden = session.on_hidden, self.collect
-        try:
-            return session.prefill(ids, chunk_tokens)  # [1, V]
-        finally:
-            session.on_hidden = prev
 
     def _take_hidden(self, session: Session, n_start: int) -> tuple[int, Any]:
         pos0, parts = self._pos0, self._hidden
