@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = ServeLoop.create(opts)
     ids = loop.rt.model.tokenizer.encode("The river runs through the old city. " * 8)
     loop.complete(list(ids), max_new=4)
-    tg = loop.rt.model.transformer.token_graph
+    tg = loop.rt.session.graph
     if tg is None:
         print("no token graph on this engine (see the startup warnings)")
         return 1

@@ -69,14 +69,16 @@ class TokenGraph:
     bytes the GEMV decoders cannot address."""
 
     def __init__(self, transformer: Transformer, kv: KVCache, experts: CachedExperts,
-                 cache: ExpertCache | None, backend: Any):
-        """`backend`: the `CudaBackend` (its ops, counted copies and `mapped_address`)."""
+                 cache: ExpertCache | None, backend: Any, warn: Callable[[str], None]):
+        """`backend`: the `CudaBackend` (its ops, counted copies and `mapped_address`);
+        `warn`: where a step that cannot be replayed says why (decode steps then run eagerly)."""
         import cupy
 
         if kv.kind not in GRAPH_KV_KINDS:
             raise TokenGraphError(f"token graph: --kv {kv.kind} is not one of its KV kinds "
                                   f"{GRAPH_KV_KINDS}")
         self.tr, self.kv, self.experts, self.cache, self.backend = transformer, kv, experts, cache, backend
+        self._warn = warn
         self._cp = cupy
         self._pool = cupy.cuda.MemoryPool(allocator=cupy.get_default_memory_pool().malloc)
         self._stream = cupy.cuda.Stream(non_blocking=True)
@@ -97,10 +99,21 @@ class TokenGraph:
         """Device bytes the graphs' buffers and temporaries hold (from the workspace pool)."""
         return int(self._pool.total_bytes())
 
-    def handles(self, n_rows: int, experts: Any, scratch: Any) -> bool:
-        """Whether `Transformer.forward` should replay a graph for this call."""
+    def handles(self, n_rows: int, experts: Any, chunk: Any) -> bool:
+        """Whether the session's forward of `n_rows` rows (not a prompt chunk's) is a step
+        this graph replays."""
         staged = self.cache is None or self.cache.staged
-        return scratch is None and experts is self.experts and 1 <= n_rows <= GEMV_MAX_ROWS and staged
+        return chunk is None and experts is self.experts and 1 <= n_rows <= GEMV_MAX_ROWS and staged
+
+    def step(self, tokens: np.ndarray, pos0: int, logits: str) -> ForwardResult | None:
+        """`forward`, or None where the step cannot be captured (e.g. a weight that needs
+        cuBLAS): then the graphs are released and a warning says why."""
+        try:
+            return self.forward(tokens, pos0, logits)
+        except TokenGraphError as e:
+            self.release()
+            self._warn(f"strata: warning: {e}; decode steps run eagerly")
+            return None
 
     def release(self) -> None:
         """Drop every graph and give their memory back to the workspace pool."""
@@ -302,20 +315,13 @@ def _end_quietly(stream: Any) -> None:
         pass
 
 
-def attach_token_graph(tr: Transformer, kv: KVCache, experts: CachedExperts,
-                       cache: ExpertCache | None, backend: Backend,
-                       warn: Callable[[str], None]) -> None:
-    """On CUDA (unless --no-token-graph) decode steps replay captured CUDA graphs
-    where that cannot work here, a warning says why and steps run eagerly."""
-    tr.on_warning = warn
+def make_token_graph(tr: Transformer, kv: KVCache, experts: CachedExperts,
+                     cache: ExpertCache | None, backend: Backend,
+                     warn: Callable[[str], None]) -> TokenGraph | None:
+    """The token graph of a session's decode steps (CUDA, unless --no-token-graph); where it
+    cannot work here, None, and a warning says why (steps run eagerly)."""
     try:
-        tr.token_graph = TokenGraph(tr, kv, experts, cache, backend)
+        return TokenGraph(tr, kv, experts, cache, backend, warn)
     except TokenGraphError as e:
         warn(f"strata: warning: {e}; decode steps run eagerly")
-
-
-def detach_token_graph(tr: Transformer) -> None:
-    """Drop the captured decode steps; steps run eagerly until `attach_token_graph`."""
-    if tr.token_graph is not None:
-        tr.token_graph.release()
-        tr.token_graph = None
+        return None

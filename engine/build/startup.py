@@ -30,7 +30,7 @@ from engine.report import Reporter
 from engine.runtime import Runtime
 from engine.session import Session
 from engine.synth.demo import resolve_model
-from engine.token_graph import attach_token_graph
+from engine.token_graph import make_token_graph
 
 
 def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None = None,
@@ -80,7 +80,8 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
     session = Session(model, n_ctx=options.ctx, kv_kind=options.kv, experts=experts,
                       kv_alloc=kv.alloc)
     if token_graph:
-        attach_token_graph(model.transformer, session.kv, experts, cache, backend, report.warn)
+        session.graph = make_token_graph(model.transformer, session.kv, experts, cache, backend,
+                                         report.warn)
     prompt = PromptPath(ledger, plan.prompt, costs, cache, experts, backend, faults, report)
 
     items = [DecodeResource("head.native", head, NativeHead(model.transformer, head))]

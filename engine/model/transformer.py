@@ -10,7 +10,6 @@ import numpy as np
 
 from engine import phases
 from engine.backend.base import Backend, ExpertProvider
-from engine.errors import TokenGraphError
 from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import ModelFile
@@ -24,6 +23,18 @@ from engine.quant import dequantize
 
 
 @dataclass
+class PromptChunk:
+    """What the prompt path lends one forward pass of a prompt chunk (a per-call context):
+    `buf`, uint8 device bytes holding the residual stream [T, d] float32 and then the chunk's
+    temporaries (a chunk arena on CUDA); the prompt's phase clock (STRATA_TRACE); and
+    `arena`, what the temporaries took, merged over the chunks that share this record."""
+
+    buf: Any
+    clock: PhaseClock | None = None
+    arena: ArenaStats | None = None
+
+
+@dataclass
 class ForwardResult:
     logits: Any  # [T_out, V] float32 (T_out = 1 for 'last', T for 'all', 0 for 'none')
     hidden: Any  # [T, d] residual stream before the final norm (the MTP block's input)
@@ -32,7 +43,8 @@ class ForwardResult:
 
 
 class Transformer:
-    """Main blocks of the model. Weights are read-only; run-state lives in the KV cache."""
+    """Main blocks of the model. Weights are read-only; run-state lives in the KV cache and
+    in what a call is given (a prompt chunk's `PromptChunk`)."""
 
     def __init__(
         self, mf: ModelFile, hp: HParams, backend: Backend, to_device: Any,
@@ -44,10 +56,6 @@ class Transformer:
         self.blocks: list[BlockWeights] = [load_block(mf, i, to_device) for i in range(hp.n_layer)]
         self.output_norm = to_device(dequantize(mf.tensor(names.OUTPUT_NORM)))
         self.head: Any = None  # [V, d] the output head; `release_head` / `load_head`
-        self.arena_stats: ArenaStats | None = None  # prompt temporaries since reset (CUDA)
-        self.phase_clock: PhaseClock | None = None  # the prompt path's phases (STRATA_TRACE)
-        self.token_graph: Any = None  # engine.token_graph.TokenGraph on CUDA (decode steps)
-        self.on_warning: Any = None  # (line) -> None: the token graph gave up (runtime's trace)
         self._head_host: np.ndarray | None = None
         self.load_head(head_to_device or to_device)
 
@@ -78,35 +86,26 @@ class Transformer:
         kv: KVCache,
         experts: ExpertProvider,
         logits: str = "last",
-        scratch: Any = None,
+        chunk: PromptChunk | None = None,
     ) -> ForwardResult:
         """Run tokens [T] at positions pos0..pos0+T-1, appending their K/V to `kv`.
 
-        `scratch` (uint8 device bytes, optional) holds the residual stream [T, d] float32: the
-        prompt path passes the chunk buffer it carved from lent cache slots.
+        `chunk` (optional): the prompt path's chunk buffer, carved from lent cache slots, which
+        holds the residual stream and the temporaries, with the prompt's clock and stats.
         """
-        graph = self.token_graph
-        if graph is not None and kv is graph.kv and graph.handles(len(tokens), experts, scratch):
-            try:
-                return graph.forward(tokens, pos0, logits)
-            except TokenGraphError as e:  # e.g. a weight that needs cuBLAS: run eagerly from now on
-                self.token_graph = None
-                graph.release()
-                if self.on_warning is not None:
-                    self.on_warning(f"strata: warning: {e}; decode steps run eagerly")
         be, xp, hp = self.backend, self.xp, self.hp
         x = self.embed(tokens)  # [T, d]
         arena = None
-        if scratch is not None:
+        if chunk is not None:
             n = x.nbytes
-            stream = scratch[:n].view(xp.float32).reshape(x.shape)  # [T, d] in the chunk buffer
+            stream = chunk.buf[:n].view(xp.float32).reshape(x.shape)  # [T, d] in the chunk buffer
             stream[...] = x
             x = stream
-            arena = be.chunk_arena(scratch[-(-n // 4096) * 4096 :])  # the rest: temporaries
+            arena = be.chunk_arena(chunk.buf[-(-n // 4096) * 4096 :])  # the rest: temporaries
         routes = []
         margins = xp.full(len(tokens), xp.inf, dtype=xp.float32)
         experts.prefetch(0)
-        clock = self.phase_clock if scratch is not None else None
+        clock = chunk.clock if chunk is not None else None
         lap = clock.lap if clock is not None else (lambda phase: None)
         lap("embed+setup")  # since the previous chunk's last layer (or the prompt's start)
         with arena or nullcontext(), phases.active(clock):
@@ -121,15 +120,16 @@ class Transformer:
                 margins = xp.minimum(margins, margin)
                 del ffn, ids, margin
         if arena is not None:  # keep nothing in the lent chunk buffer past this call
+            assert chunk is not None
             routes, margins = [r.copy() for r in routes], margins.copy()
             arena.close()
-            self.arena_stats = ArenaStats.of(arena).merge(self.arena_stats)
+            chunk.arena = ArenaStats.of(arena).merge(chunk.arena)
         kv.n_tokens = pos0 + len(tokens)
         if logits == "none":
             out = xp.zeros((0, hp.n_vocab), dtype=xp.float32)
         else:
             out = self.logits(x if logits == "all" else x[-1:])
-        hidden = x.copy() if scratch is not None else x  # the chunk buffer is lent memory
+        hidden = x.copy() if chunk is not None else x  # the chunk buffer is lent memory
         return ForwardResult(logits=out, hidden=hidden, routes=routes, margins=margins)
 
     def logits(self, hidden: Any) -> Any:
