@@ -56,12 +56,13 @@ class LedgerChanged(Event):
     regions: tuple[RegionInfo, ...]  # name, used_bytes, n_segments, mapped_bytes
     free_bytes: int
     segment_map: tuple[str, ...]
-    unaccounted_bytes: int | None = None
+    unaccounted_bytes: int | None = None  # outside the ledger (on CUDA: NVML minus the regions)
+    limit_bytes: int | None = None  # what the whole process may hold (None: the capacity)
 
     @classmethod
     def of(cls, s: LedgerSnapshot) -> LedgerChanged:
         return cls(s.capacity_bytes, s.segment_bytes, s.regions, s.free_bytes, s.segment_map,
-                   s.unaccounted_bytes)
+                   s.unaccounted_bytes, s.limit_bytes)
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ class GpuStats(Event):
 
     snapshot: Any  # engine.telemetry.GpuSnapshot
     ledger_bytes: int  # bytes the ledger's regions hold
+    limit_bytes: int | None = None  # the whole process's budget (--vram-limit)
 
 
 class EventBus:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.backend.base import Backend
 from engine.events import CacheChanged, EventBus, GpuStats, TraceLine
 from engine.experts.cache import LENT, ExpertCache
 from engine.memory.ledger import Ledger
@@ -68,17 +69,29 @@ class Reporter:
         rng = (int(lent[0]), int(lent[-1])) if len(lent) else None
         self.bus.publish(CacheChanged(states.astype(np.uint8).tobytes(), rng, len(lent)))
 
-    def gpu(self, device_index: int | None, ledger: Ledger, force: bool = False) -> None:
-        """On CUDA (`device_index` not None), an NVML reading as a GpuStats event, at most
-        twice a second unless `force`."""
-        if device_index is None:
+    def gpu(self, backend: Backend, ledger: Ledger, force: bool = False) -> None:
+        """On CUDA, at most twice a second unless `force`: measure again what the process
+        holds outside the ledger (`CudaBackend.refresh_outside`: growth comes off the pool's
+        limit; with STRATA_TRACE=1 and `force` its memory line), then an NVML reading as a
+        GpuStats event with the whole-process limit."""
+        if backend.device_index is None:
             return
         now = time.monotonic()
         if not force and now - self._gpu_t < 0.5:
             return
         self._gpu_t = now
+        backend.refresh_outside()  # type: ignore[attr-defined]
+        if force and self.trace_on:
+            self.trace(backend.memory_line())  # type: ignore[attr-defined]
         if self._telemetry is None:
-            self._telemetry = Telemetry.open(device_index) or False
+            self._telemetry = Telemetry.open(backend.device_index) or False
         if self._telemetry:
             used = sum(r.used_bytes for r in ledger.snapshot().regions)
-            self.bus.publish(GpuStats(self._telemetry.snapshot(), used))
+            limit = backend.mem_info().total_bytes
+            self.bus.publish(GpuStats(self._telemetry.snapshot(), used, limit))
+
+    def close(self) -> None:
+        """Release the NVML handle (a closed engine publishes no more readings)."""
+        if self._telemetry:
+            self._telemetry.close()
+        self._telemetry = False

@@ -5,11 +5,12 @@ it; the serve loop drives it; it holds no conversation logic.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Self
 
 from engine.backend.base import Backend
 from engine.config import EngineOptions, LoanFlags
@@ -66,6 +67,7 @@ class Runtime:
     startup_loan_pending: bool = False
     prefilled: bool = False  # a request's prefill has completed (the startup loan is over)
     retained_geometry: PromptGeometry | None = None
+    closed: bool = False  # `close` gave every device byte back; nothing runs any more
     _replanned: tuple[int | str, PromptGeometry] | None = field(default=None, repr=False)
 
     @property
@@ -196,7 +198,10 @@ class Runtime:
             self.spec.draft.truncate(n)
 
     def publish_gpu(self, force: bool = False) -> None:
-        self.report.gpu(self.backend.device_index, self.ledger, force)
+        """On CUDA, at most twice a second unless `force`: the outside of the ledger measured
+        again (growth comes off the pool's limit) and an NVML reading as a GpuStats event."""
+        if not self.closed:
+            self.report.gpu(self.backend, self.ledger, force)
 
     # -- prefill and decode ------------------------------------------------------------------
     def prefill(self, req: Request, progress: Progress) -> Any:
@@ -206,6 +211,7 @@ class Runtime:
         Any failure or cancel leaves ledger, cache and resources as before the call; the
         caller rolls the session back to `req.reused`.
         """
+        assert not self.closed, "prefill on a closed engine"
         req.loan = kind = admit(self.flags, self.startup_loan_pending, len(req.fresh))
         try:
             if kind is None:
@@ -271,9 +277,11 @@ class Runtime:
                              cancel)
 
     def trace_decode(self, timing: Timing) -> None:
-        """With STRATA_TRACE=1, after a request: what the drafting policy did (speculative
-        decoding), and the token graph's GPU time per step with the decode steps'
-        expert-cache hits."""
+        """After a request: on CUDA the device memory measured again (`publish_gpu`: decode's
+        kernels and captured graphs lie outside the ledger); with STRATA_TRACE=1 what the
+        drafting policy did (speculative decoding), and the token graph's GPU time per step
+        with the decode steps' expert-cache hits."""
+        self.publish_gpu(force=True)
         if not self.report.trace_on:
             return
         if self.spec is not None and self.options.spec >= 2:
@@ -285,3 +293,34 @@ class Runtime:
         n = timing.decode_hits + timing.decode_misses
         hits = f", expert cache hits {100 * timing.decode_hits / n:.0f}%" if n else ""
         self.report.trace(f"{graph.stats_line()}; decode {timing.decode_s:.2f} s wall{hits}")
+
+    # -- the end -----------------------------------------------------------------------------
+    # The parts whose arrays live on the device outside the ledger (CuPy's pool on CUDA).
+    _PARTS = ("spec", "resources", "prompt", "session", "experts", "cache",
+              "retained_geometry", "model")
+
+    def close(self) -> None:
+        """Give back every byte this engine holds on its device: the captured decode steps,
+        the parts whose arrays live in CuPy's pool (dropped), every ledger region (VMM
+        segments unmapped, address ranges freed; a last LedgerChanged shows none), then the
+        backend's own buffers, cached pool blocks and page-locked host memory. Idempotent; a
+        closed engine keeps its options, plan, ledger and backend (both empty) and runs
+        nothing more. `strata bench` closes each run's engine before the next."""
+        if self.closed:
+            return
+        self.closed = True
+        self.backend.synchronize()
+        self.detach_token_graph()
+        for name in self._PARTS:
+            if name in self.__dict__:
+                delattr(self, name)
+        gc.collect()  # the parts hold each other and this engine's bound methods in cycles
+        self.ledger.close()
+        self.backend.close()
+        self.report.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

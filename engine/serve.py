@@ -106,6 +106,10 @@ class ServeLoop:
         return tok.encode(tok.render_chat(conv.as_dicts(), add_generation_prompt=True))
 
     # -- actions ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the engine (`Runtime.close`): every byte it holds on the device goes back."""
+        self.rt.close()
+
     def cancel(self) -> None:
         """Ask the running request to stop; it rolls back at the next chunk or token."""
         self._cancel.set()

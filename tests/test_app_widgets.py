@@ -81,7 +81,7 @@ def plain(renderable: object, width: int) -> str:
     return console.export_text().rstrip("\n")
 
 
-def ledger(unaccounted: int | None = None) -> LedgerChanged:
+def ledger(unaccounted: int | None = None, limit: int | None = None) -> LedgerChanged:
     regions = (
         RegionInfo("weights.dense", 5 * MIB, 3, 6 * MIB),
         RegionInfo("kv", 8 * MIB, 4, 8 * MIB),
@@ -94,6 +94,7 @@ def ledger(unaccounted: int | None = None) -> LedgerChanged:
         free_bytes=10 * MIB,
         segment_map=("weights.dense",) * 3 + ("kv",) * 4 + ("experts.cache",) * 20 + ("",) * 5,
         unaccounted_bytes=unaccounted,
+        limit_bytes=limit,
     )
 
 
@@ -117,8 +118,25 @@ def test_vram_bar_draws_every_region_and_free() -> None:
     assert bar.border_title == f"VRAM · {fmt_bytes(54 * MIB)} / {fmt_bytes(64 * MIB)}"
 
 
-def test_vram_bar_shows_unaccounted_bytes_on_cuda() -> None:
-    assert f"unaccounted {fmt_bytes(3 * MIB)}" in feed(VramBar(), ledger(unaccounted=3 * MIB))
+def test_vram_bar_totals_the_limit_and_draws_what_lies_outside_the_ledger() -> None:
+    """On CUDA the bar's total is --vram-limit; NVML's bytes outside the ledger (context,
+    cuBLAS, kernels, CuPy's pool) are their own labelled part, and free is what is left."""
+    bar = VramBar()
+    text = feed(bar, ledger(unaccounted=12 * MIB, limit=80 * MIB))
+    assert f"outside the ledger {fmt_bytes(12 * MIB)}" in text and "unaccounted" not in text
+    assert f"free {fmt_bytes(14 * MIB)}" in text  # 80 - 54 mapped - 12 outside
+    assert bar.border_title == f"VRAM · {fmt_bytes(66 * MIB)} / {fmt_bytes(80 * MIB)}"
+    assert text.splitlines()[0] == BLOCK * 58  # the whole width is the limit
+    parts = {name: drawn for name, _, drawn in bar.parts()}
+    assert parts["unaccounted"] == 12 * MIB and sum(parts.values()) == 80 * MIB
+
+
+def test_vram_bar_says_by_how_much_the_process_passes_its_limit() -> None:
+    bar = VramBar()
+    text = feed(bar, ledger(unaccounted=20 * MIB, limit=64 * MIB))
+    assert "free" not in text
+    assert bar.border_title == (f"VRAM · {fmt_bytes(74 * MIB)} / {fmt_bytes(64 * MIB)} · "
+                                f"{fmt_bytes(10 * MIB)} over the limit")
 
 
 def test_segment_map_one_cell_per_segment() -> None:
@@ -312,9 +330,10 @@ def test_gpu_panel_appears_with_nvml_readings() -> None:
     )
     panel = GpuPanel()
     assert not panel.has_class("-live")
-    text = feed(panel, GpuStats(snap, 4 * 1024 * MIB), size=(80, 20))
+    text = feed(panel, GpuStats(snap, 4 * 1024 * MIB, 8 * 1024 * MIB), size=(80, 20))
     assert panel.has_class("-live")
-    assert fmt_bytes(1024 * MIB) in text  # unaccounted = process - ledger
+    assert f"outside ledger  {fmt_bytes(1024 * MIB)}" in text  # process - ledger
+    assert f"{fmt_bytes(5 * 1024 * MIB)} of {fmt_bytes(8 * 1024 * MIB)}" in text  # of the limit
     assert "gen 5 x16" in text and "87%" in text and "412 W" in text
 
 

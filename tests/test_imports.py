@@ -176,17 +176,19 @@ def test_app_modules_never_import_each_other_in_a_loop(graph: dict[str, set[str]
 
 def read_layers(readme: Path = ROOT / "engine" / "README.md") -> list[tuple[str, list[str]]]:
     """The layer order of engine/README.md, lowest first: (layer, module prefixes) from the
-    lines `name: a b c` between the layers markers; prefixes are relative to engine/ and name a
-    module or a package."""
+    lines `name: a b c` between the layers markers (an indented line goes on with the layer
+    above); prefixes are relative to engine/ and name a module or a package."""
     text = readme.read_text(encoding="utf-8")
     assert LAYERS_BEGIN in text and LAYERS_END in text, f"{readme}: no {LAYERS_BEGIN} block"
     block = text.split(LAYERS_BEGIN, 1)[1].split(LAYERS_END, 1)[0]
     layers = []
+    name = lambda p: f"engine.{p.strip('/').replace('/', '.')}"
     for line in block.splitlines():
-        m = re.fullmatch(r"\s*(\w+):\s+(.+?)\s*", line)
+        m = re.fullmatch(r"(\w+):\s+(.+?)\s*", line)
         if m:
-            layers.append((m.group(1), [f"engine.{p.strip('/').replace('/', '.')}"
-                                        for p in m.group(2).split()]))
+            layers.append((m.group(1), [name(p) for p in m.group(2).split()]))
+        elif line.startswith(" ") and line.strip() and layers:
+            layers[-1][1].extend(name(p) for p in line.split())
     assert layers, f"{readme}: the layers block names no layer"
     return layers
 
@@ -235,7 +237,8 @@ def test_an_upward_import_and_a_module_without_a_layer_are_found(tmp_path: Path)
     (tmp_path / "engine" / "high" / "b.py").write_text("from engine.low import a\n")
     (tmp_path / "engine" / "stray.py").write_text("")
     readme = tmp_path / "README.md"
-    readme.write_text(f"{LAYERS_BEGIN}\n```\nlow:   low\nhigh:  high low/tool\n```\n{LAYERS_END}\n")
+    readme.write_text(f"{LAYERS_BEGIN}\n```\nlow:   low\nhigh:  high\n       low/tool\n```\n"
+                      f"{LAYERS_END}\n")
     layers = read_layers(readme)
     assert layers == [("low", ["engine.low"]), ("high", ["engine.high", "engine.low.tool"])]
     assert layer_of("engine.low.tool", layers) == 1  # the longest prefix wins

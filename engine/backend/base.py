@@ -35,7 +35,8 @@ DeviceArray = Any
 
 @dataclass(frozen=True)
 class MemInfo:
-    """Device memory as the device reports it; `process_bytes` is None where it cannot tell."""
+    """The process's device budget (the simulated capacity; on CUDA the whole-process
+    `--vram-limit`), what is left of it, and the process's bytes (None where NVML cannot tell)."""
 
     total_bytes: int
     free_bytes: int
@@ -318,4 +319,9 @@ class Backend(Protocol):
 
     def embed(self, rows: np.ndarray, qtype: GGMLQuantizationType, n_embd: int) -> DeviceArray:
         """Quantized embedding rows in host memory, uint8 [T, row_bytes] -> float32 [T, d]."""
+        ...
+
+    def close(self) -> None:
+        """Give back what the backend holds itself (standalone buffers, cached blocks,
+        page-locked host memory); ledger regions are closed by their ledger first. Idempotent."""
         ...

@@ -19,6 +19,7 @@ from engine.devices import (
     weight_bytes,
 )
 from engine.errors import FlagError
+from engine.kernels.warmup import warm_up
 from engine.loan.guards import validate
 from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
 from engine.memory.planner import plan_startup
@@ -44,7 +45,7 @@ def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes) -> Dev
     reserve = options.vram_reserve_mib * MiB
     limit = vram_limit_bytes(options)
     backend = make_backend(sim_device(device, costs, reserve, limit), limit,
-                           elastic=options.vram_elastic)
+                           elastic=options.vram_elastic, warm_up=warm_up)
     capacity = backend.capacity_bytes
     seg = segment_bytes(options, capacity)
     violations = validate(options, flags, device, shapes.has_mtp, shapes.hp.has_output,

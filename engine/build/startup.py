@@ -69,6 +69,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
         Arena(ledger, "reserve", planned.plan_options.reserve_bytes)
     cuda = backend if backend.device_index is not None else None
     if cuda is not None:
+        report.say(f"strata serve: {cuda.budget.line()}")  # type: ignore[attr-defined]
         pin_model_file(cuda, model.mf.data, report.trace, report.warn)
     token_graph = cuda is not None and not options.no_token_graph
     cache, plan, plan_options = make_cache(

@@ -48,6 +48,7 @@ def plan_text(args: argparse.Namespace) -> str:
             f"device  {device} = {format_mib(capacity)} MiB in {plan.n_segments} segments of "
             f"{format_mib(seg)} MiB"
         ),
+        *budget_lines(planned.backend),
         f"loan    deferred at startup: {', '.join(sorted(deferred_regions(flags, options))) or 'none'}",
         f"costs   dense {format_mib(costs.dense_bytes)}, kv {format_mib(costs.kv_bytes)}, "
         + ", ".join(f"{k} {format_mib(v)}" for k, v in costs.decode_only_bytes().items())
@@ -55,6 +56,12 @@ def plan_text(args: argparse.Namespace) -> str:
         "",
     ]
     return "\n".join(head) + format_plan_table(plan)
+
+
+def budget_lines(backend: object) -> list[str]:
+    """On CUDA, how the whole-process limit was divided (engine/memory/budget.py)."""
+    budget = getattr(backend, "budget", None)
+    return [] if budget is None else [f"budget  {budget.line()}"]
 
 
 def _shapes(model: str) -> tuple[Shapes, str]:
