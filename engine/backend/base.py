@@ -190,7 +190,8 @@ class Backend(Protocol):
     every op (`SimBackend`: array code on NumPy; `CudaBackend`: CuPy kernels where one applies).
     Every host<->device copy of model data (weights, experts, activations, logits, routing
     reads) goes through `upload`, `to_device` or `download` and is counted in `stats`; the
-    kernels' own launch tables (pointers, row plans: a few KiB) are not.
+    kernels' own launch tables and constant tables (pointers, row plans, RoPE frequencies,
+    quant grids: a few KiB) are not.
     """
 
     name: str  # "sim" or "cuda:0"
