@@ -12,7 +12,7 @@ import pytest
 
 from engine.backend import SimBackend
 from engine.backend.array_ops import kv_decode, kv_encode
-from engine.backend.base import Backend, CopyCounts
+from engine.backend.base import Backend, CopyCounts, ExpertProvider
 from engine.config import EngineOptions
 from engine.kv import KVCache
 from engine.memory.sizes import MiB
@@ -90,6 +90,23 @@ def test_the_kv_codec_is_the_backends(kind: str) -> None:
     tol = {"f16": 1e-3, "int8": 2e-2, "q4_0": 0.2}[kind]
     assert np.abs(k[3:8] - x).max() <= tol * np.abs(x).max()
     np.testing.assert_array_equal(v[3:8], kv_decode(np, kind, *kv_encode(np, kind, -x)))
+
+
+def test_every_expert_provider_implements_the_whole_protocol(model: Model) -> None:
+    from engine.experts.decoded import DecodedLRU
+    from engine.experts.provider import CachedExperts, DirectExperts
+    from engine.model.mtp import MTPExperts
+    from engine.synth.fit_mtp import ArrayExperts
+
+    be = model.transformer.backend
+    assert model.mtp_experts is not None
+    w = (np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32), np.zeros((8, 4), np.float32))
+    providers = [CachedExperts(None, model.experts, DecodedLRU(), be),
+                 DirectExperts(model.experts, be), MTPExperts(model.mtp_experts, be),
+                 ArrayExperts({0: w}, be)]
+    for p in providers:
+        assert isinstance(p, ExpertProvider), type(p).__name__
+        assert p.ring_slots is None and p.layout.blob_bytes > 0
 
 
 def test_the_sim_backend_implements_the_whole_protocol() -> None:
