@@ -186,9 +186,7 @@ class ServeLoop:
         hp = rt.model.hp
         profile = None
         if rt.cache is not None:
-            cuda = rt.backend if rt.backend.device_index is not None else None
-            to_host = getattr(rt.xp, "asnumpy", np.asarray)
-            profile = startup_profile(rt.options.expert_profile, rt.model, to_host, cuda)
+            profile = startup_profile(rt.options.expert_profile, rt.model, rt.backend)
         return routing_odds(profile, hp.n_layer, hp.n_expert, hp.n_expert_used)
 
     # -- actions ---------------------------------------------------------------------------
