@@ -120,9 +120,9 @@ def _report(service: Service) -> int:
     regions = ", ".join(f"{r.name} {format_mib(r.used_bytes)} MiB"
                         for r in rt.ledger.snapshot().regions)
     lent = rt.cache.n_lent if rt.cache is not None else 0
-    stderr_line(f"strata serve: stopped after {sum(n.values())} requests ({n['completed']} "
-                f"completed, {n['cancelled']} cancelled, {n['failed']} failed, "
-                f"{service.admission.n_refused} refused with 429); {lent} cache slots lent; "
+    stderr_line(f"strata serve: stopped; requests: {n['completed']} completed, "
+                f"{n['cancelled']} cancelled, {n['failed']} failed, "
+                f"{service.admission.n_refused} refused with 429; {lent} cache slots lent; "
                 f"ledger: {regions}")
     if worker.fault is not None:
         raise StrataError(f"the engine's check failed: {worker.fault}")
