@@ -8,10 +8,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import httpx
 
+from engine.cli.options import options_argv
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.events import EventBus
@@ -72,14 +73,7 @@ def fresh_answer(model: str, prompt: str, max_new: int, options: dict | None = N
 
 def run_argv(options: dict) -> list[str]:
     """`strata run` options for EngineOptions fields."""
-    argv: list[str] = []
-    defaults = {f.name: f.default for f in fields(EngineOptions)}
-    for name, value in options.items():
-        if value == defaults[name]:
-            continue
-        flag = "--" + name.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
-    return argv
+    return options_argv(EngineOptions(**options))
 
 
 def strata(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

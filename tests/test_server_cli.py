@@ -72,3 +72,15 @@ def test_a_taken_port_is_one_line_before_the_model_loads() -> None:
 def test_bad_server_options_are_one_line(argv: list[str], words: str) -> None:
     out = strata("serve", *argv)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
+
+
+def test_bench_serve_prints_its_table(demo_path: Path) -> None:
+    out = strata("bench-serve", "--model", str(demo_path), "--ctx", "512", "--runs", "1",
+                 "--max-new", "8", "--prompt", "What is a cat?")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| `strata")]
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| `strata run` (engine clock)", "| `strata serve` (engine clock)",
+        "| `strata serve` (client clock, streamed)"]
+    assert all(r.split(" | ")[1] == "8" for r in rows)  # the same tokens through both
+    assert "through the server / strata run (TG medians): " in out.stdout

@@ -9,6 +9,7 @@ rolls back), ends the event streams, checks the engine and exits.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import threading
@@ -85,6 +86,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         loop = ServeLoop.create(options, flags, bus, on_trace=stderr_line)
         service.attach(loop, on_line=stderr_line)
+        gc.collect()
+        gc.freeze()
         stop = _stop_on_signals()
         auth = ", bearer token required" if config.api_key else ""
         stderr_line(f"strata serve: listening on {server.url} (model '{config.model_id}', "
