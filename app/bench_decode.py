@@ -141,7 +141,7 @@ def child(config: ChatConfig, prompt: str) -> Sample:
         if done.cancelled or clock.start is None:
             app.exit(None)
             return
-        app.exit(Sample(done.generated, done.decode_ms, clock.ui_cpu_ms, clock.wall_ms))
+        app.exit(Sample(done.generated, done.decode_s * 1e3, clock.ui_cpu_ms, clock.wall_ms))
 
     sample = app.run(headless=True, size=SIZE, auto_pilot=drive)
     if not isinstance(sample, Sample):

@@ -18,6 +18,7 @@ from typing import Protocol
 from textual.app import App
 from textual.message import Message
 
+from app.draft import Draft
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.errors import StrataError
@@ -54,14 +55,6 @@ def coalesce(events: Iterable[Event]) -> tuple[Event, ...]:
             continue
         out.append(e)
     return tuple(out)
-
-
-@dataclass(frozen=True)
-class Draft:
-    """What the prompt input held when a message was sent, to put back on cancel."""
-
-    text: str
-    pastes: tuple[tuple[int, str], ...] = ()
 
 
 class EngineHandle(Protocol):

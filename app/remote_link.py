@@ -19,14 +19,15 @@ from typing import Any
 import httpx
 from textual.app import App
 
-from app.engine_link import Draft, EngineLink
+from app.draft import Draft
+from app.engine_link import EngineLink
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.events import Token
 from engine.sampler import SamplingParams
 from engine.serve import Reply, converse
 from engine.server.codec import event_from_json, flags_from_json, flags_json, options_from_json
-from engine.session import Timing
+from engine.timing import Timing
 
 RETRY_S = 1.0  # between tries while the server loads, or after its event stream ends
 SYNC_TIMEOUT_S = 3.0  # flags and token counts are asked on the UI thread: kept short

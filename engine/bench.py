@@ -1,6 +1,7 @@
 """Benchmarks that print tables (never timed unit tests): `strata bench`.
 
-Every run starts a fresh engine; configurations are interleaved (off, on, off, on, ...) and
+Every run starts a fresh engine and closes it (`Runtime.close`) before the next, so one
+configuration's device memory never stays behind under another's; configurations are interleaved (off, on, off, on, ...) and
 serialized; each cell is the median of the runs with the range beside it. Scenarios follow
 seed 000's tables: the fixed-planner A/B (same plan, loan off and on), the automatic planner,
 and a repeat prefill (a short first message, then a long one with the repeat loan); plus a
@@ -12,6 +13,11 @@ not charged for it; it generates enough tokens for drafted and plain decode step
 window size to compile their kernels (NVRTC, seconds each on a fresh machine). Given the
 machine's host-to-device bandwidth and peak FLOP/s, each row also shows its prefill time over
 the lower bound max(streamed bytes / H2D, FLOPs / peak).
+
+Each run's "GPU peak" is the most device memory the process held from the engine's start to
+its close: on CUDA NVML's count for this process (context, cuBLAS, kernels and CuPy's pool
+included), polled by `PeakSampler`; on the simulated device its own high-water mark. A run whose
+peak passes `--vram-limit` is marked in the table and named in a line under it.
 """
 
 from __future__ import annotations
@@ -22,11 +28,22 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
+from engine.backend import SimBackend
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes, prefill_flops
+from engine.devices import peak_sampler, vram_limit_bytes
 from engine.events import EventBus, PlanChosen, TraceLine
+from engine.memory.sizes import MiB
+from engine.process_memory import DEVICE, PROCESS, MemoryReading, PeakSampler
 from engine.profile_record import calibration_text
 from engine.serve import ServeLoop
+
+SIMULATED = "simulated device"  # the peak's source on the sim backend
+PEAK_HEADERS = {  # the peak column's header by where the peak was read
+    PROCESS: "GPU peak (MiB)",
+    DEVICE: "GPU peak (MiB, device used - baseline)",
+    SIMULATED: "Sim device peak (MiB)",
+}
 
 LOAN_ON = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
                          retain_startup_chunk=True, repeat_loan=True)
@@ -55,6 +72,14 @@ class Sample:
     decode_misses: int = 0  # ... and read from host memory
     spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
     drafted_steps: int = 0
+    peak_mib: float = 0.0  # the process's device memory at its highest (see the module docstring)
+    peak_source: str = ""  # PROCESS or DEVICE (NVML), SIMULATED; "" when unknown
+    limit_mib: float = 0.0  # --vram-limit of the run (0: none)
+
+    @property
+    def over_limit(self) -> bool:
+        """The peak passed the run's --vram-limit."""
+        return 0 < self.limit_mib < self.peak_mib
 
     @property
     def decode_hit_pct(self) -> float:
@@ -112,16 +137,38 @@ PROMPT_LINES = ("prefill phases", "prompt temporaries", "token graph", "speculat
 
 
 def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = None,
-             log: Callable[[str], None] | None = None) -> Sample:
-    """A fresh engine, one measured request (after the warmup message, if any); `log` gets
-    the prompt path's trace lines (its phases with STRATA_TRACE=1, the CUDA temporaries)."""
-    bus = EventBus()
+             log: Callable[[str], None] | None = None, bus: EventBus | None = None) -> Sample:
+    """A fresh engine, one measured request (after the warmup message, if any), the engine
+    closed; `log` gets the prompt path's trace lines (its phases with STRATA_TRACE=1, the CUDA
+    temporaries); `bus` (optional) gets the run's events, down to the closed ledger's last
+    snapshot."""
+    bus = bus or EventBus()
     plans: list[PlanChosen] = []
     bus.subscribe(lambda e: plans.append(e) if isinstance(e, PlanChosen) else None)
     if log is not None:
         bus.subscribe(lambda e: log(e.text)
                       if isinstance(e, TraceLine) and e.text.startswith(PROMPT_LINES) else None)
-    loop = ServeLoop.create(cfg.options, cfg.flags, bus)
+    sampler = peak_sampler(cfg.options.device)
+    if sampler is not None:
+        sampler.start()
+    try:
+        loop = ServeLoop.create(cfg.options, cfg.flags, bus)
+        try:
+            sample = _measure(loop, cfg, n_tokens, max_new, hw, plans)
+            peak = _peak(sampler, loop)
+        finally:
+            loop.close()
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    limit = vram_limit_bytes(cfg.options)
+    return replace(sample, peak_mib=peak.n_bytes / MiB if peak else 0.0,
+                   peak_source=peak.source if peak else "",
+                   limit_mib=limit / MiB if limit else 0.0)
+
+
+def _measure(loop: ServeLoop, cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None,
+             plans: list[PlanChosen]) -> Sample:
     if cfg.warmup_tokens:
         loop.complete(prompt_tokens(loop, cfg.warmup_tokens, salt=99), max_new=2)
     ids = prompt_tokens(loop, n_tokens)
@@ -143,6 +190,18 @@ def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = Non
                   t.decode_hits, t.decode_misses, t.spec_steps, t.drafted_steps)
 
 
+def _peak(sampler: PeakSampler | None, loop: ServeLoop) -> MemoryReading | None:
+    """The run's peak so far: NVML's (the sampler's), the simulated device's own, or None
+    (CUDA without NVML)."""
+    if sampler is not None:
+        sampler.sample()
+        return sampler.peak
+    backend = loop.rt.backend
+    if isinstance(backend, SimBackend):
+        return MemoryReading(backend.peak_bytes, SIMULATED)
+    return None
+
+
 WARMUP_NEW = 24  # tokens the warm-up generates: drafted windows, then the policy's plain probe
 
 
@@ -160,9 +219,13 @@ def run_bench(configs: list[Config], n_tokens: int, max_new: int, runs: int,
     for r in range(runs):
         for cfg, row in zip(configs, rows):
             t0 = time.perf_counter()
-            row.samples.append(run_once(cfg, n_tokens, max_new, hw, progress))
+            s = run_once(cfg, n_tokens, max_new, hw, progress)
+            row.samples.append(s)
             if progress:
-                progress(f"run {r + 1}/{runs} {cfg.label}: {time.perf_counter() - t0:.1f} s")
+                peak = f", peak {s.peak_mib:,.0f} MiB" if s.peak_source else ""
+                over = f" (over --vram-limit {s.limit_mib:,.0f} MiB)" if s.over_limit else ""
+                progress(f"run {r + 1}/{runs} {cfg.label}: {time.perf_counter() - t0:.1f} s"
+                         f"{peak}{over}")
     return rows
 
 
@@ -177,24 +240,41 @@ OPTIONAL_COLUMNS: tuple[tuple[str, str, str, Callable[[Sample], bool]], ...] = (
 
 
 def markdown(rows: list[Row], title: str) -> str:
-    """The table; optional columns where some run has their data: on CUDA the prompt
-    temporaries' peak and spill (MiB), the lower-bound ratio when a `Hardware` was given, the
-    decode steps' expert-cache hit share, and with speculative decoding the share of steps
-    that drafted (the drafting policy runs plain steps when drafts do not pay)."""
-    extra = [c for c in OPTIONAL_COLUMNS if any(c[3](s) for r in rows for s in r.samples)]
+    """The table; optional columns where some run has their data: the process's device peak
+    (NVML on CUDA, the simulated device's own), on CUDA the prompt temporaries' peak and spill
+    (MiB), the lower-bound ratio when a `Hardware` was given, the decode steps' expert-cache
+    hit share, and with speculative decoding the share of steps that drafted (the drafting
+    policy runs plain steps when drafts do not pay). A peak past --vram-limit is marked `*`
+    and each such configuration gets a line under the table."""
+    samples = [s for r in rows for s in r.samples]
+    extra = [c for c in OPTIONAL_COLUMNS if any(c[3](s) for s in samples)]
+    source = next((s.peak_source for s in samples if s.peak_source), "")
+    peak = [PEAK_HEADERS.get(source, f"Peak (MiB, {source})")] if source else []
     lines = [
         f"### {title}", "",
         "| Configuration | Prompt plan | PP (tok/s) | TG (tok/s) | Prefill (s) | Streamed (MiB) |"
-        + "".join(f" {c[0]} |" for c in extra),
-        "|---|---|---:|---:|---:|---:|" + "---:|" * len(extra),
+        + "".join(f" {h} |" for h in peak) + "".join(f" {c[0]} |" for c in extra),
+        "|---|---|---:|---:|---:|---:|" + "---:|" * (len(peak) + len(extra)),
     ]
     for row in rows:
+        over = " *" if any(s.over_limit for s in row.samples) else ""
         lines.append(
             f"| {row.label} | {row.plans()} | {row.cell('pp')} | {row.cell('tg')} | "
             f"{row.cell('prefill_s', '{:.2f}')} | {row.cell('mib_streamed', '{:.0f}')} |"
+            + (f" {row.cell('peak_mib', '{:.0f}')}{over} |" if peak else "")
             + "".join(f" {row.cell(key, fmt)} |" for _, key, fmt, _ in extra)
         )
-    return "\n".join(lines)
+    notes = [over_limit_line(row) for row in rows if any(s.over_limit for s in row.samples)]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def over_limit_line(row: Row) -> str:
+    """The line under the table for a configuration whose peak passed --vram-limit."""
+    over = [s for s in row.samples if s.over_limit]
+    worst = max(over, key=lambda s: s.peak_mib)
+    return (f"Marked *: {row.label}: the GPU peak passed --vram-limit {worst.limit_mib:,.0f} MiB in "
+            f"{len(over)} of {len(row.samples)} runs (highest {worst.peak_mib:,.0f} MiB, "
+            f"{worst.peak_mib - worst.limit_mib:,.0f} MiB over; {worst.peak_source})")
 
 
 def merged(texts: dict[str, str]) -> dict[str, list[Row]]:
@@ -316,5 +396,6 @@ def soak(options: EngineOptions, requests: int, long_tokens: int, short_tokens: 
         rss_max = max(rss_max, _rss_mib())
         if progress and (i + 1) % 20 == 0:
             progress(f"soak {i + 1}/{requests}: rss {_rss_mib():.0f} MiB, {loans[0]} loans")
-    return SoakResult(requests, loans[0] - 1, max_lent, drift, rss0, _rss_mib(), rss_max,
-                      time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    loop.close()
+    return SoakResult(requests, loans[0] - 1, max_lent, drift, rss0, _rss_mib(), rss_max, seconds)

@@ -1,6 +1,6 @@
-"""Device choice and default sizes: which device `auto` means, the simulated device's size
-(capped by `--vram-limit`) and segment, the bytes of a dense weight, and which decode-only
-regions a loan defers."""
+"""Device choice and default sizes: which device `auto` means (and which GPU, for a peak
+sampler), the simulated device's size (capped by `--vram-limit`) and segment, the bytes of a
+dense weight, and which decode-only regions a loan defers."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from engine.config import EngineOptions, LoanFlags
 from engine.errors import FlagError
 from engine.memory.plan_types import ModelCosts
 from engine.memory.sizes import MiB, parse_size
+from engine.process_memory import PeakSampler
 
 
 def default_segment_bytes(capacity_bytes: int) -> int:
@@ -86,6 +87,22 @@ def resolve_device(spec: str) -> str:
     if spec != "auto":
         return spec
     return "cuda" if cuda_available() else "sim"
+
+
+def cuda_index(device: str) -> int | None:
+    """The GPU index `device` names once resolved ("cuda" -> 0, "cuda:1" -> 1, "auto" on a
+    GPU machine -> 0); None for the simulated device (and a spec that names no GPU)."""
+    kind, _, arg = resolve_device(device).strip().partition(":")
+    if kind.lower() != "cuda" or not (arg or "0").isdigit():
+        return None
+    return int(arg or 0)
+
+
+def peak_sampler(device: str) -> PeakSampler | None:
+    """A sampler (not started) of this process's NVML bytes on the GPU `device` names; None
+    on the simulated device or without NVML."""
+    index = cuda_index(device)
+    return None if index is None else PeakSampler.open(index)
 
 
 def weight_bytes(device: str) -> int:

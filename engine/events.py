@@ -9,10 +9,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.memory.ledger import LedgerSnapshot, RegionInfo
+from engine.timing import Timing
 
 __all__ = ["RegionInfo"]
 
@@ -55,12 +56,13 @@ class LedgerChanged(Event):
     regions: tuple[RegionInfo, ...]  # name, used_bytes, n_segments, mapped_bytes
     free_bytes: int
     segment_map: tuple[str, ...]
-    unaccounted_bytes: int | None = None
+    unaccounted_bytes: int | None = None  # outside the ledger (on CUDA: NVML minus the regions)
+    limit_bytes: int | None = None  # what the whole process may hold (None: the capacity)
 
     @classmethod
     def of(cls, s: LedgerSnapshot) -> LedgerChanged:
         return cls(s.capacity_bytes, s.segment_bytes, s.regions, s.free_bytes, s.segment_map,
-                   s.unaccounted_bytes)
+                   s.unaccounted_bytes, s.limit_bytes)
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,9 @@ class PrefillProgress(Event):
 
 @dataclass(frozen=True)
 class LoanStep(Event):
-    """One step of the loan transaction: release, plan, restore, failed, cancelled (the lent
-    range and its refill are `CacheChanged` events and trace lines)."""
+    """One step of a request's memory transaction: the loan's release, plan, restore, failed,
+    cancelled, and the prompt path's lend and refill of cache-tail slots (with or without a
+    loan; the slots' states are `CacheChanged` events)."""
 
     step: str
     detail: str
@@ -122,23 +125,32 @@ class Token(Event):
 
 @dataclass(frozen=True)
 class RequestDone(Event):
-    """A request finished (or was cancelled); the timing line's facts."""
+    """A request finished (or was cancelled): its timing record's figures, in seconds as
+    `Timing` has them (`of` copies every field of the same name)."""
 
-    prompt_tokens: int
-    reused_tokens: int
-    fresh_tokens: int
-    prefill_ms: float
-    generated: int
-    decode_ms: float
-    ttft_ms: float
-    drafts_offered: int
-    drafts_accepted: int
-    bytes_streamed: int
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    fresh_tokens: int = 0
+    prefill_s: float = 0.0
+    generated: int = 0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+    drafts_offered: int = 0
+    drafts_accepted: int = 0
+    bytes_streamed: int = 0
     cancelled: bool = False
     line: str = ""
     spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
     drafted_steps: int = 0
     decoded: bool = True  # a decode step ran (Timing.decoded); else there is no TG to show
+
+    @classmethod
+    def of(cls, timing: Timing, cancelled: bool = False) -> RequestDone:
+        """The event of a request's timing record (and its timing line)."""
+        own = ("cancelled", "line")
+        same = {f.name: getattr(timing, f.name) for f in fields(cls)
+                if f.name not in own and hasattr(timing, f.name)}
+        return cls(**same, cancelled=cancelled, line=timing.line())
 
 
 @dataclass(frozen=True)
@@ -166,6 +178,7 @@ class GpuStats(Event):
 
     snapshot: Any  # engine.telemetry.GpuSnapshot
     ledger_bytes: int  # bytes the ledger's regions hold
+    limit_bytes: int | None = None  # the whole process's budget (--vram-limit)
 
 
 class EventBus:

@@ -12,8 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from engine.build.startup import build_runtime
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.errors import StrataError
@@ -29,12 +28,12 @@ from engine.events import (
     TraceLine,
 )
 from engine.experts.provider import StreamCounters
-from engine.loan import Faults
-from engine.memory.plan_types import PromptGeometry
-from engine.runtime import Checkpoint, Runtime
+from engine.faults import Faults
+from engine.request import Request
+from engine.runtime import Runtime
 from engine.sampler import Sampler, SamplingParams
-from engine.session import Timing
 from engine.stops import StopStrings
+from engine.timing import Timing
 
 
 class Cancelled(StrataError):
@@ -88,7 +87,7 @@ class ServeLoop:
         lines only when STRATA_TRACE=1.
         """
         bus = bus or EventBus()
-        return cls(Runtime.create(options, flags or LoanFlags(), bus, on_trace, faults), bus)
+        return cls(build_runtime(options, flags or LoanFlags(), bus, on_trace, faults), bus)
 
     # -- questions -------------------------------------------------------------------------
     @property
@@ -111,6 +110,10 @@ class ServeLoop:
         return tok.encode(tok.render_chat(conv.as_dicts(), add_generation_prompt=True))
 
     # -- actions ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the engine (`Runtime.close`): every byte it holds on the device goes back."""
+        self.rt.close()
+
     def cancel(self) -> None:
         """Ask the running request to stop; it rolls back at the next chunk or token."""
         self._cancel.set()
@@ -198,7 +201,7 @@ class ServeLoop:
     ) -> Reply:
         """Answer the last message of `conv` (the user's, just added)."""
         if conv.id != self._conv_id:  # another conversation: its KV starts empty
-            self.rt.rollback(Checkpoint(0))
+            self.rt.rollback(0)
             self._conv_id = conv.id
         return self._generate(self.prompt_ids(conv), params, max_new, on_text, stop)
 
@@ -210,25 +213,23 @@ class ServeLoop:
         on_text: Callable[[str], None] | None,
         stop: Sequence[str] = (),
     ) -> Reply:
-        """Prefill and decode; on cancel or failure roll back and publish the outcome.
-
-        The KV keeps the prefix shared with the previous request; rollback truncates to it
-        (the cells after it were overwritten by this request's prompt).
-        """
+        """admit -> plan and prefill (the runtime) -> decode -> done; on cancel or failure
+        roll back to the reused prefix and publish the outcome."""
         rt, tok = self.rt, self.rt.model.tokenizer
-        timing = Timing()
+        req = self._admit(ids)
+        timing = req.timing
         pieces: list[str] = []
         stops = StopStrings(stop)
         finish = "length"
-        reuse = rt.session.reusable(ids)  # what a rollback keeps
         t0 = time.perf_counter()
         try:
-            logits = self._prefill(ids, timing)
+            logits = rt.prefill(req, self)
+            timing.prefill_s = time.perf_counter() - t0
             before = _expert_reads(rt.experts.counters)
             stream = tok.stream()
-            sampler = Sampler(params)
             t1 = time.perf_counter()
-            for token in rt.decode(logits, sampler, max_new, tok.eog_ids, timing, self._cancel):
+            for token in rt.decode(logits, Sampler(params), max_new, tok.eog_ids, timing,
+                                   self._cancel):
                 if timing.generated == 1:
                     timing.ttft_s = time.perf_counter() - t0
                 if token in tok.eog_ids:
@@ -247,13 +248,21 @@ class ServeLoop:
             if self._cancel.is_set():
                 raise Cancelled("cancelled")
         except BaseException as exc:
-            rt.rollback(Checkpoint(reuse))
-            self._done(timing, cancelled=True)
+            rt.rollback(req.reused)
+            self._done(req, cancelled=True)
             if isinstance(exc, Cancelled):
                 return Reply("".join(pieces), timing, cancelled=True)
             raise
-        self._done(timing)
+        self._done(req)
         return Reply("".join(pieces), timing, finish_reason=finish)
+
+    def _admit(self, ids: list[int]) -> Request:
+        """The request record: the reuse rule applied to the KV (and the draft), its counts
+        published."""
+        self._request_id += 1
+        req = Request.start(self._request_id, ids, self.rt.session, self.rt.spec)
+        self.bus.publish(RequestStarted(req.id, len(ids), len(req.fresh)))
+        return req
 
     def _emit(self, text: str, pieces: list[str], on_text: Callable[[str], None] | None) -> None:
         if text:
@@ -262,50 +271,30 @@ class ServeLoop:
             if on_text:
                 on_text(text)
 
-    def _prefill(self, ids: list[int], timing: Timing) -> np.ndarray:
-        rt = self.rt
-        reuse = rt.session.reusable(ids)
-        if rt.spec is not None:  # the draft must continue from the kept tokens too
-            reuse = rt.spec.begin(rt.session, ids, reuse)
-        rt.session.truncate(reuse)
-        fresh = ids[reuse:]
-        timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = len(ids), reuse, len(fresh)
-        self._request_id += 1
-        self.bus.publish(RequestStarted(self._request_id, len(ids), len(fresh)))
-        plan: list[PromptGeometry] = []
+    # -- the request's progress (engine.request.Progress) ----------------------------------
+    def planned(self, req: Request) -> None:
+        """The runtime chose the loan and the prompt geometry."""
+        g = req.geometry
+        assert g is not None
+        loan = req.loan is not None
+        self.bus.publish(PlanChosen(g.chunk_tokens, g.ring_slots, loan, req.n_chunks,
+                                    len(req.fresh), g.reasons))
+        self.rt.report.say(f"strata serve: prompt plan {g.label} (chunk tokens / ring slots), "
+                           f"loan {'on' if loan else 'off'}")
 
-        def on_plan(g: PromptGeometry, loan: bool) -> None:
-            plan.append(g)
-            n_chunks = -(-len(fresh) // g.chunk_tokens)
-            self.bus.publish(PlanChosen(g.chunk_tokens, g.ring_slots, loan, n_chunks,
-                                        len(fresh), g.reasons))
-            line = (f"strata serve: prompt plan {g.label} (chunk tokens / ring slots), "
-                    f"loan {'on' if loan else 'off'}")
-            self.bus.publish(TraceLine(line))
-            rt.emit_trace(line, always=True)
+    def chunk(self, req: Request, index: int, seconds: float) -> None:
+        """Chunk `index` is done: progress, then stop here if the user cancelled."""
+        assert req.geometry is not None
+        done = min(len(req.fresh), (index + 1) * req.geometry.chunk_tokens)
+        self.bus.publish(PrefillProgress(index + 1, req.n_chunks, done, len(req.fresh),
+                                         seconds * 1e3))
+        if self._cancel.is_set():
+            raise Cancelled("cancelled during prefill")
 
-        def on_chunk(c: int, n: int, seconds: float) -> None:
-            done = min(len(fresh), (c + 1) * plan[-1].chunk_tokens)
-            self.bus.publish(PrefillProgress(c + 1, n, done, len(fresh), seconds * 1e3))
-            if self._cancel.is_set():
-                raise Cancelled("cancelled during prefill")
-
-        t0 = time.perf_counter()
-        logits, res = rt.prefill(fresh, on_chunk, on_plan)
-        timing.prefill_s = time.perf_counter() - t0
-        timing.bytes_streamed = res.counters.bytes_streamed
-        return logits
-
-    def _done(self, timing: Timing, cancelled: bool = False) -> None:
-        line = timing.line()
-        self.bus.publish(TraceLine(line))
-        self.bus.publish(RequestDone(
-            timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens,
-            timing.prefill_s * 1e3, timing.generated, timing.decode_s * 1e3, timing.ttft_s * 1e3,
-            timing.drafts_offered, timing.drafts_accepted, timing.bytes_streamed,
-            cancelled=cancelled, line=line, spec_steps=timing.spec_steps,
-            drafted_steps=timing.drafted_steps, decoded=timing.decoded,
-        ))
+    def _done(self, req: Request, cancelled: bool = False) -> None:
+        done = RequestDone.of(req.timing, cancelled=cancelled)
+        self.bus.publish(TraceLine(done.line))
+        self.bus.publish(done)
 
 
 def converse(conv: Conversation, user_text: str, answer: Callable[[], Reply]) -> Reply:

@@ -1,8 +1,7 @@
 """A generation session: one model, one KV cache, the tokens it holds, and the decode loop.
 
-The serve loop (`engine.serve`) adds conversations, events and the VRAM loan on top; this
-module is the plain path `strata run` and `strata logits` use, and the prefill/decode phases
-the loan wraps.
+A request's pipeline (`engine.request`) adds the reuse rule and speculative decoding on top,
+the runtime the VRAM loan and the prompt path; this module is prefill and plain decoding.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,59 +18,8 @@ from engine.kv import KVCache
 from engine.model.loader import Model
 from engine.model.moe import ExpertProvider
 from engine.model.weights import DirectExperts
-from engine.sampler import Sampler, SamplingParams
-
-
-@dataclass
-class Timing:
-    """Per-request figures behind the timing line (DESIGN §8)."""
-
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    fresh_tokens: int = 0
-    prefill_s: float = 0.0
-    generated: int = 0
-    decode_s: float = 0.0
-    ttft_s: float = 0.0
-    drafts_offered: int = 0
-    drafts_accepted: int = 0
-    bytes_streamed: int = 0
-    accepted_hist: dict[int, int] = field(default_factory=dict)
-    decode_hits: int = 0  # routed experts the decode steps found in the expert cache
-    decode_misses: int = 0  # ... and read from host memory (streamed, or decoded on the CPU)
-    spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
-    drafted_steps: int = 0
-
-    @property
-    def pp_tok_s(self) -> float:
-        return self.fresh_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decoded(self) -> bool:
-        """Whether a decode step ran: the first token is sampled from the prompt's logits, so
-        only a second generated token needs one. Without a step there is no TG to report."""
-        return self.generated > 1
-
-    @property
-    def tg_tok_s(self) -> float:
-        """Generated tokens per second of decoding; 0.0 when no decode step ran."""
-        return self.generated / self.decode_s if self.decoded and self.decode_s > 0 else 0.0
-
-    def line(self) -> str:
-        """The per-request line (DESIGN §8); TG is left out when no decode step ran."""
-        generated = (
-            f"{self.generated} generated in {self.decode_s * 1e3:.0f} ms "
-            f"({self.tg_tok_s:.1f} tok/s)" if self.decoded
-            else f"{self.generated} generated (no decode step)"
-        )
-        return (
-            f"strata serve: prompt {self.prompt_tokens} tokens = {self.reused_tokens} reused + "
-            f"{self.fresh_tokens} read in {self.prefill_s * 1e3:.0f} ms "
-            f"({self.pp_tok_s:.1f} tok/s), {generated}, "
-            f"drafts accepted {self.drafts_accepted} of {self.drafts_offered}"
-            + (f" ({self.drafted_steps} of {self.spec_steps} steps drafted)"
-               if self.spec_steps else "")
-        )
+from engine.sampler import Sampler
+from engine.timing import Timing
 
 
 class Session:
@@ -169,33 +116,6 @@ class Session:
                 on_chunk(c, n_chunks, time.perf_counter() - t0)
         assert res is not None
         return self.xp.concatenate(all_logits) if logits == "all" else res.logits
-
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_new: int,
-        params: SamplingParams,
-        chunk_tokens: int = 512,
-        stop_ids: frozenset[int] = frozenset(),
-        timing: Timing | None = None,
-    ) -> Iterator[int]:
-        """Prefill the fresh part of `prompt_ids` (reusing a common prefix), then decode."""
-        timing = timing if timing is not None else Timing()
-        reuse = self.reusable(prompt_ids)
-        self.truncate(reuse)
-        fresh = prompt_ids[reuse:]
-        timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = (
-            len(prompt_ids), reuse, len(fresh),
-        )
-        t0 = time.perf_counter()
-        logits = self.prefill(fresh, chunk_tokens)
-        timing.prefill_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for tok in self.decode(logits, Sampler(params), max_new, stop_ids, timing):
-            if timing.generated == 1:
-                timing.ttft_s = time.perf_counter() - t0
-            yield tok
-        timing.decode_s = time.perf_counter() - t1
 
     def decode(
         self,

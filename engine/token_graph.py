@@ -24,11 +24,13 @@ the KV cache or the expert-cache region).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from engine.backend.base import Backend
 from engine.errors import TokenGraphError
 from engine.experts.cache import ExpertCache
 from engine.experts.provider import CachedExperts
@@ -298,3 +300,22 @@ def _end_quietly(stream: Any) -> None:
         stream.end_capture()
     except Exception:  # noqa: BLE001, S110 - invalidated capture
         pass
+
+
+def attach_token_graph(tr: Transformer, kv: KVCache, experts: CachedExperts,
+                       cache: ExpertCache | None, backend: Backend,
+                       warn: Callable[[str], None]) -> None:
+    """On CUDA (unless --no-token-graph) decode steps replay captured CUDA graphs
+    where that cannot work here, a warning says why and steps run eagerly."""
+    tr.on_warning = warn
+    try:
+        tr.token_graph = TokenGraph(tr, kv, experts, cache, backend)
+    except TokenGraphError as e:
+        warn(f"strata: warning: {e}; decode steps run eagerly")
+
+
+def detach_token_graph(tr: Transformer) -> None:
+    """Drop the captured decode steps; steps run eagerly until `attach_token_graph`."""
+    if tr.token_graph is not None:
+        tr.token_graph.release()
+        tr.token_graph = None

@@ -18,6 +18,14 @@
 #   prof      cProfile of `strata run` on the 48-layer model     -> $OUT/prof.txt
 #   pprof     cProfile of `strata run` with a 31,258-token prompt (loan on), 8 new tokens:
 #             the host's share of the prefill               -> $OUT/pprof.txt
+#   vtests    the whole-process --vram-limit tests with the backend/engine ones -> $OUT/vram-tests.txt
+#   vram      --vram-limit 8GiB on the 48-layer model (after m48): strata run on 31,258 tokens with
+#             the loan (its budget line, STRATA_TRACE memory lines, the NVML peak), then the
+#             automatic planner's table with its GPU peak column     -> $OUT/vram.md
+#   cmp31     the engine before a change (BASE=dir holding its engine/ and app/, e.g. a
+#             `git archive` carried under out/) against this tree: A/B at 31,258 tokens, 48
+#             layers, 8 GiB, one process per side and round, sides interleaved (ROUNDS, default
+#             2); each side's runs pooled with bench --merge     -> $OUT/cmp31.md
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
 #             ONLY=auto or ONLY=ab runs one of the two tables (a call is at most 10 minutes)
@@ -36,6 +44,37 @@ for stage in "$@"; do
     tests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short ${TESTS:-tests/test_gpu_*.py \
              tests/test_telemetry.py} 2>&1 | tail -80 | tee "$OUT/gpu-tests.txt" || true ;;
     kbench) python3 -m engine.kernels.bench --out "$OUT" ;;
+    vtests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_gpu_vram_limit.py \
+              tests/test_gpu_backend.py tests/test_gpu_engine.py tests/test_telemetry.py 2>&1 \
+              | tail -60 | tee "$OUT/vram-tests.txt" || true ;;
+    vram) python3 -c "import random; r=random.Random(31); \
+print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
+          STRATA_PREFILL_ELASTIC_LOAN=1 STRATA_PREFILL_MTP_LOAN=1 STRATA_PREFILL_HEAD_LOAN=1 \
+          STRATA_TRACE=1 strata run --serve --vram-elastic --model models/q48.gguf --device cuda \
+            --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --ctx 31900 --tokens-file /tmp/p31k.txt \
+            --max-new 128 2>&1 | grep -E "vram|memory|GPU peak|strata serve|strata loan|warning" \
+            | cut -c1-300 \
+            | tee "$OUT/vram.md"
+          strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB --mtp --spec 2 \
+            --kv q4_0 --scenario auto --runs 1 --prompt-tokens 31258 --max-new 128 \
+            --ctx 31900 2>&1 | tee -a "$OUT/vram.md" ;;
+    cmp31) python3 -c "import random; r=random.Random(31); \
+print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
+          root=$PWD
+          for r in $(seq "${ROUNDS:-2}"); do
+            for side in base new; do
+              dir=$([ "$side" = base ] && echo "${BASE:?BASE=dir of the engine before}" || echo .)
+              (cd "$dir" && PYTHONPATH=/tmp/site:$PWD STRATA_CACHE_DIR=/tmp/sc-$side STRATA_TRACE=1 \
+                python3 -m engine.cli bench --model "$root/models/q48.gguf" --device cuda \
+                --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --scenario ab --prefill 4096 --runs 1 \
+                --prompt-tokens 31258 --max-new 64 --ctx 31400 \
+                --json "$root/$OUT/cmp-$side-$r.json") 2>&1 | grep -E "strata loan: restored|^\|" \
+                | sed "s/^/$side $r: /" | tee -a "$OUT/cmp31.md"
+            done
+          done
+          for side in base new; do
+            echo "== $side, pooled"; strata bench --merge "$OUT"/cmp-$side-*.json
+          done 2>&1 | tee -a "$OUT/cmp31.md" ;;
     katt) python3 -m engine.kernels.bench --only attention 2>&1 | tee "$OUT/katt.md" ;;
     kmoe) python3 -m engine.kernels.bench --only moe 2>&1 | tee "$OUT/kmoe.md" ;;
     m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;

@@ -56,12 +56,15 @@ def running(model: str, options: dict | None = None, flags: LoanFlags = FLAGS,
     bus = EventBus()
     service = Service(ServerConfig(model_id="demo", port=0, **config), bus)  # type: ignore[arg-type]
     server = ServerThread(service, "127.0.0.1", 0).start()
+    loop = None
     try:
         loop = ServeLoop.create(EngineOptions(model=model, **(options or LOAN)), flags, bus)
         service.attach(loop)
         yield Running(server.url, service, loop, bus, server)
     finally:
         server.stop()
+        if loop is not None:
+            loop.close()
 
 
 def fresh_answer(model: str, prompt: str, max_new: int, options: dict | None = None,

@@ -81,7 +81,7 @@ def plain(renderable: object, width: int) -> str:
     return console.export_text().rstrip("\n")
 
 
-def ledger(unaccounted: int | None = None) -> LedgerChanged:
+def ledger(unaccounted: int | None = None, limit: int | None = None) -> LedgerChanged:
     regions = (
         RegionInfo("weights.dense", 5 * MIB, 3, 6 * MIB),
         RegionInfo("kv", 8 * MIB, 4, 8 * MIB),
@@ -94,6 +94,7 @@ def ledger(unaccounted: int | None = None) -> LedgerChanged:
         free_bytes=10 * MIB,
         segment_map=("weights.dense",) * 3 + ("kv",) * 4 + ("experts.cache",) * 20 + ("",) * 5,
         unaccounted_bytes=unaccounted,
+        limit_bytes=limit,
     )
 
 
@@ -117,8 +118,25 @@ def test_vram_bar_draws_every_region_and_free() -> None:
     assert bar.border_title == f"VRAM · {fmt_bytes(54 * MIB)} / {fmt_bytes(64 * MIB)}"
 
 
-def test_vram_bar_shows_unaccounted_bytes_on_cuda() -> None:
-    assert f"unaccounted {fmt_bytes(3 * MIB)}" in feed(VramBar(), ledger(unaccounted=3 * MIB))
+def test_vram_bar_totals_the_limit_and_draws_what_lies_outside_the_ledger() -> None:
+    """On CUDA the bar's total is --vram-limit; NVML's bytes outside the ledger (context,
+    cuBLAS, kernels, CuPy's pool) are their own labelled part, and free is what is left."""
+    bar = VramBar()
+    text = feed(bar, ledger(unaccounted=12 * MIB, limit=80 * MIB))
+    assert f"outside the ledger {fmt_bytes(12 * MIB)}" in text and "unaccounted" not in text
+    assert f"free {fmt_bytes(14 * MIB)}" in text  # 80 - 54 mapped - 12 outside
+    assert bar.border_title == f"VRAM · {fmt_bytes(66 * MIB)} / {fmt_bytes(80 * MIB)}"
+    assert text.splitlines()[0] == BLOCK * 58  # the whole width is the limit
+    parts = {name: drawn for name, _, drawn in bar.parts()}
+    assert parts["unaccounted"] == 12 * MIB and sum(parts.values()) == 80 * MIB
+
+
+def test_vram_bar_says_by_how_much_the_process_passes_its_limit() -> None:
+    bar = VramBar()
+    text = feed(bar, ledger(unaccounted=20 * MIB, limit=64 * MIB))
+    assert "free" not in text
+    assert bar.border_title == (f"VRAM · {fmt_bytes(74 * MIB)} / {fmt_bytes(64 * MIB)} · "
+                                f"{fmt_bytes(10 * MIB)} over the limit")
 
 
 def test_segment_map_one_cell_per_segment() -> None:
@@ -146,14 +164,16 @@ def test_loan_timeline_orders_phases_with_their_durations() -> None:
         LoanStep("release", "verifier, head", n_bytes=12 * MIB, ms=4.0, t=t0),
         LoanStep("plan", "512 / 16", ms=0.5, t=t0 + 0.01),
         PlanChosen(512, 16, True, 3, 1400, t=t0 + 0.02),
+        LoanStep("lend", "lent 16 slots", n_bytes=32 * MIB, ms=0.2, t=t0 + 0.03),
         PrefillProgress(1, 3, 512, 1400, 80.0, t=t0 + 0.1),
         LoanStep("refill", "16 slots", n_bytes=32 * MIB, ms=9.0, t=t0 + 0.4),
         LoanStep("restore", "verifier, head", ms=3.0, t=t0 + 0.41),
-        RequestDone(1400, 0, 1400, 250.0, 4, 20.0, 255.0, 0, 0, 0, t=t0 + 0.5),
+        RequestDone(1400, 0, 1400, 0.25, 4, 0.02, 0.255, 0, 0, 0, t=t0 + 0.5),
     )
     text = feed(widget, *events, size=(100, 20))
     steps = [line.split()[0] for line in text.splitlines()]
-    assert steps == ["release", "plan", "prefill", "refill", "restore"]
+    # the lend arrives after the prefill row opens; it is drawn before it
+    assert steps == ["release", "plan", "lend", "prefill", "refill", "restore"]
     assert "250 ms" in text and "9.0 ms" in text and fmt_bytes(12 * MIB) in text
     assert widget.border_title == "Loan timeline · loan on"
     # the next request starts a new timeline
@@ -188,20 +208,20 @@ def test_chunk_plan_shows_the_plan_and_moves_the_bar() -> None:
 
 
 def test_timing_panel_rates() -> None:
-    done = RequestDone(2000, 500, 1500, 1000.0, 40, 2000.0, 1100.0, 30, 21, 5 * MIB)
+    done = RequestDone(2000, 500, 1500, 1.0, 40, 2.0, 1.1, 30, 21, 5 * MIB)
     text = feed(TimingPanel(), done, size=(100, 20))
     assert "1,500.0 tok/s" in text and "20.0 tok/s" in text  # PP and TG
     assert "21 of 30 (70%)" in text and fmt_bytes(5 * MIB) in text
     assert "2,000 = 500 reused + 1,500" in text
     assert "steps" not in text  # plain decoding: no drafting policy to report
-    spec = RequestDone(2000, 500, 1500, 1000.0, 40, 2000.0, 1100.0, 30, 0, 5 * MIB,
+    spec = RequestDone(2000, 500, 1500, 1.0, 40, 2.0, 1.1, 30, 0, 5 * MIB,
                        spec_steps=40, drafted_steps=10)
     shown = feed(TimingPanel(), spec, size=(100, 20))
     assert "0 of 30 (0%)" in shown and "10/40 steps" in shown
 
 
 def test_timing_panel_gives_each_fact_one_line_in_the_dashboard_at_120_columns() -> None:
-    done = RequestDone(7099, 0, 7099, 2345.0, 64, 410.0, 2400.0, 30, 21, 523 * MIB,
+    done = RequestDone(7099, 0, 7099, 2.345, 64, 0.41, 2.4, 30, 21, 523 * MIB,
                        spec_steps=40, drafted_steps=10)
     lines = feed(TimingPanel(), done, size=(47, 20)).splitlines()  # the pane at 120 columns
     labels = [line.split()[0] for line in lines]
@@ -310,9 +330,10 @@ def test_gpu_panel_appears_with_nvml_readings() -> None:
     )
     panel = GpuPanel()
     assert not panel.has_class("-live")
-    text = feed(panel, GpuStats(snap, 4 * 1024 * MIB), size=(80, 20))
+    text = feed(panel, GpuStats(snap, 4 * 1024 * MIB, 8 * 1024 * MIB), size=(80, 20))
     assert panel.has_class("-live")
-    assert fmt_bytes(1024 * MIB) in text  # unaccounted = process - ledger
+    assert f"outside ledger  {fmt_bytes(1024 * MIB)}" in text  # process - ledger
+    assert f"{fmt_bytes(5 * 1024 * MIB)} of {fmt_bytes(8 * 1024 * MIB)}" in text  # of the limit
     assert "gen 5 x16" in text and "87%" in text and "412 W" in text
 
 

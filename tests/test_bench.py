@@ -94,3 +94,39 @@ def test_merge_pools_the_runs_of_several_json_files(
     code, _, err = run(capsys, "bench", "--merge", str(a), str(tmp_path / "bad.json"))
     assert code == 2 and "bad.json: not a sample file written by `strata bench --json`" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_peak_column_names_its_source_and_marks_a_run_past_the_limit() -> None:
+    from engine.bench import SIMULATED
+    from engine.process_memory import DEVICE, PROCESS
+
+    def run(peak: float, source: str = PROCESS, limit: float = 8192.0) -> Sample:
+        return Sample("512 / 8", 100.0, 10.0, 1.0, 5.0, True, peak_mib=peak, peak_source=source,
+                      limit_mib=limit)
+
+    inside = Row("off", [run(7900.0), run(8000.0)])
+    past = Row("on", [run(8100.0), run(8777.0), run(8345.0)])
+    table = markdown([inside, past], "t")
+    assert "| Streamed (MiB) | GPU peak (MiB) |" in table
+    assert "| 7950 (7900-8000) |" in table and "| 8345 (8100-8777) * |" in table
+    assert table.splitlines()[-1] == (
+        "Marked *: on: the GPU peak passed --vram-limit 8,192 MiB in 2 of 3 runs (highest "
+        "8,777 MiB, 585 MiB over; NVML, this process)")
+    assert "Marked" not in markdown([inside], "t") and " * |" not in markdown([inside], "t")
+    sim = markdown([Row("off", [run(40.0, SIMULATED, 0.0)])], "t")
+    assert "| Sim device peak (MiB) |" in sim and "| 40 |" in sim and "Marked" not in sim
+    assert "| GPU peak (MiB, device used - baseline) |" in markdown([Row("x", [run(1.0, DEVICE)])], "t")
+    assert "peak (MiB)" not in markdown([Row("x", [Sample("1 / 1", 1.0, 1.0, 1.0, 1.0, False)])], "t")
+
+
+def test_strata_run_says_the_peak_against_the_limit() -> None:
+    from engine.cli.run import peak_line
+    from engine.memory.sizes import GiB, MiB
+    from engine.process_memory import PROCESS, MemoryReading
+
+    assert peak_line(MemoryReading(7912 * MiB, PROCESS), 8 * GiB) == (
+        "strata run: GPU peak 7,912 MiB (NVML, this process) of --vram-limit 8,192 MiB")
+    assert peak_line(MemoryReading(8345 * MiB, PROCESS), 8 * GiB) == (
+        "strata run: GPU peak 8,345 MiB (NVML, this process), 153 MiB over --vram-limit 8,192 MiB")
+    assert peak_line(MemoryReading(600 * MiB, PROCESS), None) == (
+        "strata run: GPU peak 600 MiB (NVML, this process)")

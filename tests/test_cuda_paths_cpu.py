@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from engine_helpers import prefill_request
 
 from engine.backend import SimBackend
 from engine.config import EngineOptions
@@ -207,7 +208,7 @@ def test_trace_prints_the_prefill_phases(tiny_path, monkeypatch) -> None:  # typ
     lines: list[str] = []
     loop = ServeLoop.create(EngineOptions(model=str(tiny_path), ctx=1024, prefill=128),
                             on_trace=lines.append)
-    loop.rt.prefill(list(range(5, 400)))
+    prefill_request(loop.rt, list(range(5, 400)))
     phase = [ln for ln in lines if ln.startswith("prefill phases:")]
     assert len(phase) == 1 and "attention" in phase[0] and "moe" in phase[0]
     assert loop.rt.model.transformer.phase_clock is None  # only while a prompt runs

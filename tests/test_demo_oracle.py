@@ -25,6 +25,7 @@ import pytest
 from engine.conversation import Conversation
 from engine.gguf.strip_mtp import strip_mtp
 from engine.model.loader import load_model
+from engine.request import generate
 from engine.sampler import SamplingParams
 from engine.session import Session
 
@@ -52,7 +53,7 @@ def _ours(demo_path: Path, prompt: str) -> tuple[list[int], list[int], np.ndarra
     conv.add("user", prompt)
     ids = tok.encode(tok.render_chat(conv.as_dicts(), add_generation_prompt=True))
     session = Session(model, n_ctx=256)
-    reply = list(session.generate(ids, N_REPLY, SamplingParams(), stop_ids=tok.eog_ids))
+    reply = list(generate(session, ids, N_REPLY, SamplingParams(), stop_ids=tok.eog_ids))
     full = Session(model, n_ctx=256).forward(ids + reply, logits="all")
     return ids, reply, np.asarray(full.logits), np.asarray(full.margins)
 

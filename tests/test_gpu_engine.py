@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_helpers import host, prefill_request
 
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
@@ -37,14 +38,14 @@ def mid_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def first_logits(loop: ServeLoop, ids: list[int]) -> np.ndarray:
-    logits, _ = loop.rt.prefill(list(ids))
-    return loop.rt.to_host(logits)[-1]
+    logits, _ = prefill_request(loop.rt, ids)
+    return host(logits)[-1]
 
 
 def test_cuda_matches_the_simulated_device(demo_path: Path) -> None:
     sim = ServeLoop.create(EngineOptions(model=str(demo_path), device="sim", ctx=2048))
     gpu = ServeLoop.create(EngineOptions(model=str(demo_path), device="cuda", ctx=2048,
-                                         vram_limit="1GiB", vram_segment_mib=2))
+                                         vram_limit="2GiB", vram_segment_mib=2))
     ids = sim.rt.model.tokenizer.encode("the river runs through the old city " * 40)
     a, b = first_logits(sim, ids), first_logits(gpu, ids)
     rel = float(np.abs(a - b).max() / np.abs(a).max())
@@ -97,7 +98,7 @@ def test_prompt_temporaries_live_in_the_chunk_buffer(mid_path: Path) -> None:
     data = loop.rt.model.mf.data
     assert loop.rt.backend._is_pinned(data.ctypes.data, data.nbytes)
     ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 300)[:3000]
-    logits, _ = loop.rt.prefill(list(ids))
+    logits, _ = prefill_request(loop.rt, ids)
     stats = loop.rt.model.transformer.arena_stats
     assert stats is not None and stats.spilled_bytes == 0, stats
     assert 0 < stats.peak_bytes <= stats.n_bytes
@@ -105,6 +106,6 @@ def test_prompt_temporaries_live_in_the_chunk_buffer(mid_path: Path) -> None:
     assert loop.rt.cache.n_lent == 0
     ref = ServeLoop.create(EngineOptions(model=str(mid_path), device="cuda", ctx=4096,
                                          vram_limit="4GiB", vram_segment_mib=64, prefill=256))
-    b, _ = ref.rt.prefill(list(ids))
-    a, b = loop.rt.to_host(logits)[-1], ref.rt.to_host(b)[-1]
+    b, _ = prefill_request(ref.rt, ids)
+    a, b = host(logits)[-1], host(b)[-1]
     assert float(np.abs(a - b).max() / np.abs(b).max()) < 0.03

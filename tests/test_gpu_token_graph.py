@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_helpers import host, prefill_request
 
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
@@ -54,13 +55,13 @@ def test_attention_and_kv_write_match_the_eager_path(cp, kind: str) -> None:  # 
 def _decode(loop: ServeLoop, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
     """Greedy steps after prefilling `ids`: the tokens and every step's logits [n, V]."""
     rt = loop.rt
-    logits, _ = rt.prefill(list(ids))
+    logits, _ = prefill_request(rt, ids)
     rows, toks = [], []
-    row = rt.to_host(logits)[-1]
+    row = host(logits)[-1]
     for _ in range(n):
         tok = int(np.argmax(row))
         toks.append(tok)
-        row = rt.to_host(rt.session.forward([tok]).logits)[-1]
+        row = host(rt.session.forward([tok]).logits)[-1]
         rows.append(row)
     return toks, np.stack(rows)
 

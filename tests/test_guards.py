@@ -11,7 +11,7 @@ from engine.cli import main
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import segment_bytes
 from engine.errors import FlagError
-from engine.guards import validate
+from engine.loan.guards import validate
 from engine.memory.sizes import GiB, MiB
 
 GOOD = EngineOptions(serve=True, vram_elastic=True, mtp=True, spec=4)
@@ -89,18 +89,18 @@ def test_cli_refuses_before_deferring(tmp_path: Path, tiny_path: Path,
                                       monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI exits with 2, lists every violation on one line, and builds no engine."""
-    from engine import runtime
+    from engine.build import startup
 
     monkeypatch.setenv("STRATA_PREFILL_ELASTIC_LOAN", "1")
     monkeypatch.setenv("STRATA_PREFILL_HEAD_LOAN", "1")
     built = []
-    real_build = runtime.Runtime._build
+    real_ledger = startup.Ledger
 
-    def spy(self, on_trace):  # type: ignore[no-untyped-def]
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         built.append(1)
-        return real_build(self, on_trace)
+        return real_ledger(*args, **kwargs)
 
-    monkeypatch.setattr(runtime.Runtime, "_build", spy)
+    monkeypatch.setattr(startup, "Ledger", spy)
     rc = main(["run", "--model", str(tiny_path), "--prompt", "hi", "--batch-slots", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and not built

@@ -12,7 +12,7 @@ from engine.bench import LOAN_ON, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.events import EventBus, LoanStep, PrefillProgress
-from engine.loan import Faults, InjectedFault
+from engine.faults import Faults, InjectedFault
 from engine.serve import ServeLoop
 
 OPTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 4, "prefill": "auto", "ctx": 4096}
@@ -76,6 +76,11 @@ def test_loan_on_and_off_give_the_same_tokens(demo_path: Path, texts: list[str])
     assert len(restores) == 2  # the startup loan and the repeat loan; the 40-token one had none
     plans = [s.detail for s in steps if s.step == "plan"]
     assert "startup loan" in plans[0] and "retained startup geometry" in plans[1]
+    # every request lends cache-tail slots and refills them, loan or not, in that order
+    borrow = [s.step for s in steps if s.step in ("lend", "refill")]
+    assert borrow == ["lend", "refill"] * len(texts)
+    lends = [s for s in steps if s.step == "lend"]
+    assert all("lent" in s.detail and s.n_bytes > 0 for s in lends)
 
 
 def test_loan_chunk_is_larger(demo_path: Path) -> None:

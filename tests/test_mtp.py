@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.draft_head import DraftHead, select_draft_ids
 from engine.errors import FlagError, ModelError
 from engine.gguf import names
 from engine.gguf.tokenizer import TokenType
@@ -18,11 +17,15 @@ from engine.model.mtp import MTPBlock, MTPExperts
 from engine.model.ops import rms_norm
 from engine.model.weights import DirectExperts
 from engine.quant import dequantize
+from engine.request import generate
 from engine.sampler import SamplingParams
-from engine.session import Session, Timing
-from engine.spec import MTPDraft, SpecDecoder
+from engine.session import Session
+from engine.spec.decoder import SpecDecoder
+from engine.spec.draft import MTPDraft
+from engine.spec.draft_head import DraftHead, select_draft_ids
+from engine.spec.verifier import Verifier
 from engine.synth.fit_mtp import fit_mtp
-from engine.verifier import Verifier
+from engine.timing import Timing
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,7 @@ def test_block_forward_matches_a_hand_computed_first_cell(model: Model) -> None:
     """At position 0 attention sees one key, so the block reduces to closed form; the
     projection input is [enorm(embedding), hnorm(hidden)] in that order."""
     hp = model.hp
-    block = MTPBlock(model)
+    block = MTPBlock(model, DraftHead.from_model(model))
     rng = np.random.default_rng(0)
     h_prev = rng.standard_normal((1, hp.n_embd)).astype(np.float32) * 3
     tok = np.array([321])
@@ -64,7 +67,7 @@ def test_block_forward_matches_a_hand_computed_first_cell(model: Model) -> None:
 
 def test_model_without_nextn_is_a_one_line_error(tiny_nomtp_path: Path) -> None:
     m = load_model(tiny_nomtp_path)
-    for build in (lambda: MTPBlock(m), lambda: SpecDecoder.with_mtp(m, 3)):
+    for build in (lambda: MTPBlock(m, DraftHead.from_model(m)), lambda: SpecDecoder.with_mtp(m, 3)):
         with pytest.raises(ModelError, match=r"model has no MTP \(nextn\) layer; drop --mtp") as e:
             build()
         assert "\n" not in str(e.value) and tiny_nomtp_path.name in str(e.value)
@@ -161,7 +164,7 @@ def test_mtp_kv_matches_a_clean_catch_up(model: Model) -> None:
     assert isinstance(draft, MTPDraft)
     ids = np.random.default_rng(3).integers(0, 1000, 21).tolist()
     s = Session(model, 256)
-    out = list(dec.generate(s, ids, 30, SamplingParams(), 5))
+    out = list(generate(s, ids, 30, SamplingParams(), 5, spec=dec))
     assert draft.kv is not None and draft.n_cells == len(s.tokens) == draft.kv.n_tokens
     assert draft.seq == [*s.tokens, out[-1]]
 
@@ -200,9 +203,9 @@ def test_fit_makes_the_mtp_block_predictive(tiny_path: Path, tmp_path: Path) -> 
         dec = SpecDecoder.with_mtp(m, 2)
         for seed in range(3):
             ids = np.random.default_rng(seed).integers(0, 1000, 16).tolist()
-            want = list(Session(src, 256).generate(ids, 40, SamplingParams()))
+            want = list(generate(Session(src, 256), ids, 40, SamplingParams()))
             assert (
-                list(dec.generate(Session(m, 256), ids, 40, SamplingParams(), timing=timing))
+                list(generate(Session(m, 256), ids, 40, SamplingParams(), timing=timing, spec=dec))
                 == want
             )
         rates[label] = timing.drafts_accepted / timing.drafts_offered

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_helpers import prefill_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineOptions
 from engine.conversation import Conversation
 from engine.events import EventBus, PlanChosen
-from engine.loan import Faults
+from engine.faults import Faults
 from engine.profile_record import calibration_text
 from engine.serve import ServeLoop
 
@@ -36,10 +37,10 @@ def test_geometries_agree(demo_path: Path, prompt_ids: list[int]) -> None:
     for prefill in (256, 1024, "auto"):
         # 64 of 128 experts cached; the device has room for a 1,024-token chunk
         loop = loop_for(demo_path, prefill=prefill, device="sim:64MiB", expert_cache=64)
-        logits, res = loop.rt.prefill(list(prompt_ids))
+        logits, req = prefill_request(loop.rt, prompt_ids)
         loop.rt.session.truncate(0)
         reply = loop.complete(list(prompt_ids), max_new=12)
-        outs[prefill] = (np.asarray(logits), reply.text, res.n_chunks)
+        outs[prefill] = (np.asarray(logits), reply.text, req.n_chunks)
         loop.rt.check_integrity()
     ref_logits, ref_text, _ = outs[256]
     assert outs[256][2] == 6 and outs[1024][2] == 2  # 1,500 tokens in 6 and 2 chunks
@@ -54,8 +55,8 @@ def test_streaming_counts(demo_path: Path, prompt_ids: list[int]) -> None:
     streamed = {}
     for prefill in (256, 1024):
         loop = loop_for(demo_path, prefill=prefill, device="sim:64MiB", expert_cache=64)
-        _, res = loop.rt.prefill(list(prompt_ids))
-        c = res.counters
+        prefill_request(loop.rt, prompt_ids)
+        c = loop.rt.experts.counters
         assert c.streamed > 0 and c.hits > 0
         assert c.bytes_streamed == c.streamed * loop.rt.model.experts.blob_bytes
         streamed[prefill] = c.bytes_streamed

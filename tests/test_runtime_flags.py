@@ -11,7 +11,7 @@ from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.devices import deferred_regions
 from engine.events import EventBus, FlagsRefused, LoanStep, PlanChosen
-from engine.loan import Faults, InjectedFault
+from engine.faults import Faults, InjectedFault
 from engine.serve import ServeLoop
 
 

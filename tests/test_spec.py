@@ -8,20 +8,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from drafts import AdversarialDraft, TargetDraft
 
 from engine.cli.bench_spec import bench, format_table, parse_specs
 from engine.errors import FlagError
 from engine.model.loader import Model, load_model
+from engine.request import generate
 from engine.sampler import Sampler, SamplingParams
-from engine.session import Session, Timing
-from engine.spec import (
-    AdversarialDraft,
-    SpecDecoder,
-    TargetDraft,
-    rejection_step,
-    speculative_accept,
-)
-from engine.verifier import Verifier
+from engine.session import Session
+from engine.spec.decoder import SpecDecoder, rejection_step, speculative_accept
+from engine.spec.verifier import Verifier
+from engine.timing import Timing
 
 GREEDY = SamplingParams()
 # prompt lengths: a single token, shorter than a chunk, several chunks, and a longer one
@@ -43,19 +40,20 @@ def plain(
     model: Model, ids: list[int], max_new: int, chunk: int, **kw
 ) -> tuple[list[int], Session]:  # type: ignore[no-untyped-def]
     s = Session(model, n_ctx=kw.pop("n_ctx", 512))
-    return list(s.generate(ids, max_new, kw.pop("params", GREEDY), chunk, **kw)), s
+    return list(generate(s, ids, max_new, kw.pop("params", GREEDY), chunk, **kw)), s
 
 
 def spec_run(dec: SpecDecoder, model: Model, ids: list[int], max_new: int, chunk: int, **kw):  # type: ignore[no-untyped-def]
     s = Session(model, n_ctx=kw.pop("n_ctx", 512))
     timing = Timing()
-    out = list(dec.generate(s, ids, max_new, kw.pop("params", GREEDY), chunk, timing=timing, **kw))
+    out = list(generate(s, ids, max_new, kw.pop("params", GREEDY), chunk, timing=timing, **kw, spec=dec))
     return out, s, timing
 
 
 @pytest.mark.parametrize("n_window", range(2, 9))
 def test_greedy_mtp_spec_equals_plain_decoding(model: Model, n_window: int) -> None:
     dec = SpecDecoder.with_mtp(model, n_window)
+    dec.always = True  # every step drafts (the policy would stop where drafts do not pay)
     for i, n in enumerate(PROMPT_LENGTHS):
         ids = prompt(n, seed=n_window * 10 + i)
         chunk = 7 if i % 2 else 512  # chunked prefill on every other prompt
@@ -126,8 +124,8 @@ def test_multi_turn_reuses_the_prefix_like_plain_decoding(model: Model) -> None:
     ids = prompt(20, seed=5)
     for turn in range(3):
         t_spec, t_plain = Timing(), Timing()
-        a = list(dec.generate(s_spec, ids, 15, GREEDY, 8, timing=t_spec))
-        b = list(s_plain.generate(ids, 15, GREEDY, 8, timing=t_plain))
+        a = list(generate(s_spec, ids, 15, GREEDY, 8, timing=t_spec, spec=dec))
+        b = list(generate(s_plain, ids, 15, GREEDY, 8, timing=t_plain))
         assert a == b and s_spec.tokens == s_plain.tokens
         if turn:  # at most one token less reused: the MTP cell of the last KV token
             assert t_plain.reused_tokens - 1 <= t_spec.reused_tokens <= t_plain.reused_tokens
@@ -147,8 +145,8 @@ def test_a_one_token_turn_keeps_the_prefix_for_the_next(model: Model, end: str) 
         first = plain(model, ids, 1, 8)[0]
         max_new, stops = (1, frozenset()) if end == "max_new" else (5, frozenset(first))
         t_spec, t_plain = Timing(), Timing()
-        a = list(dec.generate(s_spec, ids, max_new, GREEDY, 8, stop_ids=stops, timing=t_spec))
-        b = list(s_plain.generate(ids, max_new, GREEDY, 8, stop_ids=stops, timing=t_plain))
+        a = list(generate(s_spec, ids, max_new, GREEDY, 8, stop_ids=stops, timing=t_spec, spec=dec))
+        b = list(generate(s_plain, ids, max_new, GREEDY, 8, stop_ids=stops, timing=t_plain))
         assert a == b == first and s_spec.tokens == s_plain.tokens == ids
         if turn:  # a chat's next prompt holds the answer: nothing more to recompute
             assert t_spec.reused_tokens == t_plain.reused_tokens > 0, (turn, t_spec.line())
@@ -160,7 +158,7 @@ def test_a_one_token_turn_keeps_the_prefix_for_the_next(model: Model, end: str) 
     held = list(s_spec.tokens)
     other = [t for t in prompt(7, seed=99) if t != first[0]][:6]
     t = Timing()
-    list(dec.generate(s_spec, held + other, 1, GREEDY, 8, timing=t))
+    list(generate(s_spec, held + other, 1, GREEDY, 8, timing=t, spec=dec))
     assert t.reused_tokens == len(held) - 1
 
 

@@ -17,7 +17,7 @@ from engine.config import EngineOptions, LoanFlags
 from engine.events import RequestDone
 from engine.sampler import SamplingParams
 from engine.serve import ServeLoop
-from engine.session import Timing
+from engine.timing import Timing
 
 
 def test_the_timing_line_omits_tg_without_a_decode_step() -> None:
@@ -73,10 +73,10 @@ def panel_text(done: RequestDone) -> str:
 
 
 def test_the_timing_panel_shows_no_tg_without_a_decode_step() -> None:
-    one = RequestDone(16, 0, 16, 10.0, 1, 0.24, 10.3, 0, 0, 0, decoded=False)
+    one = RequestDone(16, 0, 16, 0.01, 1, 0.00024, 0.0103, 0, 0, 0, decoded=False)
     text = panel_text(one)
     assert "1,600.0 tok/s" in text and text.count("tok/s") == 1, text  # PP only
-    two = RequestDone(16, 0, 16, 10.0, 2, 20.0, 10.3, 0, 0, 0)
+    two = RequestDone(16, 0, 16, 0.01, 2, 0.02, 0.0103, 0, 0, 0)
     assert "100.0 tok/s" in panel_text(two)
 
 

@@ -142,6 +142,7 @@ def test_the_pytorch_model_computes_what_the_engine_computes(tmp_path: Path) -> 
     from engine.model.loader import load_model
     from engine.model.mtp import MTPBlock
     from engine.session import Session
+    from engine.spec.draft_head import DraftHead
     from engine.synth.model import synth_tensors, write_gguf
     from engine.synth.vocab import build_vocab
     from training.model import DemoModel
@@ -164,7 +165,7 @@ def test_the_pytorch_model_computes_what_the_engine_computes(tmp_path: Path) -> 
     res = Session(model, n_ctx=64).forward(tokens, logits="all")
     scale = float(logits.abs().max())
     assert np.abs(np.asarray(res.logits) - logits[0].numpy()).max() < 3e-3 * scale  # f16 KV
-    block = MTPBlock(model)
+    block = MTPBlock(model, DraftHead.from_model(model))
     out = block.forward(np.asarray(res.hidden)[:-1], np.asarray(tokens[1:]), 0,
                         block.new_kv(64), logits="all")
     assert np.abs(np.asarray(out.logits) - mtp_logits[0].numpy()).max() < 6e-3 * scale

@@ -46,7 +46,7 @@ class ChunkPlan(EventView):
             self.progress = event
         elif isinstance(event, RequestDone) and self.progress is not None:
             # the queue keeps only the newest progress per tick, so average from the total
-            self.mean_chunk_ms = event.prefill_ms / max(1, self.progress.chunk)
+            self.mean_chunk_ms = event.prefill_s * 1e3 / max(1, self.progress.chunk)
 
     def watch_plan(self) -> None:
         self._redraw()

@@ -12,8 +12,9 @@ from engine.events import Event, GpuStats
 
 
 class GpuPanel(EventView):
-    """Name, memory used/total (and which NVML memory API), this process, the bytes NVML sees
-    that the ledger does not, PCIe link, utilisation, temperature and power."""
+    """Name, memory used/total (and which NVML memory API), this process against its limit
+    (`--vram-limit`), the bytes NVML sees outside the ledger, PCIe link, utilisation,
+    temperature and power."""
 
     TITLE = "GPU"
 
@@ -40,11 +41,14 @@ class GpuPanel(EventView):
         table = Table.grid(padding=(0, 2))
         for _ in range(4):
             table.add_column()
-        proc = s.process_bytes
+        proc, limit = s.process_bytes, self.stats.limit_bytes
+        process = fmt_bytes(proc) if proc is not None else "–"
+        if limit is not None:
+            process += f" of {fmt_bytes(limit)}"
         table.add_row("used", f"{fmt_bytes(s.used_bytes)} of {fmt_bytes(s.total_bytes)}",
-                      "process", fmt_bytes(proc) if proc is not None else "–")
-        unaccounted = fmt_bytes(max(0, proc - ledger)) if proc is not None else "–"
-        table.add_row("ledger", fmt_bytes(ledger), "unaccounted", unaccounted)
+                      "process", process)
+        outside = fmt_bytes(max(0, proc - ledger)) if proc is not None else "–"
+        table.add_row("ledger", fmt_bytes(ledger), "outside ledger", outside)
         link = f"gen {s.pcie_gen} x{s.pcie_width}" if s.pcie_gen else "–"
         util = f"{s.gpu_util_pct}%" if s.gpu_util_pct is not None else "–"
         table.add_row("PCIe", link, "util", util)

@@ -65,18 +65,24 @@ class LoanTimeline(EventView):
                 detail = (
                     f"{detail} ({fmt_bytes(event.n_bytes)})" if detail else fmt_bytes(event.n_bytes)
                 )
-            self.phases = (*self.phases, Phase(event.step, event.ms, detail))
+            self._add(Phase(event.step, event.ms, detail))
         elif isinstance(event, PlanChosen):
             self._begin()
             self.loan = event.loan
             self._prefill_t0 = event.t
             detail = f"{event.n_chunks} chunks of {event.chunk_tokens:,}"
-            self.phases = (*self.phases, Phase("prefill", 0.0, detail, running=True))
+            self._add(Phase("prefill", 0.0, detail, running=True))
         elif isinstance(event, PrefillProgress):
             self._set_prefill(ms=(event.t - self._prefill_t0) * 1e3, running=True)
         elif isinstance(event, RequestDone):
-            self._set_prefill(ms=event.prefill_ms, running=False)
+            self._set_prefill(ms=event.prefill_s * 1e3, running=False)
             self._open = False
+
+    def _add(self, phase: Phase) -> None:
+        """A row in the transaction's order (the lend arrives after the prefill row opens)."""
+        order = list(STEP_STYLES)
+        rank = lambda p: order.index(p.step) if p.step in order else len(order)
+        self.phases = tuple(sorted((*self.phases, phase), key=rank))
 
     def _set_prefill(self, ms: float, running: bool) -> None:
         self.phases = tuple(

@@ -20,7 +20,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import Static, TextArea
 
-from app.engine_link import Draft
+from app.draft import Draft
 
 LONG_PASTE_LINES = 10
 LONG_PASTE_CHARS = 1000

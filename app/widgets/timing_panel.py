@@ -35,11 +35,11 @@ class TimingPanel(EventView):
         table = Table.grid(padding=(0, 1))
         table.add_column(style="bold", no_wrap=True)
         table.add_column()
-        table.add_row("PP", f"{rate(d.fresh_tokens, d.prefill_ms)} · "
-                            f"{d.fresh_tokens:,} in {fmt_ms(d.prefill_ms)}")
-        tg = rate(d.generated, d.decode_ms) if d.decoded else "–"  # no decode step: no TG
-        table.add_row("TG", f"{tg} · {d.generated:,} in {fmt_ms(d.decode_ms)}")
-        table.add_row("TTFT", fmt_ms(d.ttft_ms) if d.ttft_ms else "–")
+        table.add_row("PP", f"{rate(d.fresh_tokens, d.prefill_s * 1e3)} · "
+                            f"{d.fresh_tokens:,} in {fmt_ms(d.prefill_s * 1e3)}")
+        tg = rate(d.generated, d.decode_s * 1e3) if d.decoded else "–"  # no decode step: no TG
+        table.add_row("TG", f"{tg} · {d.generated:,} in {fmt_ms(d.decode_s * 1e3)}")
+        table.add_row("TTFT", fmt_ms(d.ttft_s * 1e3) if d.ttft_s else "–")
         table.add_row("prompt", f"{d.prompt_tokens:,} = {d.reused_tokens:,} reused + "
                                 f"{d.fresh_tokens:,} read")
         if d.drafts_offered or d.spec_steps:

@@ -1,4 +1,5 @@
-"""VramBar: device memory as one stacked bar by ledger region, with sizes and free bytes."""
+"""VramBar: what the process holds against its limit, as one stacked bar: each ledger region,
+what lies outside the ledger, and what is left; a legend with sizes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from app.widgets.fmt import flow, fmt_bytes, region_color
 from engine.events import Event, LedgerChanged
 
 BLOCK = "█"
+OUTSIDE = "unaccounted"  # the part outside the ledger, as the ledger snapshot names it
+LABELS = {OUTSIDE: "outside the ledger"}
 
 
 def bar_cells(parts: list[tuple[str, int]], capacity: int, width: int) -> list[tuple[str, int]]:
@@ -30,7 +33,11 @@ def bar_cells(parts: list[tuple[str, int]], capacity: int, width: int) -> list[t
 
 
 class VramBar(EventView):
-    """Stacked bar of `LedgerChanged.regions` + free (+ unaccounted on CUDA), and a legend."""
+    """Stacked bar whose total is the process's limit (`LedgerChanged.limit_bytes`: on CUDA
+    `--vram-limit`, else the device's capacity): the regions by mapped bytes, what lies outside
+    the ledger (on CUDA NVML's process bytes minus the regions: context, cuBLAS, kernels, CuPy's
+    pool) and what is left of the limit; a legend; the caption says held / limit, and by how
+    much the process passes the limit when it does."""
 
     TITLE = "VRAM"
 
@@ -42,17 +49,21 @@ class VramBar(EventView):
 
     def watch_ledger(self, ledger: LedgerChanged | None) -> None:
         if ledger is not None:
-            used = ledger.capacity_bytes - ledger.free_bytes
-            self.caption(f"{fmt_bytes(used)} / {fmt_bytes(ledger.capacity_bytes)}")
+            held, limit = held_bytes(ledger), limit_bytes(ledger)
+            over = f" · {fmt_bytes(held - limit)} over the limit" if held > limit else ""
+            self.caption(f"{fmt_bytes(held)} / {fmt_bytes(limit)}{over}")
 
     def parts(self) -> list[tuple[str, int, int]]:
-        """(name, bytes asked for, bytes mapped) per region, then unaccounted and free."""
+        """(name, bytes asked for, bytes drawn) per region (drawn: whole segments mapped),
+        then outside the ledger and what is left of the limit."""
         ledger = self.ledger
         assert ledger is not None
         parts = [(r.name, r.used_bytes, r.mapped_bytes) for r in ledger.regions]
-        if ledger.unaccounted_bytes:
-            parts.append(("unaccounted", ledger.unaccounted_bytes, ledger.unaccounted_bytes))
-        parts.append(("free", ledger.free_bytes, ledger.free_bytes))
+        outside = ledger.unaccounted_bytes or 0
+        if outside:
+            parts.append((OUTSIDE, outside, outside))
+        left = max(0, limit_bytes(ledger) - held_bytes(ledger))
+        parts.append(("free", left, left))
         return parts
 
     def render(self) -> Text:
@@ -61,14 +72,25 @@ class VramBar(EventView):
         parts = self.parts()
         width = self.content_width()
         text = Text()
-        # the bar is drawn by mapped bytes (whole segments), so it adds up to the capacity
-        mapped = [(name, n_mapped) for name, _, n_mapped in parts]
-        for name, n in bar_cells(mapped, self.ledger.capacity_bytes, width):
+        drawn = [(name, n_drawn) for name, _, n_drawn in parts]
+        total = max(limit_bytes(self.ledger), held_bytes(self.ledger))
+        for name, n in bar_cells(drawn, total, width):
             text.append(BLOCK * n, style=region_color(name))
         text.append("\n")
         legend = []
         for name, n, _ in parts:
             if n > 0:
-                legend.append(Text.assemble(("■", region_color(name)), f" {name} {fmt_bytes(n)}"))
+                label = LABELS.get(name, name)
+                legend.append(Text.assemble(("■", region_color(name)), f" {label} {fmt_bytes(n)}"))
         text.append_text(flow(legend, width))
         return text
+
+
+def limit_bytes(ledger: LedgerChanged) -> int:
+    """What the whole process may hold: the event's limit, else the ledger's capacity."""
+    return ledger.limit_bytes if ledger.limit_bytes is not None else ledger.capacity_bytes
+
+
+def held_bytes(ledger: LedgerChanged) -> int:
+    """What the process holds: the regions' mapped segments plus what is outside the ledger."""
+    return sum(r.mapped_bytes for r in ledger.regions) + (ledger.unaccounted_bytes or 0)

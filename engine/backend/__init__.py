@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.backend.base import AddressSpace, Backend, CopyCounts, CopyStats, MemInfo
 from engine.backend.sim import SimBackend
 from engine.errors import DeviceError, FlagError
@@ -21,12 +23,15 @@ __all__ = [
 ]
 
 
-def make_backend(spec: str, limit_bytes: int | None = None, *, elastic: bool = True) -> Backend:
+def make_backend(spec: str, limit_bytes: int | None = None, *, elastic: bool = True,
+                 warm_up: Callable[[], None] | None = None) -> Backend:
     """The device named by `spec`: "sim" (8 GiB), "sim:512MiB", "cuda" or "cuda:N".
 
-    `limit_bytes` (`--vram-limit`) makes a CUDA device plan and allocate as if it had only that
-    many bytes; `elastic` (`--vram-elastic`) is recorded as a policy: CUDA maps ledger segments
-    through VMM wherever the driver supports it (see docs/cuda.md).
+    `limit_bytes` (`--vram-limit`) bounds the whole CUDA process (context and kernels
+    included): the backend measures what lies outside its budget after `warm_up` (what the
+    engine loads whatever its model) and plans the rest; `elastic` (`--vram-elastic`) is
+    recorded as a policy: CUDA maps ledger segments through VMM wherever the driver supports
+    it (see docs/cuda.md).
     CuPy is imported only for a CUDA spec, so the CPU path never needs it.
     """
     kind, _, arg = spec.strip().partition(":")
@@ -48,5 +53,5 @@ def make_backend(spec: str, limit_bytes: int | None = None, *, elastic: bool = T
                 f"CUDA backend not available yet on this machine: --device {spec} needs CuPy "
                 f"and cuda-bindings ({e.name} is missing; pip install 'strata-chat[cuda]')"
             ) from None
-        return CudaBackend(int(arg or 0), limit_bytes, elastic=elastic)
+        return CudaBackend(int(arg or 0), limit_bytes, elastic=elastic, warm_up=warm_up)
     raise DeviceError(f"unknown device '{spec}'; use sim, sim:SIZE (e.g. sim:8GiB) or cuda[:N]")

@@ -28,7 +28,8 @@ DeviceArray = Any
 
 @dataclass(frozen=True)
 class MemInfo:
-    """Device memory as the device reports it; `process_bytes` is None where it cannot tell."""
+    """The process's device budget (the simulated capacity; on CUDA the whole-process
+    `--vram-limit`), what is left of it, and the process's bytes (None where NVML cannot tell)."""
 
     total_bytes: int
     free_bytes: int
@@ -114,6 +115,7 @@ class Backend(Protocol):
     """A device: its array module, its memory and its (counted) copies."""
 
     name: str  # "sim" or "cuda:0"
+    device_index: int | None  # the CUDA device's index; None on the simulated device
     xp: ModuleType  # numpy on sim, cupy on CUDA
     capacity_bytes: int
     stats: CopyStats
@@ -139,10 +141,21 @@ class Backend(Protocol):
         """A host copy of a device array."""
         ...
 
+    def keep_for_upload(self, host: np.ndarray) -> None:
+        """`host` will be uploaded again and again (a loan's restore source: the decoded
+        head): make those copies as fast as the device allows (page-locked on CUDA, so a
+        restore is one DMA instead of a staged copy); nothing where copies are memcpy."""
+        ...
+
     def mem_info(self) -> MemInfo:
         """Total, free and (where known) this process's device bytes."""
         ...
 
     def synchronize(self) -> None:
         """Wait for all queued device work and copies."""
+        ...
+
+    def close(self) -> None:
+        """Give back what the backend holds itself (standalone buffers, cached blocks,
+        page-locked host memory); ledger regions are closed by their ledger first. Idempotent."""
         ...

@@ -1,12 +1,16 @@
 """A CUDA device behind the `Backend` protocol: CuPy arrays, VMM segments, counted copies.
 
-Budget. `limit_bytes` (`--vram-limit`) or, without one, the free memory at start minus a safety
-margin is the process's budget B. Of B, `workspace_bytes` is kept for CuPy's memory pool (decode
-temporaries, cuBLAS workspace; a prompt chunk's temporaries live in its chunk buffer); the rest is `capacity_bytes`, what the planner
-and the ledger divide into regions. Enforced: mapped segments + `alloc` buffers never exceed
-`capacity_bytes`, and those plus the pool never exceed B (the pool's limit follows every map and
-unmap). Passing either raises `DeviceError` with one line. The CUDA context, cuBLAS handles and
-module code are outside B; NVML shows them as this process's `unaccounted` bytes.
+Budget (engine/memory/budget.py). `--vram-limit N` bounds the whole process as NVML counts it:
+CUDA context, cuBLAS handle and workspace, kernel modules and CuPy's pool included, not only
+the planned regions. Before planning, the backend warms up (the cuBLAS handle and a GEMM, and
+the caller's `warm_up`: the engine's shape-free kernel modules), then measures what the process
+holds outside the ledger and the pool (NVML's process bytes minus both) and divides the rest:
+N = outside + margin + workspace (CuPy's pool) + `capacity_bytes` (what the planner and the
+ledger divide into regions). Without a limit, N is what the process holds plus what the device
+has free, less 512 MiB. Enforced: mapped segments + `alloc` buffers never pass
+`capacity_bytes`; those plus the pool never pass N - outside - margin (the pool's limit follows
+every map and unmap, and shrinks when `refresh_outside` finds the outside grew). Passing either
+raises `DeviceError` with one line. `mem_info()` is (N, N - process bytes, process bytes).
 
 Copies. `upload` takes host numpy arrays. Pages that `pin` registered (or `host_buffer`
 allocated) are copied straight by DMA; pageable arrays go through a reusable pinned staging
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,13 +38,21 @@ import numpy as np
 from engine.backend.base import CopyStats, MemInfo
 from engine.backend.vmm import PlainAddressSpace, VmmAddressSpace, vmm_granularity, vmm_supported
 from engine.errors import DeviceError
+from engine.memory.budget import (
+    DEVICE_MARGIN_BYTES,
+    GROWTH_MARGIN_BYTES,
+    ProcessBudget,
+    plan_budget,
+)
 from engine.memory.sizes import MiB, format_mib
+from engine.process_memory import ProcessMemory
 
 _H2D = 1  # cudaMemcpyHostToDevice
 _HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 _HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
 _ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
-DEFAULT_MARGIN_BYTES = 512 * MiB
+_live: weakref.WeakSet[CudaBackend] = weakref.WeakSet()  # backends of this process not closed
+ASSUMED_OUTSIDE_BYTES = 640 * MiB  # without NVML: a CuPy context, cuBLAS and kernels (H200)
 DEFAULT_STAGING_BYTES = 64 * MiB
 _PARALLEL_COPY_BYTES = 4 * MiB  # host copies larger than this are split over threads
 
@@ -54,10 +67,12 @@ class CudaBackend:
         *,
         segment_granularity: int = 2 * MiB,
         workspace_bytes: int | None = None,
-        margin_bytes: int = DEFAULT_MARGIN_BYTES,
+        margin_bytes: int = GROWTH_MARGIN_BYTES,
+        device_margin_bytes: int = DEVICE_MARGIN_BYTES,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         elastic: bool = True,
         use_vmm: bool | None = None,
+        warm_up: Callable[[], None] | None = None,
     ):
         try:
             n_devices = cupy.cuda.runtime.getDeviceCount()
@@ -65,25 +80,14 @@ class CudaBackend:
             raise DeviceError(f"--device cuda:{device}: no usable CUDA device ({e})") from None
         if not 0 <= device < n_devices:
             raise DeviceError(f"--device cuda:{device}: there are {n_devices} CUDA devices")
-        self.device = device
+        self.device = self.device_index = device
         self.name = f"cuda:{device}"
         self.xp = cupy
         self.stats = CopyStats()
+        self._closed = False
+        self._memory = ProcessMemory.open(device)  # before the context: the fallback's baseline
         self._dev = cupy.cuda.Device(device)
         self._dev.use()
-        free, total = cupy.cuda.runtime.memGetInfo()
-        self.device_total_bytes = int(total)
-        budget = int(free) - margin_bytes
-        if limit_bytes is not None:
-            budget = min(budget, limit_bytes)
-        if budget <= 0:
-            raise DeviceError(f"{self.name}: {format_mib(free)} MiB free, nothing left to plan")
-        self.budget_bytes = budget
-        # decode-time temporaries (and what a prompt chunk's arena spills) live in CuPy's
-        # pool: an eighth of the budget, at least 768 MiB; a prompt chunk's temporaries live
-        # in the chunk buffer the planner sized (engine/backend/cuda_arena.py)
-        ws = min(budget // 2, max(768 * MiB, budget // 8)) if workspace_bytes is None else workspace_bytes
-        self.workspace_bytes = ws
         # `elastic` (--vram-elastic) is a policy the guards read; the ledger needs contiguous,
         # stable region addresses either way, so VMM is used wherever the driver has it.
         self.elastic = elastic
@@ -95,12 +99,10 @@ class CudaBackend:
                 f"device's mapping granularity {granularity} B"
             )
         self.granularity_bytes = segment_granularity
-        self.capacity_bytes = (budget - ws) // segment_granularity * segment_granularity
         self._mapped_bytes = 0
         self._buffers: dict[int, Any] = {}  # id -> live alloc() buffer
         self._buffer_bytes = 0
         self._pool = cupy.get_default_memory_pool()
-        self._update_pool_limit()
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
         half = max(staging_bytes // 2, 1 * MiB)
         self._staging = [cupy.cuda.alloc_pinned_memory(half) for _ in range(2)]
@@ -109,9 +111,76 @@ class CudaBackend:
         for ev in self._staging_free:
             ev.record(self._copy_stream)
         self._pinned: dict[int, tuple[int, Any]] = {}  # host ptr -> (n_bytes, owner or None)
+        self._unpin: dict[int, weakref.finalize] = {}  # host ptr -> its registration's end
         self._n_copy_threads = min(8, os.cpu_count() or 1)
         self._copy_pool = ThreadPoolExecutor(max_workers=self._n_copy_threads)
-        self._telemetry: Any = None
+        _live.add(self)
+        self._warm_up(warm_up)
+        free, total = cupy.cuda.runtime.memGetInfo()
+        self.device_total_bytes = int(total)
+        outside, self.outside_source = self._measure_outside()
+        self.budget: ProcessBudget = plan_budget(
+            limit_bytes, int(free), outside, granularity_bytes=segment_granularity,
+            margin_bytes=margin_bytes, device_margin_bytes=device_margin_bytes,
+            workspace_bytes=workspace_bytes,
+        )
+        self.outside_bytes = outside  # the highest measure so far (`refresh_outside`)
+        self.limit_bytes = self.budget.limit_bytes  # the whole process
+        self.budget_bytes = self.budget.inside_bytes  # ledger + pool
+        self.workspace_bytes = self.budget.workspace_bytes
+        self.margin_bytes = self.budget.margin_bytes
+        self.capacity_bytes = self.budget.capacity_bytes
+        self._update_pool_limit()
+
+    def _warm_up(self, extra: Callable[[], None] | None) -> None:
+        """Load what every engine loads before the outside is measured: the cuBLAS handle
+        with its workspace and kernels (one small fp16 GEMM), then `extra` (the engine's
+        kernel modules). Blocks that engines of this process let go of are freed first."""
+        self._pool.free_all_blocks()
+        self._pool.set_limit(size=0)  # no limit until the budget is known (0: none)
+        a = cupy.ones((64, 64), dtype=cupy.float16)  # [64, 64]
+        (a @ a).sum()
+        if extra is not None:
+            extra()
+        self.synchronize()
+        del a
+        self._pool.free_all_blocks()
+
+    def _measure_outside(self) -> tuple[int, str]:
+        """(bytes, source): what the process holds on this device that neither the ledger's
+        mappings and `alloc` buffers, nor CuPy's pool, nor another live engine's ledger
+        account for; assumed without NVML. (Two engines alive in one process, as some tests
+        hold, each get the limit less the shared part: one engine is bounded whole.)"""
+        if self._memory is None:
+            return ASSUMED_OUTSIDE_BYTES, "assumed (no NVML)"
+        r = self._memory.read()
+        held = sum(b.used_bytes for b in list(_live) if b.device == self.device)
+        return max(0, r.n_bytes - held - self._pool.total_bytes()), r.source
+
+    def refresh_outside(self) -> int:
+        """Measure the outside again (kernels loaded, graphs captured and local memory grown
+        since); growth past the highest measure so far comes off the pool's limit, so the
+        process stays inside `limit_bytes`. The bytes outside (the highest measure)."""
+        if self._memory is not None and not self._closed:
+            now, _ = self._measure_outside()
+            if now > self.outside_bytes:
+                self.outside_bytes = now
+                self._update_pool_limit()
+        return self.outside_bytes
+
+    def memory_line(self) -> str:
+        """A trace line (STRATA_TRACE=1): the process's bytes now and their parts, in MiB."""
+        mib = MiB
+        pool = self._pool.total_bytes()
+        pool_limit = self.budget.pool_limit_bytes(self.used_bytes, self.outside_bytes)
+        process = self._process_bytes()
+        now = "n/a" if process is None else f"{process / mib:,.0f}"
+        return (
+            f"strata trace: vram process {now} MiB (limit {self.limit_bytes / mib:,.0f}) = ledger "
+            f"{self.used_bytes / mib:,.0f} + pool {pool / mib:,.0f} (of {pool_limit / mib:,.0f}) "
+            f"+ outside {self._measure_outside()[0] / mib:,.0f} (planned "
+            f"{self.budget.outside_bytes / mib:,.0f} + margin {self.margin_bytes / mib:,.0f})"
+        )
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -121,8 +190,7 @@ class CudaBackend:
         return self._mapped_bytes + self._buffer_bytes
 
     def _update_pool_limit(self) -> None:
-        # 0 would mean "no limit" to CuPy; 1 byte is the honest "nothing left"
-        self._pool.set_limit(size=max(1, self.budget_bytes - self.used_bytes))
+        self._pool.set_limit(size=self.budget.pool_limit_bytes(self.used_bytes, self.outside_bytes))
 
     def _check_budget(self, n_bytes: int) -> None:
         free = self.capacity_bytes - self.used_bytes
@@ -176,20 +244,24 @@ class CudaBackend:
 
     def reserve_address_space(self, n_bytes: int) -> VmmAddressSpace | PlainAddressSpace:
         """Reserve device addresses (VMM), or the plain fallback where VMM is missing."""
-        cls = VmmAddressSpace if self.use_vmm else PlainAddressSpace
-        return cls(
-            self.device,
-            n_bytes,
-            self.granularity_bytes,
-            self._charge,
-            self._uncharge,
-            self.synchronize,
-        )
+        args = (self.device, n_bytes, self.granularity_bytes, self._charge, self._uncharge,
+                self.synchronize)
+        if self.use_vmm:
+            return VmmAddressSpace(*args, forget=self._forget)
+        return PlainAddressSpace(*args)
+
+    def _forget(self, n_bytes: int) -> None:
+        """Memory a collected address space gave back: off the count, the pool's limit left
+        alone (a newer engine may own the pool by now)."""
+        self._mapped_bytes -= n_bytes
 
     def mem_info(self) -> MemInfo:
-        """Budget, budget minus what the process holds through us, and NVML's process bytes."""
-        held = self.used_bytes + self._pool.total_bytes()
-        return MemInfo(self.budget_bytes, self.budget_bytes - held, self._process_bytes())
+        """The whole-process limit, what is left of it, and the process's bytes (NVML; None
+        without it, then the left part counts the outside as measured)."""
+        process = self._process_bytes()
+        held = self.used_bytes + self._pool.total_bytes() + self.outside_bytes
+        left = self.limit_bytes - (held if process is None else process)
+        return MemInfo(self.limit_bytes, max(0, left), process)
 
     def device_mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of the whole device (`cudaMemGetInfo`)."""
@@ -198,11 +270,31 @@ class CudaBackend:
         return int(free), int(total)
 
     def _process_bytes(self) -> int | None:
-        if self._telemetry is None:
-            from engine.telemetry import Telemetry
+        if self._memory is None or self._closed:
+            return None
+        return self._memory.read().n_bytes
 
-            self._telemetry = Telemetry.open(self.device) or False
-        return self._telemetry.process_used_bytes() if self._telemetry else None
+    def close(self) -> None:
+        """Give back what this backend holds itself: `alloc` buffers, the pool's cached blocks,
+        page-locked host memory (the model file's registration, the staging halves,
+        `host_buffer`s), the copy threads and the NVML handle. Ledger regions are the ledger's
+        to close, first. Idempotent; the backend is unusable afterwards."""
+        if self._closed:
+            return
+        self.synchronize()
+        self._closed = True
+        _live.discard(self)
+        self._buffers.clear()
+        self._buffer_bytes = 0
+        for unpin in list(self._unpin.values()):
+            unpin()  # a weakref.finalize runs once: the array's own end does nothing later
+        self._pinned.clear()
+        self._staging, self._staging_views = [], []
+        self._copy_pool.shutdown(wait=True)
+        self._pool.free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+        if self._memory is not None:
+            self._memory.close()
 
     # -- copies ---------------------------------------------------------------------------------
 
@@ -229,10 +321,20 @@ class CudaBackend:
                 f"{self.name}: cannot page-lock {format_mib(host.nbytes)} MiB of host memory ({e})"
             ) from None
         self._pinned[ptr] = (host.nbytes, None)
-        weakref.finalize(host, self._unregister, ptr)  # kept alive by weakref's registry
+        self._unpin[ptr] = weakref.finalize(host, self._unregister, ptr)  # or at close()
+
+    def keep_for_upload(self, host: np.ndarray) -> None:
+        """Page-lock `host` (a restore source) so each upload of it is one DMA; where the
+        host cannot lock it, uploads keep going through the staging buffer."""
+        if host.flags.c_contiguous and not self._is_pinned(host.ctypes.data, host.nbytes):
+            try:
+                self.pin(host)
+            except DeviceError:
+                pass
 
     def _unregister(self, ptr: int) -> None:
         _, owner = self._pinned.pop(ptr)
+        del self._unpin[ptr]
         assert owner is None, "a host_buffer() is never unregistered"
         cupy.cuda.runtime.hostUnregister(ptr)
 

@@ -32,12 +32,14 @@ class SimBackend:
     def __init__(self, capacity_bytes: int, *, name: str = "sim"):
         assert capacity_bytes > 0, capacity_bytes
         self.name = name
+        self.device_index = None
         self.xp = np
         self.capacity_bytes = capacity_bytes
         self.stats = CopyStats()
         self._buffers: dict[int, np.ndarray] = {}  # id -> live standalone buffer
         self._buffer_bytes = 0
         self._mapped_bytes = 0  # over all address spaces
+        self.peak_bytes = 0  # the most held at once (`strata bench`'s peak on this device)
         self._faults: dict[str, int] = {}  # op -> calls left before it fails
 
     # -- memory ---------------------------------------------------------------------------------
@@ -48,12 +50,15 @@ class SimBackend:
         return self._buffer_bytes + self._mapped_bytes
 
     def _charge(self, n_bytes: int) -> None:
+        """Refuse `n_bytes` more past the capacity; else count them in the peak (the caller
+        then adds them to what is held)."""
         free = self.capacity_bytes - self.used_bytes
         if n_bytes > free:
             raise DeviceError(
                 f"out of simulated VRAM: asked {format_mib(n_bytes)} MiB, {format_mib(free)} MiB "
                 f"free; raise --device sim:SIZE"
             )
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes + n_bytes)
 
     def alloc(self, n_bytes: int) -> np.ndarray:
         """A standalone zeroed uint8 buffer [n_bytes], charged to the capacity."""
@@ -102,8 +107,16 @@ class SimBackend:
         self.stats.count_d2h(host.nbytes)
         return host
 
+    def keep_for_upload(self, host: np.ndarray) -> None:
+        """Nothing to do: the simulated device's uploads are memcpy."""
+
     def synchronize(self) -> None:
         """Nothing is queued on the sim device; every call has finished when it returns."""
+
+    def close(self) -> None:
+        """Free every standalone buffer (address spaces are closed by their ledger)."""
+        self._buffers.clear()
+        self._buffer_bytes = 0
 
     # -- faults ---------------------------------------------------------------------------------
 

@@ -20,10 +20,12 @@ from engine.errors import FlagError, StrataError
 from engine.gguf.tokenizer import TokenType
 from engine.model.loader import load_model
 from engine.model.weights import DirectExperts
+from engine.request import generate
 from engine.sampler import SamplingParams
-from engine.session import Session, Timing
-from engine.spec import SpecDecoder, check_spec
+from engine.session import Session
+from engine.spec.decoder import SpecDecoder, check_spec
 from engine.synth.demo import resolve_model
+from engine.timing import Timing
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -134,9 +136,9 @@ def bench(
                 session = Session(model, len(prompt) + max_new + 8, kv, experts=experts)
                 timing = Timing()
                 if t == 0:
-                    gen = session.generate(prompt, max_new, params, timing=timing)
+                    gen = generate(session, prompt, max_new, params, timing=timing)
                 else:
-                    gen = decoders[t].generate(session, prompt, max_new, params, timing=timing)
+                    gen = generate(session, prompt, max_new, params, timing=timing, spec=decoders[t])
                 outputs[t].append(list(gen))
                 if timing.decoded:
                     generated, decode_s = generated + timing.generated, decode_s + timing.decode_s

@@ -70,8 +70,9 @@ def probe(device: int = 0) -> str:
         )
     from engine.backend.cuda import CudaBackend
     from engine.backend.vmm import vmm_granularity, vmm_supported
+    from engine.kernels.warmup import warm_up
 
-    backend = CudaBackend(device)
+    backend = CudaBackend(device, warm_up=warm_up)  # measured as an engine's start measures it
     props = cp.cuda.runtime.getDeviceProperties(device)
     free, total = backend.device_mem_info()
     lines = [
@@ -86,11 +87,7 @@ def probe(device: int = 0) -> str:
             f"{cp.cuda.runtime.driverGetVersion()}, cupy {cp.__version__}",
         ),
         _line("cudaMemGetInfo", f"free {free / MiB:,.0f} MiB of {total / MiB:,.0f} MiB"),
-        _line(
-            "plan budget",
-            f"{backend.budget_bytes / MiB:,.0f} MiB = capacity "
-            f"{backend.capacity_bytes / MiB:,.0f} + workspace {backend.workspace_bytes / MiB:,.0f}",
-        ),
+        _line("plan budget", backend.budget.line()),
         format_snapshot(snapshot(device)),
     ]
     vmm = vmm_supported(device)

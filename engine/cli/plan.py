@@ -1,6 +1,6 @@
 """`strata plan`: the startup memory plan of a model on a device, as a table.
 
-It runs the same guards as `strata run` (`engine.runtime.plan_device`): a combination `run`
+It runs the same guards as `strata run` (`engine.build.device.plan_device`): a combination `run`
 refuses is refused here, with the same one line and exit code 2.
 """
 
@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from engine.build.device import plan_device
 from engine.cli.options import add_engine_args, engine_options, loan_flags
 from engine.costs import Shapes
 from engine.devices import deferred_regions, resolve_device
 from engine.memory.planner import format_plan_table
 from engine.memory.sizes import format_mib
 from engine.model.loader import load_model
-from engine.runtime import plan_device
 from engine.synth.demo import resolve_model
 from engine.synth.model import PRESETS
 
@@ -48,6 +48,7 @@ def plan_text(args: argparse.Namespace) -> str:
             f"device  {device} = {format_mib(capacity)} MiB in {plan.n_segments} segments of "
             f"{format_mib(seg)} MiB"
         ),
+        *budget_lines(planned.backend),
         f"loan    deferred at startup: {', '.join(sorted(deferred_regions(flags, options))) or 'none'}",
         f"costs   dense {format_mib(costs.dense_bytes)}, kv {format_mib(costs.kv_bytes)}, "
         + ", ".join(f"{k} {format_mib(v)}" for k, v in costs.decode_only_bytes().items())
@@ -55,6 +56,12 @@ def plan_text(args: argparse.Namespace) -> str:
         "",
     ]
     return "\n".join(head) + format_plan_table(plan)
+
+
+def budget_lines(backend: object) -> list[str]:
+    """On CUDA, how the whole-process limit was divided (engine/memory/budget.py)."""
+    budget = getattr(backend, "budget", None)
+    return [] if budget is None else [f"budget  {budget.line()}"]
 
 
 def _shapes(model: str) -> tuple[Shapes, str]:

@@ -1,4 +1,5 @@
-"""`strata run`: one prompt, streamed to stdout, plan/trace/loan lines and timing on stderr."""
+"""`strata run`: one prompt, streamed to stdout, plan/trace/loan lines and timing on stderr;
+on CUDA also the process's device-memory peak (NVML) against `--vram-limit`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from engine.cli.options import (
     sampling_params,
 )
 from engine.conversation import Conversation
+from engine.devices import peak_sampler, vram_limit_bytes
 from engine.errors import StrataError
+from engine.memory.sizes import MiB
+from engine.process_memory import MemoryReading
 from engine.serve import ServeLoop
 
 
@@ -156,14 +160,34 @@ def run(args: argparse.Namespace) -> int:
                 f"exceeds --ctx {options.ctx}; raise --ctx"
             )
     out = _Streams()
-    loop = ServeLoop.create(options, flags, on_trace=out.line)
-    write = out.text
-    if args.tokens_file is not None:
-        check_token_ids(args.tokens_file, ids, loop.rt.model.hp.n_vocab)
-        reply = loop.complete(ids, params, args.max_new, on_text=write, stop=args.stop)
-    else:
-        reply = loop.chat(Conversation(), args.prompt, params, args.max_new, on_text=write,
-                          stop=args.stop)
+    sampler = peak_sampler(options.device)  # CUDA with NVML: from before the engine starts
+    if sampler is not None:
+        sampler.start()
+    try:
+        loop = ServeLoop.create(options, flags, on_trace=out.line)
+        write = out.text
+        if args.tokens_file is not None:
+            check_token_ids(args.tokens_file, ids, loop.rt.model.hp.n_vocab)
+            reply = loop.complete(ids, params, args.max_new, on_text=write, stop=args.stop)
+        else:
+            reply = loop.chat(Conversation(), args.prompt, params, args.max_new, on_text=write,
+                              stop=args.stop)
+    finally:
+        peak = sampler.stop() if sampler is not None else None
     out.end_text()
     stderr_line(reply.timing.line())
+    if peak is not None:
+        stderr_line(peak_line(peak, vram_limit_bytes(options)))
     return 0
+
+
+def peak_line(peak: MemoryReading, limit_bytes: int | None) -> str:
+    """`strata run: GPU peak 7,912 MiB (NVML, this process) of --vram-limit 8,192 MiB`, or how
+    far past the limit it went."""
+    line = f"strata run: GPU peak {peak.n_bytes / MiB:,.0f} MiB ({peak.source})"
+    if limit_bytes is None:
+        return line
+    over = peak.n_bytes - limit_bytes
+    if over > 0:
+        return f"{line}, {over / MiB:,.0f} MiB over --vram-limit {limit_bytes / MiB:,.0f} MiB"
+    return f"{line} of --vram-limit {limit_bytes / MiB:,.0f} MiB"

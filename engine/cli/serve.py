@@ -127,6 +127,7 @@ def _report(service: Service) -> int:
                 f"{n['cancelled']} cancelled, {n['failed']} failed, "
                 f"{service.admission.n_refused} refused with 429; {lent} cache slots lent; "
                 f"ledger: {regions}")
+    worker.loop.close()  # every byte the engine holds on the device goes back
     if worker.fault is not None:
         raise StrataError(f"the engine's check failed: {worker.fault}")
     return 0

@@ -77,6 +77,11 @@ def _softmax_kernel() -> Any:
     return module.get_function("causal_softmax_f16")
 
 
+def preload() -> None:
+    """Compile and load the causal softmax now."""
+    _softmax_kernel()
+
+
 def _ld(s_eff: int) -> int:
     return -(-s_eff // LD_ALIGN) * LD_ALIGN
 

@@ -52,6 +52,11 @@ def _fn(name: str) -> Any:
     return _plain().get_function(name)
 
 
+def preload() -> None:
+    """Compile and load the shape-free decode kernels now (attention's take the KV's shape)."""
+    _fn("kv_f16_write")
+
+
 def n_tiles(n_ctx: int) -> int:
     return -(-n_ctx // KEYS)
 

@@ -157,6 +157,13 @@ def _kernel90(name: str, smem: int) -> Any:
     return kernel
 
 
+def preload() -> None:
+    """Where the sm90a kernel runs (Hopper, NVRTC 13+, not STRATA_FLASH=fa2), compile and load
+    its module now: every head size is in it. The FA2 kernel is one module per head size."""
+    if env_problem() is None and os.environ.get(ENV, "") != "fa2" and sm90a_available():
+        _module90().get_function(f"flash90<{SM90_HEAD_SIZES[0]}>")
+
+
 def flash_attention(q: Any, k: Any, v: Any, pos0: int) -> Any:
     """Causal GQA on the GPU in one fused kernel (see the module docstring).
 

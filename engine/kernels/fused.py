@@ -43,6 +43,12 @@ def _fn(name: str) -> Any:
     return _module().get_function(name)
 
 
+def preload() -> None:
+    """Compile (NVRTC, or CuPy's disk cache) and load this module's kernels now, so the CUDA
+    backend measures them before it plans (engine/kernels/warmup.py)."""
+    _fn(_RMS_NAMES[0])
+
+
 def _ptr(a: Any) -> np.uint64:
     """A kernel's optional pointer argument: the array's address, or 0."""
     return np.uint64(0 if a is None else a.data.ptr)

@@ -53,6 +53,11 @@ def _kernels() -> tuple[Any, Any]:
     return module.get_function("swiglu"), module.get_function("combine")
 
 
+def preload() -> None:
+    """Compile and load the MoE's SwiGLU and combine kernels now."""
+    _kernels()
+
+
 def gemm_nt(a: Any, w: Any, out: Any) -> Any:
     """out[g] = a[g] @ w[g].T for every g: a [G, m, K], w [G, N, K], out [G, m, N], all fp16
     and contiguous; one strided-batched cuBLAS call, fp32 accumulation."""

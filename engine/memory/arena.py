@@ -44,8 +44,9 @@ class Arena:
             seen = self._converted.get(id(host))
             if seen is None or seen[0] is not host:
                 seen = (host, host.astype(self.float_dtype))
-                if host.nbytes >= CONVERT_CACHE_MIN_BYTES:
+                if host.nbytes >= CONVERT_CACHE_MIN_BYTES:  # a head: restored by every loan
                     self._converted[id(host)] = seen
+                    self.ledger.backend.keep_for_upload(seen[1])
             host = seen[1]
         out = self.alloc(host.shape, host.dtype, zero=False)
         self.ledger.backend.upload(host, out)

@@ -50,8 +50,10 @@ class RegionInfo:
 class LedgerSnapshot:
     """The ledger at one moment; what the UI's VRAM bar and segment map draw.
 
-    `unaccounted_bytes` is device memory the process holds outside every region (the CUDA
-    context, stray allocations); None where the backend cannot tell.
+    `unaccounted_bytes` is device memory the process holds outside every region (on CUDA NVML's
+    process bytes minus the mapped regions: the context, cuBLAS, kernels, CuPy's pool); None
+    where the backend cannot tell. `limit_bytes` is what the whole process may hold (the
+    simulated capacity; on CUDA `--vram-limit`): the VRAM bar's total.
     """
 
     seq: int  # counts actions; a new number means something changed
@@ -61,6 +63,7 @@ class LedgerSnapshot:
     free_bytes: int
     segment_map: tuple[str, ...]  # [n_segments] owning region name, "" when free
     unaccounted_bytes: int | None
+    limit_bytes: int
 
     def region(self, name: str) -> RegionInfo | None:
         """The named region, or None when it is not reserved."""
@@ -180,7 +183,8 @@ class Ledger:
             for n in REGION_NAMES
             if (r := self._regions.get(n)) is not None
         )
-        process = self.backend.mem_info().process_bytes
+        info = self.backend.mem_info()
+        process = info.process_bytes
         mapped = sum(r.mapped_bytes for r in regions)
         return LedgerSnapshot(
             seq=self._seq,
@@ -190,6 +194,7 @@ class Ledger:
             free_bytes=self.free_bytes,
             segment_map=tuple(self._owner),
             unaccounted_bytes=None if process is None else max(0, process - mapped),
+            limit_bytes=info.total_bytes,
         )
 
     # -- actions --------------------------------------------------------------------------------

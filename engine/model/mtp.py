@@ -19,11 +19,10 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from engine.draft_head import DraftHead
 from engine.errors import ModelError
 from engine.gguf import names
 from engine.kv import KVCache
@@ -125,13 +124,25 @@ class MTPExperts:
         return np.stack([self.host.blob(0, e) for e in range(self.host.n_expert)])
 
 
+class DraftRows(Protocol):
+    """The head the block's logits come from: `n_rows` vocabulary rows (all of them, or the
+    draft vocabulary's subset)."""
+
+    @property
+    def n_rows(self) -> int: ...
+
+    def logits(self, normed: Any) -> Any:
+        """normed [T, d] -> logits [T, n_rows]."""
+        ...
+
+
 class MTPBlock:
     """Weights of the nextn block and its forward pass. Run-state (its KV) lives outside."""
 
     def __init__(
         self,
         model: Model,
-        head: DraftHead | None = None,
+        head: DraftRows,
         experts: ExpertProvider | None = None,
         xp: Any = np,
         to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
@@ -151,9 +162,7 @@ class MTPBlock:
         self.embd = TokenEmbedding(
             own_embd if own_embd is not None else mf.tensor(names.TOKEN_EMBD)
         )  # host rows
-        self.head = (
-            head if head is not None else DraftHead.from_model(model, 0, None, xp, to_device)
-        )
+        self.head = head  # the draft head (`engine.spec.draft_head.DraftHead`)
         # default: a resident, releasable copy of the quantized experts (not the host map)
         self.experts: ExpertProvider = experts or MTPExperts(model.mtp_experts, xp, to_device)
 

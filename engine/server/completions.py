@@ -26,7 +26,7 @@ from engine.server.admission import Closed, QueueFull, Ticket
 from engine.server.schema import ChatRequest, RequestError, parse_chat
 from engine.server.service import Service
 from engine.server.worker import Job
-from engine.session import Timing
+from engine.timing import Timing
 
 
 async def chat_completions(request: Request) -> Completion:

@@ -116,16 +116,16 @@ class Metrics:
         self.reused_tokens.inc(e.reused_tokens)
         self.prefilled_tokens.inc(e.fresh_tokens)
         self.generated_tokens.inc(e.generated)
-        self.prefill_seconds.inc(e.prefill_ms / 1e3)
-        self.decode_seconds.inc(e.decode_ms / 1e3)
+        self.prefill_seconds.inc(e.prefill_s)
+        self.decode_seconds.inc(e.decode_s)
         self.drafts_offered.inc(e.drafts_offered)
         self.drafts_accepted.inc(e.drafts_accepted)
         if e.cancelled:
             return
-        if e.prefill_ms > 0:
-            self.pp.set(e.fresh_tokens / (e.prefill_ms / 1e3))
-        if e.decoded and e.decode_ms > 0:
-            self.tg.set(e.generated / (e.decode_ms / 1e3))
+        if e.prefill_s > 0:
+            self.pp.set(e.fresh_tokens / e.prefill_s)
+        if e.decoded and e.decode_s > 0:
+            self.tg.set(e.generated / e.decode_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

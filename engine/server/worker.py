@@ -19,7 +19,7 @@ from engine.conversation import Conversation
 from engine.events import Event, PrefillProgress, RequestStarted
 from engine.serve import Reply, ServeLoop
 from engine.server.schema import ChatRequest
-from engine.session import Timing
+from engine.timing import Timing
 
 API_CONVERSATION = "api"
 Item = str | PrefillProgress | None  # text, prefill progress, None: the end

@@ -41,6 +41,7 @@ from engine.model.mtp import MTPBlock, require_mtp
 from engine.model.ops import rms_norm, silu
 from engine.quant import dequantize
 from engine.session import Session
+from engine.spec.draft_head import DraftHead
 
 
 @dataclass
@@ -191,7 +192,7 @@ def fit_mtp(
     dst = Path(dst) if dst is not None else src.with_name(f"{src.stem}-mtpfit.gguf")
     model = load_model(src)
     require_mtp(model)
-    block = MTPBlock(model)
+    block = MTPBlock(model, DraftHead.from_model(model))
     train = collect(model, n_seq, n_prompt, n_gen, seed)
     held_out = collect(model, max(4, n_seq // 8), n_prompt, n_gen, seed + 1)
     before = draft_accuracy(block, held_out)
@@ -211,7 +212,8 @@ def fit_mtp(
         },
     )
     tmp.replace(dst)
-    after = draft_accuracy(MTPBlock(load_model(dst)), held_out)  # as quantized in the file
+    quantized = load_model(dst)  # as quantized in the file
+    after = draft_accuracy(MTPBlock(quantized, DraftHead.from_model(quantized)), held_out)
     return FitReport(dst, n_samples, before, linear, after)
 
 

@@ -7,16 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import EngineOptions
-from engine.draft_head import DraftHead
 from engine.experts.provider import kernel_ffn
+from engine.loan.resources import DecodeResource
 from engine.memory.arena import Arena
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts
 from engine.model.loader import Model
 from engine.model.mtp import MTPBlock, MTPExperts, require_mtp
-from engine.resources import DecodeResource
-from engine.spec import MTPDraft, SpecDecoder
-from engine.verifier import Verifier
+from engine.spec.decoder import SpecDecoder
+from engine.spec.draft import MTPDraft
+from engine.spec.draft_head import DraftHead
+from engine.spec.verifier import Verifier
 
 
 def build_spec(

@@ -6,8 +6,13 @@ an MoE verify window every row may route to other experts, so a window reads mor
 than one row) and acceptance depends on the text, so the policy measures instead of guessing:
 
     home mode (start: draft) for `span` steps -> the other mode for `probe` steps -> the mode
-    with fewer seconds per emitted token becomes home; `span` doubles when home stays home
-    (up to `max_span`) and falls back to `first_span` when it changes.
+    with fewer seconds per emitted token becomes home; `span` grows when home stays home (x4
+    when it won by more than a quarter, else x2; up to `max_span`) and falls back to
+    `first_span` when it changes.
+
+A request's policy goes on from the previous request's (`prior`): its home, span and measured
+rates, so drafts that do not pay are probed rarely from the second request on (a few steps in
+a few hundred) instead of being measured again from scratch on every message.
 
 A mode's first step after a switch is not measured (it may capture a token graph for a new
 row count or bring the draft model's state up to date). Greedy output does not depend on the
@@ -30,10 +35,11 @@ class DraftPolicy:
     def __init__(
         self,
         always: bool = False,
-        first_span: int = 8,
-        probe: int = 4,
+        first_span: int = 2,
+        probe: int = 2,
         max_span: int = 256,
         window: int = 8,
+        prior: DraftPolicy | None = None,
     ):
         assert probe >= 2 and first_span >= 2 and max_span >= first_span, (probe, first_span)
         self.always, self.first_span, self.probe, self.max_span = always, first_span, probe, max_span
@@ -44,6 +50,10 @@ class DraftPolicy:
         self._steps: dict[str, deque[tuple[float, int]]] = {
             DRAFT: deque(maxlen=window), PLAIN: deque(maxlen=window),
         }  # fmt: skip
+        if prior is not None and not prior.always:  # go on where the last request stopped
+            self.home, self.mode, self.span, self.left = prior.home, prior.mode, prior.span, prior.left
+            for mode, steps in prior._steps.items():
+                self._steps[mode].extend(steps)
 
     def drafting(self) -> bool:
         """Whether the next step drafts."""
@@ -68,11 +78,12 @@ class DraftPolicy:
         if self.mode == self.home:  # probe the other mode
             self._switch(PLAIN if self.home == DRAFT else DRAFT, self.probe)
             return
-        best = self._best()
+        best, growth = self._best(), self._growth()
         if best == self.home:
-            self.span = min(2 * self.span, self.max_span)
-        else:
-            self.home, self.span = best, self.first_span
+            self.span = min(growth * self.span, self.max_span)
+        else:  # a clear win starts long: probing the loser costs a step at its price
+            self.home = best
+            self.span = min(self.first_span * (16 if growth == 4 else 1), self.max_span)
         self._switch(best, self.span)
 
     def rates(self) -> str:
@@ -88,6 +99,14 @@ class DraftPolicy:
         if d is None or p is None:
             return self.home
         return DRAFT if d <= p else PLAIN
+
+    def _growth(self) -> int:
+        """How much longer the next span is: x4 after a clear win (one mode over 1.25x the
+        other's seconds per token), else x2."""
+        d, p = self.seconds_per_token(DRAFT), self.seconds_per_token(PLAIN)
+        if d is None or p is None:
+            return 2
+        return 4 if max(d, p) > 1.25 * min(d, p) else 2
 
     def _switch(self, mode: str, steps: int) -> None:
         if mode != self.mode:

@@ -24,37 +24,18 @@ from typing import Self
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import deferred_regions
 from engine.errors import StrataError
-from engine.events import EventBus, LoanStep
+from engine.events import LoanStep
 from engine.experts.cache import ExpertCache
-from engine.memory.arena import Arena
+from engine.faults import Faults
+from engine.loan.resources import LABELS, DecodeResource, ResourceSet
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
 from engine.memory.planner import plan_loan
 from engine.memory.sizes import MiB
-from engine.resources import LABELS, DecodeResource, ResourceSet
+from engine.prompt.path import PromptPath
+from engine.report import Reporter
 
 STARTUP, REPEAT = "startup", "repeat"
-
-
-class InjectedFault(StrataError):
-    """A failure injected by a test at a named step of the transaction."""
-
-
-class Faults:
-    """Named one-shot fault points: `arm('release:verifier')`, `hit(step)` raises once."""
-
-    def __init__(self) -> None:
-        self.armed: set[str] = set()
-        self.seen: list[str] = []
-
-    def arm(self, step: str) -> None:
-        self.armed.add(step)
-
-    def hit(self, step: str) -> None:
-        self.seen.append(step)
-        if step in self.armed:
-            self.armed.discard(step)
-            raise InjectedFault(f"fault injected at {step}")
 
 
 def admit(flags: LoanFlags, startup_loan_pending: bool, n_fresh: int) -> str | None:
@@ -84,16 +65,13 @@ class LoanTransaction:
     resources: ResourceSet
     ledger: Ledger
     cache: ExpertCache | None
-    owned: tuple[Arena | None, Arena | None]  # prompt.chunk, prompt.ring (an owned prompt path)
+    prompt: PromptPath  # its owned regions grow; its lent range is refilled by the undo path
     plan: StartupPlan
     plan_options: PlanOptions
     costs: ModelCosts
     retained: PromptGeometry | None  # the retained startup geometry a repeat loan may reuse
     faults: Faults
-    refill_pending: Callable[[], None]  # gives back every slot the prompt path still holds
-    publish_cache: Callable[[], None]  # a CacheChanged event after the cache grows or shrinks
-    bus: EventBus
-    trace: Callable[[str], None]  # a loan line, as a TraceLine and through the CLI's writer
+    report: Reporter  # loan steps as events, loan lines, the cache after it grows or shrinks
     released: list[DecodeResource] = field(default_factory=list, init=False)  # in release order
     grown: int = field(default=0, init=False)
     geometry: PromptGeometry | None = field(default=None, init=False)
@@ -163,11 +141,11 @@ class LoanTransaction:
         if n:
             self.cache.grow(n)
             self.grown = n
-        self.publish_cache()
+        self.report.cache(self.cache)
 
     def _grow_owned(self, g: PromptGeometry) -> None:
         """An owned prompt path: grow prompt.chunk / prompt.ring to fit `g`."""
-        for arena, need in zip(self.owned, (g.chunk_bytes, g.ring_bytes)):
+        for arena, need in zip(self.prompt.owned, (g.chunk_bytes, g.ring_bytes)):
             if arena is not None and arena.region is not None and need > arena.region.used_bytes:
                 self.ledger.grow(arena.name, need - arena.region.used_bytes)
 
@@ -191,7 +169,7 @@ class LoanTransaction:
 
     def _undo(self, failed: bool, cancelled: bool = False) -> None:
         """Refill what is still lent, shrink, restore what this transaction released."""
-        self.refill_pending()
+        self.prompt.refill_pending()
         self._shrink()
         self._restore(self.released)
         self._owned_back()
@@ -202,12 +180,12 @@ class LoanTransaction:
         if self.grown and self.cache is not None:
             self.cache.shrink(self.grown)
             self.grown = 0
-            self.publish_cache()
+            self.report.cache(self.cache)
         self._owned_back()
 
     def _owned_back(self) -> None:
         """Shrink the owned prompt regions back to their startup size."""
-        for arena in self.owned:
+        for arena in self.prompt.owned:
             if arena is not None and arena.region is not None:
                 extra = arena.region.used_bytes - arena.n_bytes
                 if extra > 0:
@@ -233,8 +211,8 @@ class LoanTransaction:
             self._step("restore", line, sum(r.n_bytes for r in items), ms)
 
     def _step(self, step: str, line: str, n_bytes: int = 0, ms: float = 0.0) -> None:
-        self.bus.publish(LoanStep(step, line.removeprefix("strata loan: "), n_bytes, ms))
-        self.trace(line)
+        self.report.publish(LoanStep(step, line.removeprefix("strata loan: "), n_bytes, ms))
+        self.report.trace(line)
 
 
 def loan_regions(flags: LoanFlags, options: EngineOptions,

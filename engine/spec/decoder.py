@@ -18,8 +18,8 @@ in one pass once the first token is known (the loan has restored the MTP experts
 after each verify the block runs over the accepted positions, whose hidden the verifier holds,
 and that same pass yields the next step's first draft.
 
-Two entry points: `generate` (prefill + decode, the contract of `Session.generate`) and, for a
-runtime that prefills itself, `begin` -> prefill with `collect` on each chunk -> `decode`.
+A request calls `begin` (engine.request.prompt_start) -> prefill with `collect` on each
+chunk -> `decode`.
 """
 
 from __future__ import annotations
@@ -28,23 +28,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from engine.draft_head import DraftHead
 from engine.errors import FlagError
-from engine.kv import KVCache
 from engine.model.loader import Model
 from engine.model.mtp import MTPBlock
 from engine.sampler import Sampler, SamplingParams, distribution
-from engine.session import Session, Timing
-from engine.spec_policy import DraftPolicy
-from engine.verifier import Verifier
+from engine.session import Session
+from engine.spec.draft import Draft, DraftSource, MTPDraft, host_fn
+from engine.spec.draft_head import DraftHead
+from engine.spec.policy import DraftPolicy
+from engine.spec.verifier import Verifier
+from engine.timing import Timing
 
 MIN_WINDOW, MAX_WINDOW = 2, 8
-MTP_CHUNK = 512  # cells per MTP pass when catching up over a prompt
 
 
 def check_spec(n_window: int) -> None:
@@ -73,183 +72,6 @@ class LoanableResource(Protocol):
         ...
 
     def check_integrity(self) -> None: ...
-
-
-@dataclass
-class Draft:
-    """Proposed tokens and, in sampled mode, the [V] distribution q each was drawn from."""
-
-    tokens: list[int]
-    q: list[np.ndarray] | None
-
-
-def draft_token(logits: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
-    """logits [V] -> greedy argmax, or a draw from the sampling distribution q (returned)."""
-    if sampler.params.greedy:
-        return int(np.argmax(logits)), None
-    q = distribution(logits, sampler.params)
-    return sampler.draw(q), q
-
-
-class DraftSource(Protocol):
-    """Where drafts come from. Positions are the main session's."""
-
-    def resources(self) -> list[Any]: ...
-
-    def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
-        """How many of the session's `reuse` matching tokens the source can continue from."""
-        ...
-
-    def truncate(self, n: int) -> None:
-        """Forget state for positions n.. ."""
-        ...
-
-    def observe(self, session: Session, pos0: int, hidden: Any, next_ids: list[int]) -> None:
-        """The main model computed positions pos0.. (hidden [T, d] pre-norm); next_ids[i] is
-        the token at pos0+i+1 (the last one is the pending token). Replaces state >= pos0."""
-        ...
-
-    def propose(self, session: Session, pending: int, n_draft: int, sampler: Sampler) -> Draft:
-        """n_draft tokens to follow `pending`; the session is left as it was."""
-        ...
-
-
-def _host(xp: Any) -> Callable[[Any], np.ndarray]:
-    return getattr(xp, "asnumpy", np.asarray)
-
-
-class MTPDraft:
-    """Drafts with the MTP block; its KV cache (run-state) follows the main session.
-
-    Cell p needs the main hidden h[p]: `observe` builds cells from the prompt's hidden after
-    prefill and from the verifier's hidden of each accepted window. Chained drafts write cells
-    past the committed ones, fed the block's own output; the next `observe` overwrites them.
-    Implements `DraftSource`.
-    """
-
-    def __init__(self, block: MTPBlock, kv_alloc: Callable | None = None):
-        self.block, self._kv_alloc = block, kv_alloc
-        self.kv: KVCache | None = None
-        self.n_cells = 0  # committed cells 0..n_cells-1
-        self.seq: list[int] = []  # t[0..n_cells]: main tokens and the pending one
-        self._logits: np.ndarray | None = None  # [N] draft logits of the last committed cell
-        self._hidden: Any = None  # [1, d] block output there: h_prev of the first chained step
-
-    def resources(self) -> list[Any]:
-        """The releasable objects: MTP experts, then the draft head (loan release order)."""
-        return [r for r in (self.block.experts, self.block.head) if hasattr(r, "release")]
-
-    def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
-        kv = session.kv
-        if self.kv is None or (self.kv.n_ctx, self.kv.kind) != (kv.n_ctx, kv.kind):
-            self.kv = self.block.new_kv(kv.n_ctx, kv.kind, self._kv_alloc)
-            self.n_cells, self.seq, self._logits, self._hidden = 0, [], None, None
-        n_match = 0  # cell p stays valid while t[0..p+1] match
-        for a, b in zip(self.seq, prompt_ids):
-            if a != b:
-                break
-            n_match += 1
-        return max(0, min(reuse, self.n_cells, n_match - 1))
-
-    def truncate(self, n: int) -> None:
-        if n < self.n_cells:
-            self.n_cells = n
-            del self.seq[n + 1 :]
-            self._logits = self._hidden = None
-        if self.kv is not None:
-            self.kv.truncate(min(self.kv.n_tokens, self.n_cells))
-
-    def observe(self, session: Session, pos0: int, hidden: Any, next_ids: list[int]) -> None:
-        assert self.kv is not None, "reusable() binds the MTP KV to the session first"
-        n = len(next_ids)
-        assert 0 < n == hidden.shape[0], (n, hidden.shape)
-        assert pos0 <= self.n_cells, (
-            f"MTP has cells 0..{self.n_cells - 1}, asked to go on at {pos0}"
-        )
-        assert session.tokens[pos0 + 1 : pos0 + n] == list(next_ids[:-1])
-        self.kv.truncate(pos0)
-        for a in range(0, n, MTP_CHUNK):
-            b = min(n, a + MTP_CHUNK)
-            want = "last" if b == n else "none"
-            out = self.block.forward(  # prompt rows come from host memory, a slice at a time
-                self.block.xp.asarray(hidden[a:b]), np.asarray(next_ids[a:b]), pos0 + a, self.kv, want
-            )
-        self.n_cells = pos0 + n
-        self.seq = [*session.tokens[: pos0 + 1], *next_ids]
-        self._logits = _host(self.block.xp)(out.logits[-1])
-        self._hidden = out.hidden[-1:]
-
-    def propose(self, session: Session, pending: int, n_draft: int, sampler: Sampler) -> Draft:
-        assert self.kv is not None and self._logits is not None, "observe() comes first"
-        assert self.n_cells == len(session.tokens) and self.seq[-1] == pending
-        tokens: list[int] = []
-        qs: list[np.ndarray] = []
-        logits, h = self._logits, self._hidden
-        for j in range(n_draft):
-            if j:  # chained step: the block's own output stands in for the main hidden
-                out = self.block.forward(h, np.asarray(tokens[-1:]), self.n_cells + j - 1, self.kv)
-                logits, h = _host(self.block.xp)(out.logits[-1]), out.hidden
-            tok, q = draft_token(self.block.head.full_logits(logits), sampler)
-            tokens.append(tok)
-            if q is not None:
-                qs.append(q)
-        return Draft(tokens, None if sampler.params.greedy else qs)
-
-    def check_integrity(self) -> None:
-        if self.kv is None:
-            return
-        self.kv.check_integrity()
-        if self.n_cells > self.kv.n_tokens or (self.n_cells and len(self.seq) != self.n_cells + 1):
-            raise AssertionError(
-                f"MTP state: {self.n_cells} cells, KV {self.kv.n_tokens}, {len(self.seq)} tokens"
-            )
-
-
-class TargetDraft:
-    """Drafts by decoding ahead with the main model itself, then truncating: every draft is
-    the target's own choice (the accept-all reference path)."""
-
-    def resources(self) -> list[Any]:
-        return []
-
-    def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
-        return reuse
-
-    def truncate(self, n: int) -> None:
-        pass
-
-    def observe(self, session: Session, pos0: int, hidden: Any, next_ids: list[int]) -> None:
-        pass
-
-    def propose(self, session: Session, pending: int, n_draft: int, sampler: Sampler) -> Draft:
-        n0, tok = len(session.tokens), pending
-        tokens: list[int] = []
-        qs: list[np.ndarray] = []
-        try:
-            for _ in range(n_draft):
-                row = _host(session.xp)(session.forward([tok]).logits[-1])  # [V]
-                tok, q = self._choose(row, sampler)
-                tokens.append(tok)
-                qs.append(q)  # type: ignore[arg-type]
-        finally:
-            session.truncate(n0)
-        return Draft(tokens, None if sampler.params.greedy else qs)
-
-    def _choose(self, row: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
-        return draft_token(row, sampler)
-
-
-class AdversarialDraft(TargetDraft):
-    """Proposes the target's least likely token (one-hot q): greedy accepts none, and with
-    top-k or top-p filtering neither does sampling (p(d) = 0)."""
-
-    def _choose(self, row: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
-        tok = int(np.argmin(row))
-        if sampler.params.greedy:
-            return tok, None
-        q = np.zeros(row.size, dtype=np.float64)
-        q[tok] = 1.0
-        return tok, q
 
 
 def greedy_accept(drafts: list[int], targets: np.ndarray) -> tuple[int, int]:
@@ -362,7 +184,7 @@ class SpecDecoder:
         self.policy = policy = self.new_policy(sampler.params.greedy)
         self._unseen = None
         try:
-            out = [sampler.sample(_host(session.xp)(logits[-1]))]
+            out = [sampler.sample(host_fn(session.xp)(logits[-1]))]
             while True:
                 for tok in out:
                     emitted.append(tok)
@@ -402,46 +224,11 @@ class SpecDecoder:
             else:  # an error: no more device work; the next request re-reads what the draft lacks
                 self._unseen = None
 
-    # -- the plain-session entry point -----------------------------------------------------
-    def generate(
-        self,
-        session: Session,
-        prompt_ids: list[int],
-        max_new: int,
-        params: SamplingParams,
-        chunk_tokens: int = 512,
-        stop_ids: frozenset[int] = frozenset(),
-        timing: Timing | None = None,
-    ) -> Iterator[int]:
-        """Prefill the fresh part of `prompt_ids` (reusing a common prefix), then decode with
-        drafts: `Session.generate`'s contract."""
-        timing = timing if timing is not None else Timing()
-        keep = self.begin(session, prompt_ids, session.reusable(prompt_ids))
-        session.truncate(keep)
-        fresh = prompt_ids[keep:]
-        timing.prompt_tokens, timing.reused_tokens, timing.fresh_tokens = (
-            len(prompt_ids),
-            keep,
-            len(fresh),
-        )
-        t0 = time.perf_counter()
-        logits = self._prefill(session, fresh, chunk_tokens)
-        timing.prefill_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        tokens = self.decode(session, logits, Sampler(params), max_new, stop_ids, timing)
-        try:
-            for tok in tokens:
-                if timing.generated == 1:
-                    timing.ttft_s = time.perf_counter() - t0
-                yield tok
-        finally:
-            tokens.close()  # settles the KV now, not when the generator is collected
-            timing.decode_s = time.perf_counter() - t1
-
     def new_policy(self, greedy: bool) -> DraftPolicy:
-        """A request's drafting policy: measured for greedy decoding; a sampled request
-        drafts every step, so a seed gives the same text every time."""
-        return DraftPolicy(always=self.always or not greedy)
+        """A request's drafting policy: measured for greedy decoding, going on from the last
+        request's; a sampled request drafts every step, so a seed gives the same text every
+        time."""
+        return DraftPolicy(always=self.always or not greedy, prior=self.policy)
 
     def _catch_up(self, session: Session) -> None:
         """Feed the draft the hidden rows of the plain steps since it last observed (those
@@ -454,14 +241,6 @@ class SpecDecoder:
         if n > 0:
             hidden = session.xp.concatenate(rows[:n])  # [n, d]
             self.draft.observe(session, first, hidden, ids[:n])
-
-    def _prefill(self, session: Session, ids: list[int], chunk_tokens: int) -> Any:
-        """`Session.prefill`, handing every chunk's hidden to `collect`."""
-        prev, session.on_hidden = session.on_hidden, self.collect
-        try:
-            return session.prefill(ids, chunk_tokens)  # [1, V]
-        finally:
-            session.on_hidden = prev
 
     def _take_hidden(self, session: Session, n_start: int) -> tuple[int, Any]:
         pos0, parts = self._pos0, self._hidden
@@ -488,9 +267,9 @@ class SpecDecoder:
         logits = self.verifier.verify(session, [x, *draft.tokens])  # [w, V]
         xp = session.xp
         if sampler.params.greedy:
-            k, bonus = greedy_accept(draft.tokens, _host(xp)(xp.argmax(logits, axis=-1)))
+            k, bonus = greedy_accept(draft.tokens, host_fn(xp)(xp.argmax(logits, axis=-1)))
         else:
-            k, bonus = speculative_accept(draft.tokens, draft.q or [], _host(xp)(logits), sampler)
+            k, bonus = speculative_accept(draft.tokens, draft.q or [], host_fn(xp)(logits), sampler)
         session.truncate(n0 + 1 + k)
         timing.spec_steps += 1
         if not n_draft:  # a plain step: the draft model runs once drafting resumes, over every such row

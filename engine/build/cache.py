@@ -1,6 +1,6 @@
 """Startup pieces of a runtime on its device: the expert cache (filled in profile order, its
 residency table staged, seed 003's fallback), the profile it is filled from, page-locking the
-model file and the token graph on CUDA. Each takes the parts it works on; warnings go to
+model file on CUDA. Each takes the parts it works on; warnings go to
 `warn`, trace lines to `trace`."""
 
 from __future__ import annotations
@@ -13,23 +13,20 @@ from typing import Any
 import numpy as np
 
 from engine.backend.base import Backend
-from engine.errors import DeviceError, TokenGraphError
+from engine.errors import DeviceError
 from engine.experts.cache import ExpertCache
 from engine.experts.host import HostExperts
 from engine.experts.profile import ExpertProfile
 from engine.experts.provider import CachedExperts
 from engine.experts.residency import residency_readers
-from engine.kv import KVCache
-from engine.loan import Faults
+from engine.faults import Faults
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
 from engine.memory.planner import plan_startup
 from engine.memory.sizes import format_mib
 from engine.model.loader import Model
-from engine.model.transformer import Transformer
 from engine.model.weights import DecodedLRU
 from engine.profile_record import default_profile
-from engine.token_graph import TokenGraph
 
 Sink = Callable[[str], None]
 
@@ -88,25 +85,6 @@ def pin_model_file(backend: Backend, data: np.ndarray | None, trace: Sink, warn:
         return
     trace(f"pinned the model file: {format_mib(data.nbytes)} MiB in "
           f"{time.perf_counter() - t0:.1f} s")
-
-
-def attach_token_graph(tr: Transformer, kv: KVCache, experts: CachedExperts,
-                       cache: ExpertCache | None, backend: Backend, warn: Sink) -> None:
-    """On CUDA (unless --no-token-graph) decode steps replay captured CUDA graphs
-    (engine/token_graph.py); where that cannot work here, a warning says why and steps run
-    eagerly."""
-    tr.on_warning = warn
-    try:
-        tr.token_graph = TokenGraph(tr, kv, experts, cache, backend)
-    except TokenGraphError as e:
-        warn(f"strata: warning: {e}; decode steps run eagerly")
-
-
-def detach_token_graph(tr: Transformer) -> None:
-    """Drop the captured decode steps; steps run eagerly until `attach_token_graph`."""
-    if tr.token_graph is not None:
-        tr.token_graph.release()
-        tr.token_graph = None
 
 
 def startup_profile(path: str | None, model: Model, to_host: Callable[[Any], Any],

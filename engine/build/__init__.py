@@ -1,0 +1,1 @@
+"""Startup: plan -> ledger -> weights -> expert cache -> speculative decoding -> Runtime."""

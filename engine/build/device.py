@@ -1,0 +1,68 @@
+"""What startup decides before it allocates: the device, what each item costs, the guards on
+the options, the flags and the device's facts, and the memory plan. `strata plan` prints it;
+`build_runtime` allocates it — one planning path for both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.backend import make_backend
+from engine.backend.base import Backend
+from engine.config import EngineOptions, LoanFlags
+from engine.costs import Shapes, model_costs
+from engine.devices import (
+    deferred_regions,
+    resolve_device,
+    segment_bytes,
+    sim_device,
+    vram_limit_bytes,
+    weight_bytes,
+)
+from engine.errors import FlagError
+from engine.kernels.warmup import warm_up
+from engine.loan.guards import validate
+from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
+from engine.memory.planner import plan_startup
+from engine.memory.sizes import MiB
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """The device, what each planned item costs, the planner's options and the plan."""
+
+    backend: Backend
+    costs: ModelCosts
+    plan_options: PlanOptions
+    plan: StartupPlan
+
+
+def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes) -> DevicePlan:
+    """Open the device, run the guards on the options, the flags and the device's facts
+    (capacity, segment), then plan memory. Every refusal is one FlagError listing them all,
+    raised before anything is allocated or deferred."""
+    device = resolve_device(options.device)
+    costs = model_costs(shapes, options, weight_bytes(device), gpu=device.startswith("cuda"))
+    reserve = options.vram_reserve_mib * MiB
+    limit = vram_limit_bytes(options)
+    backend = make_backend(sim_device(device, costs, reserve, limit), limit,
+                           elastic=options.vram_elastic, warm_up=warm_up)
+    capacity = backend.capacity_bytes
+    seg = segment_bytes(options, capacity)
+    violations = validate(options, flags, device, shapes.has_mtp, shapes.hp.has_output,
+                          segment_bytes=seg, capacity_bytes=capacity)
+    if violations:
+        raise FlagError(violations)
+    plan_options = plan_options_for(options, flags, reserve, seg, device)
+    return DevicePlan(backend, costs, plan_options, plan_startup(capacity, costs, plan_options))
+
+
+def plan_options_for(options: EngineOptions, flags: LoanFlags, reserve_bytes: int,
+                     segment_bytes: int, device: str = "sim") -> PlanOptions:
+    """The planner's options; on CUDA the ring wants two layers of experts (the prompt path
+    uploads the next layer's experts while this one computes)."""
+    return PlanOptions(
+        ring_layers=2 if device.startswith("cuda") else 1,
+        expert_cache=options.expert_cache, prefill=options.prefill,
+        deferred=deferred_regions(flags, options), borrow=not options.no_borrow,
+        reserve_bytes=reserve_bytes, segment_bytes=segment_bytes,
+    )

@@ -1,0 +1,116 @@
+"""Startup (DESIGN §4): open the model (no weights decoded yet), plan memory (pure, the same
+code `strata plan` runs), create the ledger, reserve regions while decoding weights straight
+into them, fill the expert cache in profile order, stage the residency table (seed 003), build
+speculative decoding, then release whatever a startup loan defers. The result is a `Runtime`.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engine.backend.base import Backend
+from engine.build.cache import make_cache, pin_model_file, startup_profile
+from engine.build.device import plan_device
+from engine.build.spec import build_spec
+from engine.config import EngineOptions, LoanFlags
+from engine.costs import Shapes
+from engine.devices import weight_bytes
+from engine.events import EventBus, LedgerChanged, Loading
+from engine.experts.provider import CachedExperts
+from engine.faults import Faults
+from engine.loan.resources import DecodeResource, NativeHead, ResourceSet
+from engine.memory.arena import Arena
+from engine.memory.ledger import Ledger
+from engine.model.loader import load_model
+from engine.model.weights import DecodedLRU
+from engine.prompt.path import PromptPath
+from engine.report import Reporter
+from engine.runtime import Runtime
+from engine.session import Session
+from engine.synth.demo import resolve_model
+from engine.token_graph import attach_token_graph
+
+
+def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None = None,
+                  on_line: Callable[[str], None] | None = None,
+                  faults: Faults | None = None) -> Runtime:
+    """Load, plan and allocate; publishes Loading, LedgerChanged and Ready events.
+
+    `on_line` receives the text lines the CLI prints (serve lines and warnings always, trace
+    and loan lines with STRATA_TRACE=1); `faults` arms named failure points (tests).
+    """
+    # An engine let go of is held by reference cycles (its parts keep its bound methods)
+    # until a full collection: run one now, so its memory (device buffers on CUDA, the
+    # decoded experts) is back before this engine plans from what is free.
+    gc.collect()
+    faults = faults or Faults()
+    report = Reporter(bus, on_line)
+    publish = report.publish
+    path = resolve_model(options.model,
+                         progress=lambda d, t: publish(Loading("building model", d, t)))
+    publish(Loading("opening model", 0, 1))
+    model = load_model(path, build=False)
+    planned = plan_device(options, flags, Shapes.of(model))
+    backend, costs = planned.backend, planned.costs
+    ledger = Ledger(backend, backend.capacity_bytes,
+                    segment_bytes=planned.plan_options.segment_bytes,
+                    on_change=lambda s: publish(LedgerChanged.of(s)))
+
+    publish(Loading("decoding weights", 0, 3))
+    wdt = np.float16 if weight_bytes(backend.name) == 2 else np.float32
+    dense = Arena(ledger, "weights.dense", costs.dense_bytes, float_dtype=wdt)
+    head = Arena(ledger, "head.native", costs.head_bytes, float_dtype=wdt)
+    model.build(backend.xp, dense.to_device, head.to_device)
+    publish(Loading("decoding weights", 1, 3))
+    kv = Arena(ledger, "kv", costs.kv_bytes)
+    if planned.plan_options.reserve_bytes:
+        Arena(ledger, "reserve", planned.plan_options.reserve_bytes)
+    cuda = backend if backend.device_index is not None else None
+    if cuda is not None:
+        report.say(f"strata serve: {cuda.budget.line()}")  # type: ignore[attr-defined]
+        pin_model_file(cuda, model.mf.data, report.trace, report.warn)
+    to_host = _to_host(backend)
+    token_graph = cuda is not None and not options.no_token_graph
+    cache, plan, plan_options = make_cache(
+        ledger, model.experts, planned.plan, costs, planned.plan_options,
+        profile=lambda: startup_profile(options.expert_profile, model, to_host, cuda),
+        token_graph=token_graph, faults=faults, trace=report.trace, warn=report.warn,
+    )
+    experts = CachedExperts(cache, model.experts, DecodedLRU(), to_host, cuda)
+    session = Session(model, n_ctx=options.ctx, kv_kind=options.kv, xp=backend.xp,
+                      experts=experts, kv_alloc=kv.alloc)
+    if token_graph:
+        attach_token_graph(model.transformer, session.kv, experts, cache, backend, report.warn)
+    prompt = PromptPath(ledger, plan.prompt, costs, cache, experts, backend, faults, report)
+
+    items = [DecodeResource("head.native", head, NativeHead(model.transformer, head))]
+    spec = None
+    if options.mtp:
+        spec, mtp_items = build_spec(options, model, ledger, costs, xp=backend.xp,
+                                     weight_dtype=wdt, on_cuda=cuda is not None, dense=dense,
+                                     kv=kv)
+        items += mtp_items
+        if spec is not None:
+            session.on_hidden = spec.collect
+    resources = ResourceSet(items)
+    rt = Runtime(options=options, flags=flags, model=model, backend=backend, ledger=ledger,
+                 plan=plan, costs=costs, plan_options=plan_options, cache=cache,
+                 experts=experts, session=session, prompt=prompt, resources=resources,
+                 spec=spec, faults=faults, report=report)
+    publish(Loading("decoding weights", 3, 3))
+    for r in resources.select(plan_options.deferred):
+        r.release()
+    rt.startup_loan_pending = bool(flags.elastic_loan)
+    report.cache(cache)
+    publish(rt.ready())
+    rt.publish_gpu(force=True)
+    return rt
+
+
+def _to_host(backend: Backend) -> Callable[[Any], np.ndarray]:
+    """A device array's host copy."""
+    return getattr(backend.xp, "asnumpy", np.asarray)

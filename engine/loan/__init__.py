@@ -1,0 +1,2 @@
+"""The VRAM loan (seed 000, DESIGN §5): guards, the decode-only resources it lends, what a
+startup loan defers, fault points, and the transaction whose exit is the only undo path."""

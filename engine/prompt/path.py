@@ -1,0 +1,143 @@
+"""The prompt path: chunked prefill with experts read in place or streamed through the ring.
+
+Per chunk and layer the router picks experts; resident ones are read from their cache slot,
+the others are uploaded into the staging ring (only the experts the chunk uses) and decoded
+from there. The chunk buffer and the ring are carved from lent cache-tail slots (borrowed) or
+from the owned `prompt.*` regions. Counters report bytes streamed, experts streamed and hits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.backend.base import Backend
+from engine.events import LoanStep
+from engine.experts.cache import ExpertCache, LentRange
+from engine.experts.provider import CachedExperts, StreamCounters
+from engine.faults import Faults
+from engine.memory.arena import Arena
+from engine.memory.ledger import Ledger
+from engine.memory.plan_types import ModelCosts, PromptGeometry
+from engine.memory.ring import StagingRing, split_prompt_buffer
+from engine.report import Reporter
+from engine.session import Session
+
+
+def n_chunks(n_tokens: int, chunk_tokens: int) -> int:
+    """How many chunks a prompt of `n_tokens` takes (the one place this is counted)."""
+    return -(-n_tokens // chunk_tokens)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What the prompt path did: chunks run, the provider's stream counters, the lend and
+    refill trace lines."""
+
+    n_chunks: int
+    counters: StreamCounters
+    refill_trace: str = ""
+    lend_trace: str = ""
+
+
+def shrink_geometry(g: PromptGeometry, n_fresh: int, act_bytes_per_token: int,
+                    act_bytes_fixed: int, blob_bytes: int) -> PromptGeometry:
+    """A prompt shorter than the chunk needs only its own activations: lend fewer slots."""
+    if n_fresh >= g.chunk_tokens:
+        return g
+    chunk_bytes = act_bytes_fixed + n_fresh * act_bytes_per_token
+    n_lent = -(-(chunk_bytes + g.ring_bytes) // blob_bytes) if g.borrowed else 0
+    return PromptGeometry(n_fresh, g.ring_slots, n_lent, chunk_bytes, g.ring_bytes, g.borrowed,
+                          g.reasons)
+
+
+class PromptPath:
+    """The prompt path of one engine: the owned `prompt.*` regions (a plan that does not
+    borrow), the range lent from the cache tail while a prompt runs, and the chunk loop.
+
+    `run` lends, prefills and always refills; if it is interrupted, `refill_pending` (the
+    loan's undo path and the runtime's) gives back what is still lent.
+    """
+
+    def __init__(self, ledger: Ledger, prompt: PromptGeometry, costs: ModelCosts,
+                 cache: ExpertCache | None, provider: CachedExperts, backend: Backend,
+                 faults: Faults, report: Reporter):
+        self.costs, self.cache, self.provider, self.backend = costs, cache, provider, backend
+        self.faults, self.report = faults, report
+        self.chunk: Arena | None = None
+        self.ring: Arena | None = None
+        if prompt.chunk_tokens and not prompt.borrowed:
+            self.chunk = Arena(ledger, "prompt.chunk", prompt.chunk_bytes)
+            self.ring = Arena(ledger, "prompt.ring", prompt.ring_bytes)
+        self.lent: LentRange | None = None  # cache slots the running prompt holds
+
+    @property
+    def owned(self) -> tuple[Arena | None, Arena | None]:
+        """The owned prompt regions (prompt.chunk, prompt.ring), None where borrowed."""
+        return self.chunk, self.ring
+
+    @property
+    def owned_bytes(self) -> int:
+        return sum(a.n_bytes for a in self.owned if a is not None)
+
+    def fit(self, g: PromptGeometry, n_fresh: int) -> PromptGeometry:
+        """`g` cut down to a prompt of `n_fresh` tokens (fewer slots lent for a short one)."""
+        c = self.costs
+        return shrink_geometry(g, n_fresh, c.act_bytes_per_token, c.act_bytes_fixed,
+                               c.expert_blob_bytes)
+
+    def run(self, session: Session, fresh: list[int], g: PromptGeometry,
+            on_chunk: Callable[[int, int, float], None]) -> PrefillResult:
+        """Prefill `fresh` with geometry `g` chunk by chunk; lends and always refills."""
+        blob = self.provider.host.blob_bytes
+        if g.borrowed:
+            assert self.cache is not None
+            self.lent = self.cache.lend_tail(g.n_lent_slots, chunk_tokens=g.chunk_tokens)
+            chunk_buf, ring_slots = split_prompt_buffer(self.lent.view, g.chunk_bytes,
+                                                        g.ring_slots, blob)
+        else:
+            assert self.chunk is not None and self.ring is not None, \
+                "an owned prompt geometry needs the prompt.* regions"
+            assert self.chunk.region is not None and self.ring.region is not None
+            chunk_buf = self.chunk.region.view(0, g.chunk_bytes)
+            ring_slots = self.ring.region.view(0, g.ring_slots * blob).reshape(g.ring_slots, blob)
+        lend_trace = ""
+        if self.lent is not None:
+            lend_trace = self.lent.trace
+            self.report.publish(LoanStep("lend", lend_trace, self.lent.n_slots * blob,
+                                         self.lent.elapsed_ms))
+        self.report.cache(self.cache)
+        try:
+            self.faults.hit("lent")
+            self.provider.attach_ring(StagingRing(self.backend, ring_slots))
+            self.provider.counters.reset()
+            session.model.transformer.arena_stats = None
+            session.prefill(fresh, g.chunk_tokens, on_chunk, logits="none", scratch=chunk_buf)
+        finally:
+            self.provider.attach_ring(None)
+        refill_trace = ""
+        if self.lent is not None:
+            self.faults.hit("refill")
+            refill_trace = self.refill_pending()
+        return PrefillResult(n_chunks(len(fresh), g.chunk_tokens), self.provider.counters,
+                             refill_trace, lend_trace)
+
+    def refill_pending(self) -> str:
+        """Give back every slot the prompt path still holds (a one-shot device fault gets one
+        retry); returns the refill's trace line."""
+        lent, self.lent = self.lent, None
+        trace = ""
+        if self.cache is not None and lent is not None and self.cache.n_lent:
+            for attempt in (1, 2):
+                try:
+                    done = self.cache.refill(lent)
+                    trace = done.trace
+                    self.report.publish(LoanStep("refill", trace, done.h2d_bytes,
+                                                 done.elapsed_ms))
+                    break
+                except Exception:
+                    if attempt == 2:
+                        self.lent = lent
+                        raise
+        self.report.cache(self.cache)
+        return trace

@@ -1,0 +1,97 @@
+"""Reporter: where an engine's progress goes — events on its bus and the text lines the CLI
+prints. Startup, the loan transaction, the prompt path and the runtime all report through one
+`Reporter`, so what a user sees (the app's panels, `strata run`'s lines) has one source.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engine.backend.base import Backend
+from engine.events import CacheChanged, EventBus, GpuStats, TraceLine
+from engine.experts.cache import LENT, ExpertCache
+from engine.memory.ledger import Ledger
+from engine.telemetry import Telemetry
+
+Sink = Callable[[str], None]
+
+
+class Reporter:
+    """Events and text lines of one engine.
+
+    `trace` lines are events always and printed with STRATA_TRACE=1; `say` lines (the serve
+    lines) are printed always; `warn` lines are kept in `warnings` and printed always.
+    """
+
+    def __init__(self, bus: EventBus | None = None, on_line: Sink | None = None,
+                 trace_on: bool | None = None):
+        self.bus = bus or EventBus()
+        self.on_line = on_line
+        self.trace_on = (os.environ.get("STRATA_TRACE", "") not in ("", "0")
+                         if trace_on is None else trace_on)
+        self.warnings: list[str] = []
+        self._telemetry: Any = None  # engine.telemetry.Telemetry; False without NVML
+        self._gpu_t = 0.0
+
+    def publish(self, event: Any) -> None:
+        self.bus.publish(event)
+
+    def trace(self, line: str) -> None:
+        """A trace or loan line: a TraceLine event, printed with STRATA_TRACE=1."""
+        self.bus.publish(TraceLine(line))
+        self._print(line, self.trace_on)
+
+    def say(self, line: str) -> None:
+        """A serve line: a TraceLine event, always printed."""
+        self.bus.publish(TraceLine(line))
+        self._print(line, True)
+
+    def warn(self, line: str) -> None:
+        """A warning: kept in `warnings` and always printed."""
+        self.warnings.append(line)
+        self._print(line, True)
+
+    def _print(self, line: str, show: bool) -> None:
+        if self.on_line is not None and show:
+            self.on_line(line)
+
+    def cache(self, cache: ExpertCache | None) -> None:
+        """A CacheChanged event: every slot's state and the lent range."""
+        if cache is None:
+            return
+        states = cache.states()
+        lent = np.nonzero(states == LENT)[0]
+        rng = (int(lent[0]), int(lent[-1])) if len(lent) else None
+        self.bus.publish(CacheChanged(states.astype(np.uint8).tobytes(), rng, len(lent)))
+
+    def gpu(self, backend: Backend, ledger: Ledger, force: bool = False) -> None:
+        """On CUDA, at most twice a second unless `force`: measure again what the process
+        holds outside the ledger (`CudaBackend.refresh_outside`: growth comes off the pool's
+        limit; with STRATA_TRACE=1 and `force` its memory line), then an NVML reading as a
+        GpuStats event with the whole-process limit."""
+        if backend.device_index is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._gpu_t < 0.5:
+            return
+        self._gpu_t = now
+        backend.refresh_outside()  # type: ignore[attr-defined]
+        if force and self.trace_on:
+            self.trace(backend.memory_line())  # type: ignore[attr-defined]
+        if self._telemetry is None:
+            self._telemetry = Telemetry.open(backend.device_index) or False
+        if self._telemetry:
+            used = sum(r.used_bytes for r in ledger.snapshot().regions)
+            limit = backend.mem_info().total_bytes
+            self.bus.publish(GpuStats(self._telemetry.snapshot(), used, limit))
+
+    def close(self) -> None:
+        """Release the NVML handle (a closed engine publishes no more readings)."""
+        if self._telemetry:
+            self._telemetry.close()
+        self._telemetry = False

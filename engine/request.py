@@ -1,0 +1,119 @@
+"""One request: the record built once (ids, reused, fresh, loan, geometry, chunks, timing), the
+progress sink it reports to, and the steps every caller shares — the reuse rule
+(`prompt_start`) and decoding, plain or with drafts (`decode_tokens`).
+
+The serve loop runs a request through the runtime (the loan, the prompt path); `generate`
+runs one on a bare session (tests, `strata bench-spec`, the llama.cpp oracle) with the same
+reuse rule and the same decoders.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.memory.plan_types import PromptGeometry
+from engine.sampler import Sampler, SamplingParams
+from engine.session import Session
+from engine.spec.decoder import SpecDecoder
+from engine.timing import Timing
+
+
+@dataclass
+class Request:
+    """A request's facts, each set once: `ids` and `reused` when it starts; `loan`,
+    `geometry` and `n_chunks` when the runtime plans its prefill; `timing` as it runs."""
+
+    id: int
+    ids: list[int]
+    reused: int  # leading prompt tokens whose K/V the engine keeps
+    timing: Timing = field(default_factory=Timing)
+    loan: str | None = None  # "startup", "repeat" or None (engine.loan.transaction.admit)
+    geometry: PromptGeometry | None = None  # the prompt plan its prefill runs with
+    n_chunks: int = 0
+
+    @classmethod
+    def start(cls, request_id: int, ids: list[int], session: Session,
+              spec: SpecDecoder | None, timing: Timing | None = None) -> Request:
+        """Apply the reuse rule to `session` (and the draft) and record the prompt's counts."""
+        reused = prompt_start(session, spec, ids)
+        timing = timing if timing is not None else Timing()
+        timing.prompt_tokens, timing.reused_tokens = len(ids), reused
+        timing.fresh_tokens = len(ids) - reused
+        return cls(request_id, ids, reused, timing)
+
+    @property
+    def fresh(self) -> list[int]:
+        """The prompt tokens this request computes."""
+        return self.ids[self.reused:]
+
+
+class Progress(Protocol):
+    """Where a running request's progress goes (the serve loop: events, cancel checks)."""
+
+    def planned(self, request: Request) -> None:
+        """The loan decision and the prompt geometry are set on `request`."""
+        ...
+
+    def chunk(self, request: Request, index: int, seconds: float) -> None:
+        """Chunk `index` of `request.n_chunks` took `seconds`; raising here stops the prompt
+        (the runtime rolls back)."""
+        ...
+
+
+def prompt_start(session: Session, spec: SpecDecoder | None, ids: list[int]) -> int:
+    """The reuse rule, in one place: keep the common prefix of the session's tokens and `ids`
+    (never all of `ids`: the last prompt token is recomputed, its logits give the first new
+    token) that the draft can continue from too; truncate the session to it. Returns it."""
+    keep = session.reusable(ids)
+    if spec is not None:
+        keep = spec.begin(session, ids, keep)
+    session.truncate(keep)
+    return keep
+
+
+def decode_tokens(session: Session, spec: SpecDecoder | None, logits: Any, sampler: Sampler,
+                  max_new: int, stop_ids: frozenset[int], timing: Timing,
+                  cancel: threading.Event | None = None) -> Iterator[int]:
+    """Tokens after the prompt's logits [.., V]: with drafts when `spec` is given, else plain."""
+    if spec is not None:
+        return spec.decode(session, logits, sampler, max_new, stop_ids, timing, cancel)
+    return session.decode(logits, sampler, max_new, stop_ids, timing, cancel)
+
+
+def generate(
+    session: Session,
+    ids: list[int],
+    max_new: int,
+    params: SamplingParams,
+    chunk_tokens: int = 512,
+    stop_ids: frozenset[int] = frozenset(),
+    timing: Timing | None = None,
+    spec: SpecDecoder | None = None,
+) -> Iterator[int]:
+    """A request on a bare session (no runtime, no loan): reuse a common prefix, prefill the
+    rest in chunks, then decode (with `spec`'s drafts when given)."""
+    req = Request.start(0, ids, session, spec, timing)
+    timing = req.timing
+    t0 = time.perf_counter()
+    prev = session.on_hidden
+    if spec is not None:  # the draft reads every prompt chunk's hidden
+        session.on_hidden = spec.collect
+    try:
+        logits = session.prefill(req.fresh, chunk_tokens)  # [1, V]
+    finally:
+        session.on_hidden = prev
+    timing.prefill_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    tokens = decode_tokens(session, spec, logits, Sampler(params), max_new, stop_ids, timing)
+    try:
+        for tok in tokens:
+            if timing.generated == 1:
+                timing.ttft_s = time.perf_counter() - t0
+            yield tok
+    finally:
+        tokens.close()  # settles the KV now, not when the generator is collected
+        timing.decode_s = time.perf_counter() - t1
