@@ -143,21 +143,16 @@ class Completion:
     async def _stream(self, job: Job, send: sse.Send, gone: asyncio.Future[None]) -> None:
         await sse.start(send)
         await sse.body(send, sse.data(self._chunk({"role": "assistant", "content": ""})))
-        while True:
-            ok, items = await sse.first(_batch(job), gone, timeout_s=sse.KEEPALIVE_S)
+        quiet_s = 0.0
+        while not job.finished.is_set():
+            await sse.first(job.finished.wait(), gone, timeout_s=1 / sse.FLUSH_HZ)
             if gone.done():
                 return
-            if not ok:
+            quiet_s = 0.0 if await self._flush(job, send) else quiet_s + 1 / sse.FLUSH_HZ
+            if quiet_s >= sse.KEEPALIVE_S:
                 await sse.body(send, sse.comment("keep-alive"))
-                continue
-            text = "".join(i for i in items if isinstance(i, str))
-            if text:
-                await sse.body(send, sse.data(self._chunk({"content": text})))
-            elif progress := [i for i in items if isinstance(i, PrefillProgress)]:
-                p = progress[-1]  # a comment: OpenAI clients skip it, it shows the client is alive
-                await sse.body(send, sse.comment(f"prefill {p.tokens_done}/{p.tokens_total}"))
-            if None in items:
-                break
+                quiet_s = 0.0
+        await self._flush(job, send)  # what came before `finished` was seen
         failure = self._failure(job)
         if failure is not None:
             await sse.body(send, sse.data(failure.body()))
@@ -169,6 +164,19 @@ class Completion:
                 await sse.body(send, sse.data({**self._head("chat.completion.chunk"),
                                                "choices": [], "usage": usage(reply.timing)}))
         await sse.body(send, sse.DONE, more=False)
+
+    async def _flush(self, job: Job, send: sse.Send) -> bool:
+        """Send the text the engine wrote since the last flush as one chunk (or, while the
+        prompt is read, a comment with its progress: clients skip it). Whether it sent."""
+        items = job.take()
+        text = "".join(i for i in items if isinstance(i, str))
+        progress = [i for i in items if isinstance(i, PrefillProgress)]
+        if text:
+            await sse.body(send, sse.data(self._chunk({"content": text})))
+        elif progress:
+            p = progress[-1]
+            await sse.body(send, sse.comment(f"prefill {p.tokens_done}/{p.tokens_total}"))
+        return bool(text or progress)
 
     def _chunk(self, delta: dict[str, str], finish: str | None = None,
                reply: Reply | None = None) -> dict[str, Any]:
@@ -200,9 +208,3 @@ class Completion:
         await JSONResponse(err.body(), err.status, err.headers)(scope, receive, send)
 
 
-async def _batch(job: Job) -> list[Any]:
-    """The job's next items: waits for one, then takes every one already there."""
-    items = [await job.items.get()]
-    while not job.items.empty():
-        items.append(job.items.get_nowait())
-    return items

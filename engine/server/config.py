@@ -33,7 +33,8 @@ class ServerConfig:
         if self.queue_max < 0:
             errors.append(f"--queue {self.queue_max} must be >= 0 (0: no request waits)")
         if self.max_body_bytes < 1024:
-            errors.append(f"--max-body {self.max_body_bytes} bytes must be at least 1 KiB")
+            errors.append(f"--max-body-mib {self.max_body_bytes / MiB:g} must be at least "
+                          "0.001 (1 KiB)")
         if self.max_new < 1:
             errors.append(f"--max-new {self.max_new} must be at least 1")
         if self.api_key is not None and not self.api_key.strip():

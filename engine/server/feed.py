@@ -1,12 +1,16 @@
-"""EventFeed: the engine's bus, fanned out to `GET /v1/events` clients on the server's event
-loop, and the latest of each snapshot event (what a new client is shown first, and what
-`GET /v1/vram` reads: the engine's own state is only read on the engine thread).
+"""EventFeed: the engine's bus fanned out to `GET /v1/events` clients, and the latest of each
+snapshot event (what a new client is shown first, and what `GET /v1/vram` reads: the engine's
+own state is only read on the engine thread).
+
+A publish only appends to each subscriber's deque (no wakeup of the server's event loop, which
+would cost the engine thread the GIL once an event); each stream takes what came at its own
+pace.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
+from collections import deque
 from collections.abc import Callable
 
 from engine.events import CacheChanged, Event, EventBus, GpuStats, LedgerChanged, Ready
@@ -16,24 +20,32 @@ QUEUE_EVENTS = 8192  # a client further behind than this is let go
 
 
 class Subscriber:
-    """One client's queue of events; None ends it (the server stops, or it fell behind)."""
+    """One client's events; `ended` when the server stops or the client fell too far behind
+    (then nothing more is added)."""
 
-    def __init__(self, aio: asyncio.AbstractEventLoop, wants: Callable[[Event], bool]):
-        self.aio, self.wants = aio, wants
-        self.queue: asyncio.Queue[Event | None] = asyncio.Queue()
-        self.overflowed = False
+    def __init__(self, wants: Callable[[Event], bool]):
+        self.wants = wants
+        self.ended = False
+        self._items: deque[Event] = deque()
 
-    def put(self, item: Event | None) -> None:
-        """On the event loop: queue `item`, or end the stream of a client too far behind."""
-        if self.overflowed:
+    def put(self, e: Event) -> None:  # any thread
+        if self.ended:
             return
-        if item is not None and self.queue.qsize() >= QUEUE_EVENTS:
-            self.overflowed, item = True, None
-        self.queue.put_nowait(item)
+        if len(self._items) >= QUEUE_EVENTS:
+            self.ended = True
+        else:
+            self._items.append(e)
+
+    def take(self) -> list[Event]:
+        """Every event put since the last take."""
+        out = []
+        while self._items:
+            out.append(self._items.popleft())
+        return out
 
 
 class EventFeed:
-    """Subscribes to the bus once; delivers to every subscriber's loop thread-safely."""
+    """Subscribes to the bus once; every subscriber gets the events it wants."""
 
     def __init__(self, bus: EventBus):
         self._lock = threading.Lock()
@@ -47,14 +59,14 @@ class EventFeed:
             return self._latest.get(cls)
 
     def subscribe(self, wants: Callable[[Event], bool]) -> Subscriber:
-        """A subscriber on the running loop, its queue starting with the latest snapshots."""
-        sub = Subscriber(asyncio.get_running_loop(), wants)
+        """A subscriber whose events start with the latest snapshots."""
+        sub = Subscriber(wants)
         with self._lock:
             for e in sorted(self._latest.values(), key=lambda e: e.t):
                 if wants(e):
                     sub.put(e)
             if self._closed:
-                sub.put(None)
+                sub.ended = True
             else:
                 self._subs.append(sub)
         return sub
@@ -70,7 +82,7 @@ class EventFeed:
             self._closed = True
             subs, self._subs = self._subs, []
         for sub in subs:
-            _deliver(sub, None)
+            sub.ended = True
 
     def _on_event(self, e: Event) -> None:  # any thread (the engine's, mostly)
         with self._lock:
@@ -78,11 +90,4 @@ class EventFeed:
                 self._latest[type(e)] = e
             subs = [s for s in self._subs if s.wants(e)]
         for sub in subs:
-            _deliver(sub, e)
-
-
-def _deliver(sub: Subscriber, item: Event | None) -> None:
-    try:
-        sub.aio.call_soon_threadsafe(sub.put, item)
-    except RuntimeError:  # its loop has closed: the server is gone
-        pass
+            sub.put(e)

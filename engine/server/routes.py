@@ -235,23 +235,24 @@ class EventStream:
         gone: asyncio.Future[None] = asyncio.ensure_future(sse.disconnected(receive))
         try:
             await sse.start(send)
+            quiet_s = 0.0
             while True:
-                ok, first = await sse.first(sub.queue.get(), gone, timeout_s=sse.KEEPALIVE_S)
-                if gone.done():
-                    return
-                if not ok:
-                    await sse.body(send, sse.comment("keep-alive"))
-                    continue
-                items = [first]
-                while not sub.queue.empty():
-                    items.append(sub.queue.get_nowait())
-                chunk = b"".join(sse.data(codec.event_json(e), type(e).__name__)
-                                 for e in items if e is not None)
-                if chunk:
-                    await sse.body(send, chunk)
-                if None in items:  # the server stops, or this client fell too far behind
+                ended = sub.ended  # read before taking: what came before the end is sent
+                events = sub.take()
+                if events:
+                    await sse.body(send, b"".join(
+                        sse.data(codec.event_json(e), type(e).__name__) for e in events))
+                    quiet_s = 0.0
+                elif ended:  # the server stops, or this client fell too far behind
                     await sse.body(send, b"", more=False)
                     return
+                elif quiet_s >= sse.KEEPALIVE_S:
+                    await sse.body(send, sse.comment("keep-alive"))
+                    quiet_s = 0.0
+                await asyncio.wait({gone}, timeout=1 / sse.FLUSH_HZ)
+                if gone.done():
+                    return
+                quiet_s += 1 / sse.FLUSH_HZ
         finally:
             gone.cancel()
             self.feed.unsubscribe(sub)

@@ -19,6 +19,7 @@ HEADERS = [
     (b"x-accel-buffering", b"no"),  # a reverse proxy passes each event on at once
 ]
 KEEPALIVE_S = 5.0  # a comment this often while nothing else is sent
+FLUSH_HZ = 50  # a stream sends what the engine published this often (one write for all of it)
 
 
 def data(obj: Any, event: str | None = None) -> bytes:

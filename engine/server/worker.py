@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +23,7 @@ from engine.server.schema import ChatRequest
 from engine.timing import Timing
 
 API_CONVERSATION = "api"
-Item = str | PrefillProgress | None  # text, prefill progress, None: the end
+Item = str | PrefillProgress  # text, or prefill progress
 
 
 def conversation(request: ChatRequest, with_prompt: bool = False) -> Conversation:
@@ -34,14 +35,18 @@ def conversation(request: ChatRequest, with_prompt: bool = False) -> Conversatio
 
 
 class Job:
-    """One request on its way through the engine thread: its items on the server's event
-    loop as they come, then `finished` with the reply or the error."""
+    """One request on its way through the engine thread: its items as they come (`take`),
+    then `finished` with the reply or the error.
+
+    The engine thread only appends items; the server's event loop takes them at its own pace
+    (a stream flushes `sse.FLUSH_HZ` times a second): waking the loop for every token would
+    cost the engine thread the GIL (and, on a busy machine, a core) once a token."""
 
     def __init__(self, request: ChatRequest, max_new: int, on_done: Callable[[], None]):
         self.request, self.max_new = request, max_new
         self.aio = asyncio.get_running_loop()
         self.cancel_event = threading.Event()
-        self.items: asyncio.Queue[Item] = asyncio.Queue()
+        self._items: deque[Item] = deque()  # appended on the engine thread, taken on the loop
         self.finished = asyncio.Event()
         self.reply: Reply | None = None
         self.error: BaseException | None = None
@@ -52,20 +57,25 @@ class Job:
         self.cancel_event.set()
 
     def put(self, item: Item) -> None:  # engine thread
-        self._call(self.items.put_nowait, item)
+        self._items.append(item)
+
+    def take(self) -> list[Item]:
+        """Every item put since the last take (on the event loop)."""
+        out = []
+        while self._items:
+            out.append(self._items.popleft())
+        return out
 
     def finish(self, reply: Reply | None, error: BaseException | None) -> None:  # engine thread
+        """The reply (or the error), after every item: `finished` is set on the event loop."""
+
         def done() -> None:
             self.reply, self.error = reply, error
-            self.items.put_nowait(None)
             self.finished.set()
             self._on_done()
 
-        self._call(done)
-
-    def _call(self, fn: Callable, *args: object) -> None:
         try:
-            self.aio.call_soon_threadsafe(fn, *args)
+            self.aio.call_soon_threadsafe(done)
         except RuntimeError:  # the event loop has closed: nobody waits for this any more
             pass
 
