@@ -49,7 +49,8 @@ def bench_serve(args: argparse.Namespace) -> int:
                          f"tok/s, through the server {serve[-1].client_tok_s or 0:,.1f} tok/s "
                          "(client clock)\n")
     loan = " ".join(f"{k.removeprefix('STRATA_PREFILL_')}={v}" for k, v in flags.as_env().items())
-    title = (f"decode speed through `strata serve` vs `strata run`: {' '.join(argv) or '(defaults)'}"
+    shown = argv if "--model" in argv else ["--model", options.model, *argv]
+    title = (f"decode speed through `strata serve` vs `strata run`: {' '.join(shown)}"
              f", {loan}\nprompt {args.prompt!r}, --max-new {args.max_new}, {args.runs} runs "
              "each, interleaved, fresh process per run")
     sys.stdout.write(table(title, run, serve) + "\n")
