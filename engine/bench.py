@@ -178,7 +178,7 @@ def _measure(loop: ServeLoop, cfg: Config, n_tokens: int, max_new: int, hw: Hard
     t = reply.timing
     loop.rt.check_integrity()
     p = plans[-1]
-    arena = loop.rt.model.transformer.arena_stats
+    arena = loop.rt.prompt.arena_stats
     ratio = 0.0
     if hw is not None:
         flops = prefill_flops(Shapes.of(loop.rt.model), n_tokens, pos0=len(ids) - n_tokens)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from engine.kernels.decode import moe_at
-from engine.model.ops import rms_norm
+from engine.kernels.fused import route_topk
 from engine.token_graph import TokenGraph, _gemv
 
 
@@ -46,28 +46,26 @@ def _time_graph(cp: Any, stream: Any, pool: Any, fn: Callable[[], Any], repeat: 
 def profile_step(tg: TokenGraph, tokens: list[int], pos: int, repeat: int = 20) -> list[tuple[str, float]]:
     """[(part, GPU ms per step)] for a step of rows `tokens` at position `pos` (>= the KV's
     tokens): per-layer parts x n_layer, the head, their sum and the whole step's replay."""
-    cp, tr, hp = tg._cp, tg.tr, tg.tr.hp
+    cp, be, tr, hp = tg._cp, tg.backend, tg.tr, tg.tr.hp
     t = len(tokens)
     assert tg.kv.n_tokens <= pos and pos + t <= tg.kv.n_ctx, (tg.kv.n_tokens, pos, t)
     blk, layer = tr.blocks[0], 0
     saved = tg.counts.copy()
-    tg.pos.set(np.array([pos], dtype=np.int32))
-    x = cp.asarray(np.ascontiguousarray(tr.embd.rows(np.asarray(tokens, dtype=np.int64)), np.float32))
+    be.upload_inline(np.array([pos], dtype=np.int32), tg.pos)
+    x = be.to_device(np.ascontiguousarray(tr.embd.rows(np.asarray(tokens, dtype=np.int64)), np.float32))
     q = tg._qkv(blk.attn, x, layer)
     o = tg._attend(q, layer)
-    h = rms_norm(cp, x, blk.ffn_norm, hp.rms_eps)
-    from engine.kernels.fused import route_topk
-
-    ids, w, _ = route_topk(_gemv(h, blk.router), hp.n_expert_used)
+    h = be.rms_norm(x, blk.ffn_norm, hp.rms_eps)
+    ids, w, _ = route_topk(_gemv(be, h, blk.router), hp.n_expert_used)
     layout = tg.experts.host.layout
     parts: list[tuple[str, Callable[[], Any], int]] = [
         ("norm, q/k/v, rope, KV write", lambda: tg._qkv(blk.attn, x, layer), hp.n_layer),
         (f"attention over {pos + t} cells", lambda: tg._attend(q, layer), hp.n_layer),
-        ("output projection", lambda: _gemv(o.reshape(t, hp.q_dim), blk.attn.wo), hp.n_layer),
-        ("norm, router, top-k", lambda: route_topk(_gemv(rms_norm(cp, x, blk.ffn_norm, hp.rms_eps),
+        ("output projection", lambda: _gemv(be, o.reshape(t, hp.q_dim), blk.attn.wo), hp.n_layer),
+        ("norm, router, top-k", lambda: route_topk(_gemv(be, be.rms_norm(x, blk.ffn_norm, hp.rms_eps),
                                                          blk.router), hp.n_expert_used), hp.n_layer),
         ("routed experts (layer 0's routing)", lambda: moe_at(h, ids, w, tg._sources[layer], layout, tg.counts), hp.n_layer),
-        ("output head", lambda: _gemv(rms_norm(cp, x[-1:], tr.output_norm, hp.rms_eps), tr.head), 1),
+        ("output head", lambda: _gemv(be, be.rms_norm(x[-1:], tr.output_norm, hp.rms_eps), tr.head), 1),
     ]
     rows = [(name, n * _time_graph(cp, tg._stream, tg._pool, fn, repeat)) for name, fn, n in parts]
     rows.append(("sum of the parts", sum(ms for _, ms in rows)))
@@ -117,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = ServeLoop.create(opts)
     ids = loop.rt.model.tokenizer.encode("The river runs through the old city. " * 8)
     loop.complete(list(ids), max_new=4)
-    tg = loop.rt.model.transformer.token_graph
+    tg = loop.rt.session.graph
     if tg is None:
         print("no token graph on this engine (see the startup warnings)")
         return 1

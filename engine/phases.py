@@ -1,63 +1,60 @@
 """Where a prompt's time goes: device time per phase (attention, MoE) of the prompt path.
 
-`PhaseClock(xp)` marks phase boundaries in stream order: on CUDA with events recorded on the
-current stream (no host synchronisation, so the prefetch overlap it measures is not
-disturbed), on the CPU with the wall clock. `lap(name)` closes the phase that began at the
+`PhaseClock(backend)` marks phase boundaries in stream order with the backend's `time_mark`:
+on CUDA events recorded on the current stream (no host synchronisation, so the prefetch
+overlap it measures is not disturbed), on the simulated device the wall clock. `lap(name)` closes the phase that began at the
 previous mark; `totals()` waits for the last event once and returns seconds per phase.
 
 Compared with the prefill's wall time this tells compute-bound (phases add up to the wall
 time) from launch-bound (the device idles between them) without a profiler. The runtime
 keeps one when STRATA_TRACE is set and prints the totals after each prompt.
 
-Kernels mark sub-phases with `lap(name)` (a no-op unless a clock is `active`): the grouped
-MoE splits its time into routing (with its host reads), expert fetch + fp16 decode, and GEMMs.
+Code below the model marks sub-phases with `lap(name)` (a no-op unless a clock is `active`):
+the CUDA MoE op hands it to the grouped MoE kernel, which splits its time into routing (with
+its host reads), expert fetch + fp16 decode, and GEMMs.
 """
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol
+
+
+class Timer(Protocol):
+    """What a clock needs of the backend: marks in stream order and the time between two."""
+
+    def time_mark(self) -> Any: ...
+
+    def seconds_between(self, start: Any, end: Any) -> float: ...
 
 
 class PhaseClock:
     """Seconds per named phase, measured in stream order (see the module docstring)."""
 
-    def __init__(self, xp: Any):
-        self._cuda = xp.__name__ == "cupy"
-        self._xp = xp
+    def __init__(self, timer: Timer):
+        self._timer = timer
         self._last: Any = None
         self._laps: list[tuple[str, Any, Any]] = []
         self._totals: dict[str, float] = defaultdict(float)
 
-    def _now(self) -> Any:
-        if self._cuda:
-            ev = self._xp.cuda.Event()
-            ev.record()
-            return ev
-        return time.perf_counter()
-
     def start(self) -> None:
         """Mark the beginning of the first phase."""
-        self._last = self._now()
+        self._last = self._timer.time_mark()
 
     def lap(self, phase: str) -> None:
         """The time since the previous mark belongs to `phase`."""
-        now = self._now()
+        now = self._timer.time_mark()
         if self._last is not None:
             self._laps.append((phase, self._last, now))
         self._last = now
 
     def totals(self) -> dict[str, float]:
-        """Seconds per phase so far (waits for the last recorded event on CUDA)."""
-        if self._laps and self._cuda:
-            self._laps[-1][2].synchronize()
+        """Seconds per phase so far (waits for the last mark on CUDA)."""
         for phase, a, b in self._laps:
-            seconds = self._xp.cuda.get_elapsed_time(a, b) / 1e3 if self._cuda else b - a
-            self._totals[phase] += seconds
+            self._totals[phase] += self._timer.seconds_between(a, b)
         self._laps.clear()
         return dict(self._totals)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.backend.base import ExpertProvider
 from engine.experts.profile import ExpertProfile, ProfileError, ProfileRecorder
+from engine.experts.provider import DirectExperts
 from engine.kv import KVCache
 from engine.model.loader import Model
-from engine.model.moe import ExpertProvider
-from engine.model.weights import DirectExperts
 from engine.synth.demo import cache_dir
 from engine.synth.vocab import word_list
 
@@ -45,19 +45,19 @@ def record_profile(model: Model, texts: Iterable[str], max_tokens: int = 1 << 20
     computes the routed FFN (default: decoded from host memory)."""
     assert model.transformer is not None, "build the model weights first"
     hp = model.hp
-    xp = model.transformer.xp
+    be = model.transformer.backend
     rec = ProfileRecorder(hp.n_layer, hp.n_expert)
-    experts = experts or DirectExperts(model.experts, to_device=xp.asarray)
+    experts = experts or DirectExperts(model.experts, be)
     for text in texts:
         ids = model.tokenizer.encode(text)[:max_tokens]
         if not ids:
             continue
-        kv = KVCache(xp, hp.n_layer, len(ids), hp.n_head_kv, hp.head_dim)
+        kv = KVCache(be, hp.n_layer, len(ids), hp.n_head_kv, hp.head_dim)
         for start in range(0, len(ids), CHUNK_TOKENS):
             part = np.asarray(ids[start : start + CHUNK_TOKENS], dtype=np.int64)
             res = model.transformer.forward(part, start, kv, experts, logits="none")
             for layer, routed in enumerate(res.routes):
-                rec.add(layer, getattr(xp, "asnumpy", np.asarray)(routed))
+                rec.add(layer, be.download(routed))
     if rec.n_tokens == 0:
         raise ProfileError("no tokens to profile: the prompt set is empty")
     return rec.profile()

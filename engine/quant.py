@@ -1,4 +1,5 @@
-"""Dequantization on the CPU through `gguf.quants`; block sizes from `gguf.GGML_QUANT_SIZES`.
+"""Dequantization on the CPU through `gguf.quants`; block sizes from `gguf.GGML_QUANT_SIZES`;
+`ExpertLayout`, the byte layout of one expert blob (the record the MoE kernels take).
 
 Our own decoders exist only where the library cannot serve (the CUDA kernels), and are tested
 against these. Large tensors (the output head, a model's dense weights) are decoded in row
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -60,3 +62,27 @@ def dequantize(t: TensorView) -> np.ndarray:
     """Decode a whole GGUF tensor into float32 with its numpy-order shape."""
     return dequantize_bytes(t.raw, t.qtype, t.shape)
 
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Byte layout of one expert blob: three matrices, each with its own quant type."""
+
+    qtypes: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType]
+    shapes: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]  # gate [f,d], up [f,d], down [d,f]
+
+    @property
+    def part_bytes(self) -> tuple[int, int, int]:
+        return tuple(s[0] * row_bytes(q, s[1]) for q, s in zip(self.qtypes, self.shapes))  # type: ignore[return-value]
+
+    @property
+    def blob_bytes(self) -> int:
+        return sum(self.part_bytes)
+
+    def decode(self, blob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """uint8 [blob_bytes] -> float32 (gate [f, d], up [f, d], down [d, f])."""
+        out = []
+        off = 0
+        for q, shape, n in zip(self.qtypes, self.shapes, self.part_bytes):
+            out.append(dequantize_bytes(blob[off : off + n], q, shape))
+            off += n
+        return out[0], out[1], out[2]

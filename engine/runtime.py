@@ -37,7 +37,7 @@ from engine.sampler import Sampler
 from engine.session import Session
 from engine.spec.decoder import SpecDecoder
 from engine.timing import Timing
-from engine.token_graph import attach_token_graph, detach_token_graph
+from engine.token_graph import make_token_graph
 
 RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profile",
                   "vram_segment_mib", "vram_reserve_mib", "vram_limit", "mtp", "draft_vocab",
@@ -98,7 +98,7 @@ class Runtime:
             f"{self.model.path.name}: {hp.n_layer} layers x {hp.n_expert} experts (top-{hp.n_expert_used}), "
             f"{self.backend.name} {format_mib(self.ledger.capacity_bytes)} MiB, "
             f"cache {n_slots}/{hp.n_layer * hp.n_expert} experts, prompt plan {self.plan.prompt.label}"
-            + (", token graph" if self.model.transformer.token_graph is not None else "")
+            + (", token graph" if self.session.graph is not None else "")
         )
 
     def validate(self, options: EngineOptions, flags: LoanFlags) -> list[str]:
@@ -163,7 +163,7 @@ class Runtime:
         graph_changed = options.no_token_graph != self.options.no_token_graph
         self.options, self.flags = options, flags
         if graph_changed:  # --no-token-graph toggled: decode steps eager / captured from now on
-            detach_token_graph(self.model.transformer)
+            self.detach_token_graph()
             self.attach_token_graph()
 
     def follow_deferral(self, deferred: frozenset[str], armed: bool) -> None:
@@ -178,9 +178,17 @@ class Runtime:
             self.report.trace(line)
 
     def attach_token_graph(self) -> None:
+        """Decode steps replay captured CUDA graphs from now on (unless --no-token-graph)."""
         if self.token_graph_wanted:
-            attach_token_graph(self.model.transformer, self.session.kv, self.experts, self.cache,
-                               self.backend, self.report.warn)
+            self.session.graph = make_token_graph(self.model.transformer, self.session.kv,
+                                                  self.experts, self.cache, self.backend,
+                                                  self.report.warn)
+
+    def detach_token_graph(self) -> None:
+        """Drop the captured decode steps; steps run eagerly until `attach_token_graph`."""
+        if self.session.graph is not None:
+            self.session.graph.release()
+            self.session.graph = None
 
     def rollback(self, n_tokens: int) -> None:
         """Drop the KV (and the draft's) after the first `n_tokens`."""
@@ -250,20 +258,16 @@ class Runtime:
             self.publish_gpu()
             progress.chunk(req, index, seconds)
 
-        tr = self.model.transformer
-        tr.phase_clock = PhaseClock(self.xp) if self.report.trace_on else None
-        if tr.phase_clock is not None:
-            tr.phase_clock.start()
+        clock = PhaseClock(self.backend) if self.report.trace_on else None
+        if clock is not None:
+            clock.start()
         t0 = time.perf_counter()
-        try:
-            res = self.prompt.run(self.session, req.fresh, g, on_chunk)
-            if tr.phase_clock is not None:
-                self.report.trace(tr.phase_clock.line(time.perf_counter() - t0))
-        finally:
-            tr.phase_clock = None
+        res = self.prompt.run(self.session, req.fresh, g, on_chunk, clock)
+        if clock is not None:
+            self.report.trace(clock.line(time.perf_counter() - t0))
         req.timing.bytes_streamed = res.counters.bytes_streamed
-        if tr.arena_stats is not None:
-            self.report.trace(tr.arena_stats.line())
+        if self.prompt.arena_stats is not None:
+            self.report.trace(self.prompt.arena_stats.line())
 
     def decode(self, logits: Any, sampler: Sampler, max_new: int, stop_ids: frozenset[int],
                timing: Timing, cancel: threading.Event) -> Iterator[int]:
@@ -283,7 +287,7 @@ class Runtime:
         if self.spec is not None and self.options.spec >= 2:
             self.report.trace(f"speculation: drafted {timing.drafted_steps} of "
                               f"{timing.spec_steps} steps{self.spec.policy.rates()}")
-        graph = self.model.transformer.token_graph
+        graph = self.session.graph
         if graph is None:
             return
         n = timing.decode_hits + timing.decode_misses
@@ -306,7 +310,7 @@ class Runtime:
             return
         self.closed = True
         self.backend.synchronize()
-        detach_token_graph(self.model.transformer)
+        self.detach_token_graph()
         for name in self._PARTS:
             if name in self.__dict__:
                 delattr(self, name)

@@ -9,17 +9,33 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from engine.backend.base import ExpertProvider
 from engine.errors import StrataError
+from engine.experts.provider import DirectExperts
 from engine.kv import KVCache
 from engine.model.loader import Model
-from engine.model.moe import ExpertProvider
-from engine.model.weights import DirectExperts
+from engine.model.transformer import ForwardResult, PromptChunk
 from engine.sampler import Sampler
 from engine.timing import Timing
+
+
+class StepGraph(Protocol):
+    """Decode steps of this session's KV replayed from captured device graphs
+    (engine/token_graph.py, CUDA)."""
+
+    def handles(self, n_rows: int, experts: ExpertProvider, chunk: PromptChunk | None) -> bool:
+        """Whether a forward of `n_rows` rows is a step the graph replays."""
+        ...
+
+    def step(self, tokens: np.ndarray, pos0: int, logits: str) -> ForwardResult | None:
+        """The step replayed; None where it cannot be (the graph gave up: it said why)."""
+        ...
+
+    def release(self) -> None: ...
 
 
 class Session:
@@ -30,17 +46,20 @@ class Session:
         model: Model,
         n_ctx: int = 4096,
         kv_kind: str = "f16",
-        xp: Any = np,
         experts: ExpertProvider | None = None,
         kv_alloc: Callable | None = None,
     ):
-        self.model, self.xp = model, xp
+        assert model.transformer is not None, "build the model's weights first"
+        self.model, self.backend = model, model.transformer.backend
+        self.xp = self.backend.xp
         hp = model.hp
-        self.kv = KVCache(xp, hp.n_layer, n_ctx, hp.n_head_kv, hp.head_dim, kv_kind, kv_alloc)
-        self.experts: ExpertProvider = experts or DirectExperts(model.experts)
+        self.kv = KVCache(self.backend, hp.n_layer, n_ctx, hp.n_head_kv, hp.head_dim, kv_kind,
+                          kv_alloc)
+        self.experts: ExpertProvider = experts or DirectExperts(model.experts, self.backend)
         self.tokens: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last_hidden: Any = None  # [1, d] pre-norm hidden of the last token (MTP input)
         self.on_hidden: Callable[[int, Any], None] | None = None  # (pos0, hidden [T, d])
+        self.graph: StepGraph | None = None  # captured decode steps (CUDA), the runtime's
 
     @property
     def n_ctx(self) -> int:
@@ -73,17 +92,26 @@ class Session:
         speculative decoder and `generate` ask here."""
         return min(self.common_prefix(ids), max(len(ids) - 1, 0))
 
-    def forward(self, ids: list[int], logits: str = "last", scratch: Any = None) -> Any:
-        """Append ids to the sequence in one forward pass; returns logits per `logits`."""
+    def forward(self, ids: list[int], logits: str = "last", chunk: PromptChunk | None = None
+                ) -> ForwardResult:
+        """Append ids to the sequence in one forward pass (a decode step replayed from the
+        captured graph where there is one); returns logits per `logits`. `chunk`: a prompt
+        chunk's buffer, clock and stats (the prompt path's)."""
         pos0 = len(self.tokens)
         if pos0 + len(ids) > self.n_ctx:
             raise StrataError(
                 f"context full: {pos0 + len(ids)} tokens > --ctx {self.n_ctx}; "
                 "start a new conversation or raise --ctx"
             )
-        res = self.model.transformer.forward(
-            np.asarray(ids, dtype=np.int64), pos0, self.kv, self.experts, logits, scratch
-        )
+        tokens = np.asarray(ids, dtype=np.int64)
+        res = None
+        if self.graph is not None and self.graph.handles(len(ids), self.experts, chunk):
+            res = self.graph.step(tokens, pos0, logits)
+            if res is None:  # the graph gave up (it warned): steps run eagerly from now on
+                self.graph = None
+        if res is None:
+            res = self.model.transformer.forward(tokens, pos0, self.kv, self.experts, logits,
+                                                 chunk)
         self.tokens.extend(int(t) for t in ids)
         self.last_hidden = res.hidden[-1:].copy()
         if self.on_hidden is not None:
@@ -96,7 +124,7 @@ class Session:
         chunk_tokens: int,
         on_chunk: Callable[[int, int, float], None] | None = None,
         logits: str = "last",
-        scratch: Any = None,
+        chunk: PromptChunk | None = None,
     ) -> Any:
         """Feed ids in chunks of `chunk_tokens`; returns the logits per `logits` ('last':
         the final position's, 'all': every position's, 'none': none — the caller computes
@@ -109,7 +137,7 @@ class Session:
             t0 = time.perf_counter()
             part = ids[c * chunk_tokens : (c + 1) * chunk_tokens]
             want = logits if (logits == "all" or c == n_chunks - 1) else "none"
-            res = self.forward(part, want, scratch)
+            res = self.forward(part, want, chunk)
             if logits == "all":
                 all_logits.append(res.logits)
             if on_chunk:
@@ -128,9 +156,8 @@ class Session:
     ) -> Iterator[int]:
         """Plain decoding from the prompt's last logits [.., V]: one forward per token, until
         a stop id, `max_new`, a full context or `cancel`."""
-        to_host = getattr(self.xp, "asnumpy", np.asarray)
         for i in range(max_new):
-            tok = sampler.sample(to_host(logits[-1]))
+            tok = sampler.sample(self.backend.download(logits[-1]))
             if timing is not None:
                 timing.generated += 1
             yield tok

@@ -37,13 +37,15 @@ from engine.experts.provider import CachedExperts
 from engine.kernels.decode import (
     GRAPH_KV_KINDS,
     ExpertSource,
+    KVCells,
     attention_at,
     attention_workspace,
     kv_write_at,
     moe_at,
 )
+from engine.kernels.dequant import GEMV_MAX_ROWS, decoder_align
+from engine.kernels.fused import rope_neox_, route_topk
 from engine.kv import KVCache
-from engine.model.ops import GEMV_ROWS, linear, rms_norm
 from engine.model.transformer import ForwardResult, Transformer
 
 
@@ -67,13 +69,16 @@ class TokenGraph:
     bytes the GEMV decoders cannot address."""
 
     def __init__(self, transformer: Transformer, kv: KVCache, experts: CachedExperts,
-                 cache: ExpertCache | None, backend: Any):
+                 cache: ExpertCache | None, backend: Any, warn: Callable[[str], None]):
+        """`backend`: the `CudaBackend` (its ops, counted copies and `mapped_address`);
+        `warn`: where a step that cannot be replayed says why (decode steps then run eagerly)."""
         import cupy
 
         if kv.kind not in GRAPH_KV_KINDS:
             raise TokenGraphError(f"token graph: --kv {kv.kind} is not one of its KV kinds "
                                   f"{GRAPH_KV_KINDS}")
         self.tr, self.kv, self.experts, self.cache, self.backend = transformer, kv, experts, cache, backend
+        self._warn = warn
         self._cp = cupy
         self._pool = cupy.cuda.MemoryPool(allocator=cupy.get_default_memory_pool().malloc)
         self._stream = cupy.cuda.Stream(non_blocking=True)
@@ -94,10 +99,21 @@ class TokenGraph:
         """Device bytes the graphs' buffers and temporaries hold (from the workspace pool)."""
         return int(self._pool.total_bytes())
 
-    def handles(self, n_rows: int, experts: Any, scratch: Any) -> bool:
-        """Whether `Transformer.forward` should replay a graph for this call."""
+    def handles(self, n_rows: int, experts: Any, chunk: Any) -> bool:
+        """Whether the session's forward of `n_rows` rows (not a prompt chunk's) is a step
+        this graph replays."""
         staged = self.cache is None or self.cache.staged
-        return scratch is None and experts is self.experts and 1 <= n_rows <= GEMV_ROWS and staged
+        return chunk is None and experts is self.experts and 1 <= n_rows <= GEMV_MAX_ROWS and staged
+
+    def step(self, tokens: np.ndarray, pos0: int, logits: str) -> ForwardResult | None:
+        """`forward`, or None where the step cannot be captured (e.g. a weight that needs
+        cuBLAS): then the graphs are released and a warning says why."""
+        try:
+            return self.forward(tokens, pos0, logits)
+        except TokenGraphError as e:
+            self.release()
+            self._warn(f"strata: warning: {e}; decode steps run eagerly")
+            return None
 
     def release(self) -> None:
         """Drop every graph and give their memory back to the workspace pool."""
@@ -108,7 +124,7 @@ class TokenGraph:
     # -- the step --------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, pos0: int, logits: str) -> ForwardResult:
         """`Transformer.forward` for a decode step: rows `tokens` [T] at positions pos0.."""
-        cp, t = self._cp, len(tokens)
+        cp, be, t = self._cp, self.backend, len(tokens)
         fingerprint = self._addresses()
         if fingerprint != self._fingerprint:  # an address a graph baked in has moved
             self.release()
@@ -116,13 +132,13 @@ class TokenGraph:
                 self._sources = self._expert_sources()
             self._fingerprint = fingerprint
         rows = np.ascontiguousarray(self.tr.embd.rows(np.asarray(tokens, dtype=np.int64)), np.float32)
-        self.pos.set(np.array([pos0], dtype=np.int32))
+        be.upload_inline(np.array([pos0], dtype=np.int32), self.pos)
         key = (t, logits == "all")
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(rows, key[1])
         else:
-            g.x_in.set(rows)
+            be.upload_inline(rows, g.x_in)
         stream = cp.cuda.get_current_stream()
         self._events[0].record(stream)
         g.graph.launch(stream=stream)
@@ -153,7 +169,7 @@ class TokenGraph:
 
     def _count(self) -> None:
         """Expert hits and misses of the step, into the provider's and the cache's counters."""
-        now = self.counts.get()  # waits for the step (the sampler would next)
+        now = self.backend.download(self.counts)  # waits for the step (the sampler would next)
         hits, misses = (int(v) for v in now - self._counted)
         self._counted = now
         c = self.experts.counters
@@ -172,7 +188,7 @@ class TokenGraph:
         cur = cp.cuda.get_current_stream()
         with cp.cuda.using_allocator(self._pool.malloc):
             g = _Graph(
-                graph=None, x_in=cp.asarray(rows),
+                graph=None, x_in=self.backend.to_device(rows),
                 logits=cp.empty((t if all_logits else 1, hp.n_vocab), dtype=cp.float32),
                 hidden=cp.empty((t, hp.n_embd), dtype=cp.float32),
                 routes=cp.empty((hp.n_layer, t, hp.n_expert_used), dtype=cp.int64),
@@ -182,7 +198,7 @@ class TokenGraph:
             s.wait_event(cur.record())
             with s:
                 self._step(g, all_logits)
-                self._counted = self.counts.get()  # the warm-up's experts are not the step's
+                self._counted = self.backend.download(self.counts)  # not the step's experts
                 # relaxed: the pool may still cudaMalloc a block while capturing
                 s.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
                 try:
@@ -197,40 +213,36 @@ class TokenGraph:
 
     def _step(self, g: _Graph, all_logits: bool) -> None:
         """The decode step on the graph's buffers (what is captured)."""
-        cp, tr, hp = self._cp, self.tr, self.tr.hp
-        from engine.kernels.fused import route_topk
-
+        cp, be, tr, hp = self._cp, self.backend, self.tr, self.tr.hp
         layout = self.experts.host.layout
         x = g.x_in.copy()  # [T, d] residual stream
         g.margins.fill(np.inf)
         for i, blk in enumerate(tr.blocks):
             x += self._attention(blk.attn, x, i)
-            h = rms_norm(cp, x, blk.ffn_norm, hp.rms_eps)  # [T, d]
-            ids, w, margin = route_topk(_gemv(h, blk.router), hp.n_expert_used)
+            h = be.rms_norm(x, blk.ffn_norm, hp.rms_eps)  # [T, d]
+            ids, w, margin = route_topk(_gemv(be, h, blk.router), hp.n_expert_used)
             g.routes[i] = ids
             x += moe_at(h, ids, w, self._sources[i], layout, self.counts)
             cp.minimum(g.margins, margin, out=g.margins)
         g.hidden[...] = x
         tail = x if all_logits else x[-1:]
-        g.logits[...] = _gemv(rms_norm(cp, tail, tr.output_norm, hp.rms_eps), tr.head)
+        g.logits[...] = _gemv(be, be.rms_norm(tail, tr.output_norm, hp.rms_eps), tr.head)
 
     def _attention(self, w: Any, x: Any, layer: int) -> Any:
         """`attention_block` with the position on the device: x [T, d] -> [T, d]."""
         q = self._qkv(w, x, layer)
-        return _gemv(self._attend(q, layer).reshape(x.shape[0], self.tr.hp.q_dim), w.wo)
+        return _gemv(self.backend, self._attend(q, layer).reshape(x.shape[0], self.tr.hp.q_dim), w.wo)
 
     def _qkv(self, w: Any, x: Any, layer: int) -> Any:
         """Norm, q/k/v projections, RoPE and the KV write of rows x [T, d] -> q [T, H, D]."""
-        from engine.kernels.fused import rope_neox_
-
-        cp, hp, t = self._cp, self.tr.hp, x.shape[0]
-        h = rms_norm(cp, x, w.norm, hp.rms_eps)
-        q = rms_norm(cp, _gemv(h, w.wq).reshape(t, hp.n_head, hp.head_dim), w.q_norm, hp.rms_eps)
-        k = rms_norm(cp, _gemv(h, w.wk).reshape(t, hp.n_head_kv, hp.head_dim), w.k_norm, hp.rms_eps)
-        v = _gemv(h, w.wv).reshape(t, hp.n_head_kv, hp.head_dim)
+        cp, be, hp, t = self._cp, self.backend, self.tr.hp, x.shape[0]
+        h = be.rms_norm(x, w.norm, hp.rms_eps)
+        q = be.rms_norm(_gemv(be, h, w.wq).reshape(t, hp.n_head, hp.head_dim), w.q_norm, hp.rms_eps)
+        k = be.rms_norm(_gemv(be, h, w.wk).reshape(t, hp.n_head_kv, hp.head_dim), w.k_norm, hp.rms_eps)
+        v = _gemv(be, h, w.wv).reshape(t, hp.n_head_kv, hp.head_dim)
         rope_neox_(q, 0, hp.rope_base, pos=self.pos)
         rope_neox_(k, 0, hp.rope_base, pos=self.pos)
-        kv_write_at(self.kv, layer, k, cp.ascontiguousarray(v), self.pos)
+        kv_write_at(layer_cells(self.kv, layer), k, cp.ascontiguousarray(v), self.pos)
         return q
 
     def _attend(self, q: Any, layer: int) -> Any:
@@ -238,14 +250,12 @@ class TokenGraph:
         cp, hp, t = self._cp, self.tr.hp, q.shape[0]
         ml_shape, acc_shape = attention_workspace(t, hp.n_head, hp.head_dim, self.kv.n_ctx)
         ml, acc = cp.empty(ml_shape, dtype=cp.float32), cp.empty(acc_shape, dtype=cp.float32)
-        return attention_at(q, self.kv, layer, self.pos, ml, acc)  # [T, H, D]
+        return attention_at(q, layer_cells(self.kv, layer), self.pos, ml, acc)  # [T, H, D]
 
     # -- addresses -------------------------------------------------------------------------------
     def _expert_sources(self) -> list[ExpertSource]:
         """Per layer: the residency row, slot addresses and the mapped file's expert tensors."""
-        from engine.kernels.dequant import decoder_align
-
-        cp, host = self._cp, self.experts.host
+        cp, be, host = self._cp, self.backend, self.experts.host
         layout = host.layout
         n_gate, n_up, _ = layout.part_bytes
         if self.cache is not None:
@@ -269,8 +279,8 @@ class TokenGraph:
                                           f"{align}-byte aligned")
             out.append(ExpertSource(
                 table=table[layer], slot_base=slot_base, blob_bytes=host.blob_bytes,
-                offsets=(n_gate, n_gate + n_up), host=cp.asarray(np.array(addrs, np.uint64)),
-                part_bytes=cp.asarray(np.array(strides, np.int64)),
+                offsets=(n_gate, n_gate + n_up), host=be.to_device(np.array(addrs, np.uint64)),
+                part_bytes=be.to_device(np.array(strides, np.int64)),
             ))
         return out
 
@@ -281,17 +291,20 @@ class TokenGraph:
         return (0 if head is None else head.data.ptr, self.kv.data.data.ptr, *cache)
 
 
-def _gemv(x: Any, w: Any) -> Any:
-    """`linear` that must take the fp16 GEMV kernel (a cuBLAS call would end the capture)."""
-    if not (w.dtype == np.float16 and w.flags.c_contiguous and x.ndim == 2 and x.shape[0] <= GEMV_ROWS):
+def layer_cells(kv: KVCache, layer: int) -> KVCells:
+    """Every cell of `layer` of `kv` as the decode kernels take them (views, no copy)."""
+    scale = kv.scale
+    return KVCells(kv.kind, kv.data[layer, 0], None if scale is None else scale[layer, 0],
+                   kv.data[layer, 1], None if scale is None else scale[layer, 1])
+
+
+def _gemv(be: Backend, x: Any, w: Any) -> Any:
+    """The backend's `linear` where it must take the fp16 GEMV kernel (a cuBLAS call would end
+    the capture)."""
+    if not (w.dtype == np.float16 and w.flags.c_contiguous and x.ndim == 2
+            and x.shape[0] <= GEMV_MAX_ROWS):
         raise TokenGraphError(f"token graph: a {w.dtype} [{w.shape}] weight would need cuBLAS")
-    return linear(_cupy(), x, w)
-
-
-def _cupy() -> Any:
-    import cupy
-
-    return cupy
+    return be.linear(x, w)
 
 
 def _end_quietly(stream: Any) -> None:
@@ -302,20 +315,13 @@ def _end_quietly(stream: Any) -> None:
         pass
 
 
-def attach_token_graph(tr: Transformer, kv: KVCache, experts: CachedExperts,
-                       cache: ExpertCache | None, backend: Backend,
-                       warn: Callable[[str], None]) -> None:
-    """On CUDA (unless --no-token-graph) decode steps replay captured CUDA graphs
-    where that cannot work here, a warning says why and steps run eagerly."""
-    tr.on_warning = warn
+def make_token_graph(tr: Transformer, kv: KVCache, experts: CachedExperts,
+                     cache: ExpertCache | None, backend: Backend,
+                     warn: Callable[[str], None]) -> TokenGraph | None:
+    """The token graph of a session's decode steps (CUDA, unless --no-token-graph); where it
+    cannot work here, None, and a warning says why (steps run eagerly)."""
     try:
-        tr.token_graph = TokenGraph(tr, kv, experts, cache, backend)
+        return TokenGraph(tr, kv, experts, cache, backend, warn)
     except TokenGraphError as e:
         warn(f"strata: warning: {e}; decode steps run eagerly")
-
-
-def detach_token_graph(tr: Transformer) -> None:
-    """Drop the captured decode steps; steps run eagerly until `attach_token_graph`."""
-    if tr.token_graph is not None:
-        tr.token_graph.release()
-        tr.token_graph = None
+        return None

@@ -25,7 +25,9 @@
 #   cmp31     the engine before a change (BASE=dir holding its engine/ and app/, e.g. a
 #             `git archive` carried under out/) against this tree: A/B at 31,258 tokens, 48
 #             layers, 8 GiB, one process per side and round, sides interleaved (ROUNDS, default
-#             2); each side's runs pooled with bench --merge     -> $OUT/cmp31.md
+#             2; NEW_LIMIT: this tree's --vram-limit, to give both the same ledger when the
+#             budget's arithmetic changed); each side's runs pooled with bench --merge
+#             -> $OUT/cmp31.md
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
 #             ONLY=auto or ONLY=ab runs one of the two tables (a call is at most 10 minutes)
@@ -64,9 +66,10 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           for r in $(seq "${ROUNDS:-2}"); do
             for side in base new; do
               dir=$([ "$side" = base ] && echo "${BASE:?BASE=dir of the engine before}" || echo .)
+              limit=$([ "$side" = base ] && echo 8GiB || echo "${NEW_LIMIT:-8GiB}")
               (cd "$dir" && PYTHONPATH=/tmp/site:$PWD STRATA_CACHE_DIR=/tmp/sc-$side STRATA_TRACE=1 \
                 python3 -m engine.cli bench --model "$root/models/q48.gguf" --device cuda \
-                --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --scenario ab --prefill 4096 --runs 1 \
+                --vram-limit "$limit" --mtp --spec 2 --kv q4_0 --scenario ab --prefill 4096 --runs 1 \
                 --prompt-tokens 31258 --max-new 64 --ctx 31400 \
                 --json "$root/$OUT/cmp-$side-$r.json") 2>&1 | grep -E "strata loan: restored|^\|" \
                 | sed "s/^/$side $r: /" | tee -a "$OUT/cmp31.md"

@@ -34,7 +34,7 @@ class TargetDraft:
         qs: list[np.ndarray] = []
         try:
             for _ in range(n_draft):
-                row = np.asarray(_host(session.forward([tok]).logits[-1]))  # [V]
+                row = session.backend.download(session.forward([tok]).logits[-1])  # [V]
                 tok, q = self._choose(row, sampler)
                 tokens.append(tok)
                 qs.append(q)  # type: ignore[arg-type]
@@ -58,7 +58,3 @@ class AdversarialDraft(TargetDraft):
         q[tok] = 1.0
         return tok, q
 
-
-def _host(a: Any) -> Any:
-    """A device array's host copy (CuPy's `.get()`), a NumPy array as it is."""
-    return a.get() if hasattr(a, "get") else a

@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from engine.backend import SimBackend
 from engine.errors import DeviceError
-from engine.experts.cache import EMPTY, LENT, RESIDENT, ExpertCache, cache_region_bytes
+from engine.experts.cache import EMPTY, LENT, RESIDENT, ExpertCache
 from engine.experts.host import ArrayHostExperts
 from engine.experts.profile import ExpertProfile
 from engine.experts.residency import ResidencyTable, residency_readers
+from engine.memory.cache_layout import cache_region_bytes
 from engine.memory.ledger import Ledger
 from engine.memory.ring import StagingRing, split_prompt_buffer
 from engine.memory.sizes import KiB, MiB

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
+from engine.backend.array_ops import causal_gqa
 from engine.kernels import attention as attn
-from engine.model.attention import causal_gqa
 
 # -- everywhere -----------------------------------------------------------------------------------
 

@@ -99,7 +99,7 @@ def test_prompt_temporaries_live_in_the_chunk_buffer(mid_path: Path) -> None:
     assert loop.rt.backend._is_pinned(data.ctypes.data, data.nbytes)
     ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 300)[:3000]
     logits, _ = prefill_request(loop.rt, ids)
-    stats = loop.rt.model.transformer.arena_stats
+    stats = loop.rt.prompt.arena_stats
     assert stats is not None and stats.spilled_bytes == 0, stats
     assert 0 < stats.peak_bytes <= stats.n_bytes
     loop.rt.check_integrity()

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.model.attention import causal_gqa
+from engine.backend.array_ops import causal_gqa
 
 pytestmark = pytest.mark.gpu
 

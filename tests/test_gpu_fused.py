@@ -7,17 +7,25 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from engine.backend import SimBackend
+from engine.backend.array_ops import kv_encode, rms_norm, rope_neox
 from engine.kernels.fused import kernel_source
 from engine.kv import KVCache
-from engine.model.moe import route
-from engine.model.ops import rms_norm, rope_neox
+from engine.memory.sizes import MiB
 
 RNG = np.random.default_rng(7)
+
+
+@pytest.fixture(scope="module")
+def cuda(cp):  # type: ignore[no-untyped-def]
+    """The CUDA backend, whose ops take these kernels."""
+    from engine.backend.cuda import CudaBackend
+
+    return CudaBackend(0)
 
 
 def test_imports_without_cupy_and_finds_its_source() -> None:
@@ -29,11 +37,11 @@ def test_imports_without_cupy_and_finds_its_source() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(5, 2048), (3, 32, 128), (1, 64)])
 @pytest.mark.parametrize("wdt", [np.float32, np.float16])
-def test_rms_norm(cp, shape, wdt) -> None:  # type: ignore[no-untyped-def]
+def test_rms_norm(cp, cuda, shape, wdt) -> None:  # type: ignore[no-untyped-def]
     x = RNG.standard_normal(shape).astype(np.float32) * 3
     w = (RNG.standard_normal(shape[-1]) * 0.5 + 1).astype(wdt)
     ref = rms_norm(np, x.astype(np.float64), w.astype(np.float64), 1e-6)
-    out = cp.asnumpy(rms_norm(cp, cp.asarray(x), cp.asarray(w), 1e-6))
+    out = cp.asnumpy(cuda.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6))  # the fused kernel
     assert out.dtype == np.float32 and out.shape == shape
     assert np.abs(out - ref).max() <= 2e-6 * np.abs(ref).max()
 
@@ -53,13 +61,13 @@ def test_rope_in_place(cp, pos0: int) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.gpu
-def test_kv_q4_codec_matches_the_numpy_codec_exactly(cp) -> None:  # type: ignore[no-untyped-def]
+def test_kv_q4_codec_matches_the_numpy_codec_exactly(cp, cuda) -> None:  # type: ignore[no-untyped-def]
     x = RNG.standard_normal((9, 4, 128)).astype(np.float32)
     x[0, 0, :32] = 0.0  # an all-zero block: scale 0
     x[1, 1, 5] = -x[1, 1, :32].__abs__().max()  # equal magnitudes: the first wins
-    host = KVCache(np, 1, 16, 4, 128, "q4_0")
-    q_ref, s_ref = host._encode(x)
-    dev = KVCache(cp, 1, 16, 4, 128, "q4_0")
+    host = KVCache(SimBackend(1 * MiB), 1, 16, 4, 128, "q4_0")
+    q_ref, s_ref = kv_encode(np, "q4_0", x)
+    dev = KVCache(cuda, 1, 16, 4, 128, "q4_0")
     dev.write(0, 3, cp.asarray(x), cp.asarray(x[::-1].copy()))
     assert np.array_equal(cp.asnumpy(dev.data[0, 0, 3:12]), q_ref)
     assert np.array_equal(cp.asnumpy(dev.scale[0, 0, 3:12]), s_ref)
@@ -71,27 +79,26 @@ def test_kv_q4_codec_matches_the_numpy_codec_exactly(cp) -> None:  # type: ignor
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_expert,k", [(128, 8), (16, 4), (8, 8)])
-def test_route_topk(cp, n_expert: int, k: int) -> None:  # type: ignore[no-untyped-def]
-    hp = SimpleNamespace(n_expert_used=k, n_expert=n_expert)  # what route() reads
+def test_route_topk(cp, cuda, n_expert: int, k: int) -> None:  # type: ignore[no-untyped-def]
+    sim = SimBackend(1 * MiB)
     d = 64
     h = RNG.standard_normal((6, d)).astype(np.float32)
     router = RNG.standard_normal((n_expert, d)).astype(np.float32)
     router[3] = router[5]  # a tie in every row: the lower index comes first
-    ids_r, w_r, m_r = route(np, hp, router, h)
-    ids, w, m = (cp.asnumpy(a) for a in route(cp, hp, cp.asarray(router), cp.asarray(h)))
+    ids_r, w_r, m_r = sim.route(sim.linear(h, router), k)
+    logits = cuda.linear(cp.asarray(h), cp.asarray(router))  # [6, E]
+    ids, w, m = (cp.asnumpy(a) for a in cuda.route(logits, k))
     assert ids.dtype == np.int64 and np.array_equal(ids, ids_r)
     assert np.abs(w - w_r).max() < 1e-6 and np.abs(m - m_r).max() < 1e-6
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
-def test_linear_few_rows_take_the_fp16_gemv(cp, rows: int) -> None:  # type: ignore[no-untyped-def]
-    from engine.model.ops import linear
-
+def test_linear_few_rows_take_the_fp16_gemv(cp, cuda, rows: int) -> None:  # type: ignore[no-untyped-def]
     x = RNG.standard_normal((rows, 256)).astype(np.float32)
     w = RNG.standard_normal((300, 256)).astype(np.float16)
     ref = x.astype(np.float64) @ w.astype(np.float64).T
-    out = cp.asnumpy(linear(cp, cp.asarray(x), cp.asarray(w)))
+    out = cp.asnumpy(cuda.linear(cp.asarray(x), cp.asarray(w)))
     assert out.dtype == np.float32 and out.shape == (rows, 300)
     # <= 8 rows: float32 products of the exact fp16 weights; 9 rows: x rounded to fp16 first
     bound = 1e-5 if rows <= 8 else 2e-3

@@ -28,25 +28,28 @@ def mid_path(tmp_path_factory: pytest.TempPathFactory, cp) -> Path:  # type: ign
 
 @pytest.mark.parametrize("kind", ["q4_0", "f16"])
 def test_attention_and_kv_write_match_the_eager_path(cp, kind: str) -> None:  # type: ignore[no-untyped-def]
+    from engine.backend.array_ops import causal_gqa
+    from engine.backend.cuda import CudaBackend
     from engine.kernels.decode import attention_at, attention_workspace, kv_write_at
     from engine.kv import KVCache
-    from engine.model.attention import causal_gqa
+    from engine.token_graph import layer_cells
 
     rng = np.random.default_rng(0)
     n_ctx, h, hkv, d, t, pos0 = 700, 32, 4, 128, 3, 517  # rows span a tile boundary (512)
-    kv = KVCache(cp, 2, n_ctx, hkv, d, kind)
-    ref = KVCache(cp, 2, n_ctx, hkv, d, kind)
+    cuda = CudaBackend(0)
+    kv = KVCache(cuda, 2, n_ctx, hkv, d, kind)
+    ref = KVCache(cuda, 2, n_ctx, hkv, d, kind)
     past = cp.asarray(rng.standard_normal((2, pos0, hkv, d)), dtype=cp.float32)
     for c in (kv, ref):
         c.write(1, 0, past[0], past[1])
     k, v = (cp.asarray(rng.standard_normal((t, hkv, d)), dtype=cp.float32) for _ in range(2))
     q = cp.asarray(rng.standard_normal((t, h, d)), dtype=cp.float32)
     pos = cp.asarray([pos0], dtype=cp.int32)
-    kv_write_at(kv, 1, k, v, pos)
+    kv_write_at(layer_cells(kv, 1), k, v, pos)
     ref.write(1, pos0, k, v)
     assert bool((kv.data == ref.data).all())
     ml, acc = (cp.empty(s, dtype=cp.float32) for s in attention_workspace(t, h, d, n_ctx))
-    out = attention_at(q, kv, 1, pos, ml, acc)
+    out = attention_at(q, layer_cells(kv, 1), pos, ml, acc)
     k_all, v_all = ref.read(1, pos0 + t)
     want = causal_gqa(cp, q, k_all, v_all, pos0)
     assert float(cp.abs(out - want).max()) < 1e-4 * float(cp.abs(want).max()) + 1e-5
@@ -72,8 +75,8 @@ def test_graph_steps_match_eager_steps_with_misses(mid_path: Path) -> None:
                          vram_segment_mib=64, expert_cache=40, kv="q4_0")
     graph = ServeLoop.create(base)
     eager = ServeLoop.create(replace(base, no_token_graph=True))
-    tg = graph.rt.model.transformer.token_graph
-    assert tg is not None and eager.rt.model.transformer.token_graph is None
+    tg = graph.rt.session.graph
+    assert tg is not None and eager.rt.session.graph is None
     ids = graph.rt.model.tokenizer.encode("the river runs through the old city " * 30)
     ta, la = _decode(graph, ids, 12)
     tb, lb = _decode(eager, ids, 12)
@@ -106,7 +109,7 @@ def test_speculative_decoding_and_a_loan_replay_graphs(mid_path: Path) -> None:
         b = loop.chat(conv, "the river runs through the old city " * 80, max_new=12).text
         texts.append((a, b))
         loop.rt.check_integrity()
-        tg = loop.rt.model.transformer.token_graph
+        tg = loop.rt.session.graph
         if tg is not None:
             assert tg.n_captures >= 2 and tg.n_replays > 0
     assert texts[0] == texts[1]
@@ -117,16 +120,16 @@ def test_no_token_graph_toggles_at_runtime(mid_path: Path) -> None:
     opts = EngineOptions(model=str(mid_path), device="cuda", ctx=2048, vram_limit="4GiB",
                          vram_segment_mib=64, kv="q4_0")
     loop = ServeLoop.create(opts)
-    tr = loop.rt.model.transformer
-    assert tr.token_graph is not None and loop.rt.summary().endswith(", token graph")
+    session = loop.rt.session
+    assert session.graph is not None and loop.rt.summary().endswith(", token graph")
     ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 10)
     a = loop.complete(list(ids), max_new=6).text
     assert loop.set_flags(loop.rt.flags, replace(opts, no_token_graph=True)) == []
     b = loop.complete(list(ids), max_new=6).text
-    assert tr.token_graph is None and a == b
+    assert session.graph is None and a == b
     assert loop.set_flags(loop.rt.flags, opts) == []
     c = loop.complete(list(ids), max_new=6).text
-    assert tr.token_graph is not None and tr.token_graph.n_replays > 0 and c == a
+    assert session.graph is not None and session.graph.n_replays > 0 and c == a
 
 
 def test_step_profile_times_every_part_and_leaves_the_session_intact(mid_path: Path) -> None:
@@ -137,7 +140,7 @@ def test_step_profile_times_every_part_and_leaves_the_session_intact(mid_path: P
     loop = ServeLoop.create(opts)
     ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 10)
     a = loop.complete(list(ids), max_new=6).text
-    tg = loop.rt.model.transformer.token_graph
+    tg = loop.rt.session.graph
     n_tokens, counts = tg.kv.n_tokens, tg.counts.get()
     rows = dict(profile_step(tg, list(ids[-1:]), pos=1500, repeat=3))
     assert all(ms > 0 for ms in rows.values()) and "whole step (replay)" in rows

@@ -1,16 +1,20 @@
-"""Imports point down (DESIGN §2): no two modules of engine/ import each other, directly or
-through a loop; nothing in engine/ imports app/. Imports are read with `ast`, module level and
-inside functions alike (a `TYPE_CHECKING` import counts too), relative ones resolved."""
+"""Imports point down (DESIGN §2): every module of engine/ belongs to a layer of the order
+engine/README.md writes down ("Layers") and imports only from its own layer and those below;
+no two modules import each other, directly or through a loop; nothing in engine/ imports app/.
+Imports are read with `ast`, module level and inside functions alike (a `TYPE_CHECKING` import
+counts too), relative ones resolved."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "app")
+LAYERS_BEGIN, LAYERS_END = "<!-- layers -->", "<!-- /layers -->"
 
 
 def find_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -127,7 +131,7 @@ def graph() -> dict[str, set[str]]:
 def test_the_walk_finds_both_packages(graph: dict[str, set[str]]) -> None:
     assert "engine.model.transformer" in graph and "app.app" in graph
     assert "engine.kv" in graph["engine.model.transformer"]  # an absolute import
-    assert "engine.model.ops" in graph["engine.model.moe"]
+    assert "engine.backend.base" in graph["engine.model.moe"]
 
 
 def test_relative_imports_cycles_and_app_imports_are_found(tmp_path: Path) -> None:
@@ -168,3 +172,77 @@ def test_engine_never_imports_app() -> None:
 def test_app_modules_never_import_each_other_in_a_loop(graph: dict[str, set[str]]) -> None:
     groups = [g for g in cycles(graph) if any(inside(m, "app") for m in g)]
     assert not groups, "\n" + report(graph, groups)
+
+
+def read_layers(readme: Path = ROOT / "engine" / "README.md") -> list[tuple[str, list[str]]]:
+    """The layer order of engine/README.md, lowest first: (layer, module prefixes) from the
+    lines `name: a b c` between the layers markers (an indented line goes on with the layer
+    above); prefixes are relative to engine/ and name a module or a package."""
+    text = readme.read_text(encoding="utf-8")
+    assert LAYERS_BEGIN in text and LAYERS_END in text, f"{readme}: no {LAYERS_BEGIN} block"
+    block = text.split(LAYERS_BEGIN, 1)[1].split(LAYERS_END, 1)[0]
+    layers = []
+    name = lambda p: f"engine.{p.strip('/').replace('/', '.')}"
+    for line in block.splitlines():
+        m = re.fullmatch(r"(\w+):\s+(.+?)\s*", line)
+        if m:
+            layers.append((m.group(1), [name(p) for p in m.group(2).split()]))
+        elif line.startswith(" ") and line.strip() and layers:
+            layers[-1][1].extend(name(p) for p in line.split())
+    assert layers, f"{readme}: the layers block names no layer"
+    return layers
+
+
+def layer_of(module: str, layers: list[tuple[str, list[str]]]) -> int | None:
+    """Index of the layer whose longest prefix names `module` (None: no layer does)."""
+    best, best_len = None, -1
+    for i, (_, prefixes) in enumerate(layers):
+        for p in prefixes:
+            if inside(module, p) and len(p) > best_len:
+                best, best_len = i, len(p)
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[tuple[str, list[str]]]) -> list[str]:
+    """'a (layer) imports b (higher layer)' for each import above the importer's layer, and
+    'a has no layer' for each engine module the order leaves out (packages' own __init__
+    with no imports excepted)."""
+    out = []
+    for m in sorted(graph):
+        if not inside(m, "engine") or m == "engine":
+            continue
+        here = layer_of(m, layers)
+        if here is None:
+            out.append(f"{m} has no layer: place it in engine/README.md's layers")
+            continue
+        for t in sorted(graph[m]):
+            there = layer_of(t, layers) if inside(t, "engine") and t != "engine" else None
+            if there is not None and there > here:
+                out.append(f"{m} ({layers[here][0]}) imports {t} ({layers[there][0]}), a "
+                           f"higher layer")
+    return out
+
+
+def test_engine_imports_point_down_the_layers(graph: dict[str, set[str]]) -> None:
+    bad = upward_imports(graph, read_layers())
+    assert not bad, "\n" + "\n".join(bad)
+
+
+def test_an_upward_import_and_a_module_without_a_layer_are_found(tmp_path: Path) -> None:
+    for pkg in ("engine", "engine/low", "engine/high"):
+        (tmp_path / pkg).mkdir(parents=True, exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "engine" / "low" / "a.py").write_text("def f():\n    from engine.high.b import g\n")
+    (tmp_path / "engine" / "low" / "tool.py").write_text("from engine.high.b import g\n")
+    (tmp_path / "engine" / "high" / "b.py").write_text("from engine.low import a\n")
+    (tmp_path / "engine" / "stray.py").write_text("")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{LAYERS_BEGIN}\n```\nlow:   low\nhigh:  high\n       low/tool\n```\n"
+                      f"{LAYERS_END}\n")
+    layers = read_layers(readme)
+    assert layers == [("low", ["engine.low"]), ("high", ["engine.high", "engine.low.tool"])]
+    assert layer_of("engine.low.tool", layers) == 1  # the longest prefix wins
+    assert upward_imports(import_graph(find_modules(tmp_path)), layers) == [
+        "engine.low.a (low) imports engine.high.b (high), a higher layer",
+        "engine.stray has no layer: place it in engine/README.md's layers",
+    ]

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.backend.array_ops import rms_norm
 from engine.errors import FlagError, ModelError
+from engine.experts.provider import DirectExperts
 from engine.gguf import names
 from engine.gguf.tokenizer import TokenType
 from engine.model.loader import Model, load_model
 from engine.model.moe import moe_block
 from engine.model.mtp import MTPBlock, MTPExperts
-from engine.model.ops import rms_norm
-from engine.model.weights import DirectExperts
 from engine.quant import dequantize
 from engine.request import generate
 from engine.sampler import SamplingParams
@@ -53,8 +53,9 @@ def test_block_forward_matches_a_hand_computed_first_cell(model: Model) -> None:
     v = v.astype(np.float16).astype(np.float32)  # the KV cache stores f16
     heads = np.repeat(v, hp.n_head // hp.n_head_kv, axis=0)  # softmax over one key is 1
     x = x + heads.reshape(1, -1) @ a.wo.T
+    be = model.transformer.backend
     ffn, _, _ = moe_block(
-        np, hp, block.block.ffn_norm, block.block.router, x, 0, DirectExperts(model.mtp_experts)
+        be, hp, block.block.ffn_norm, block.block.router, x, 0, DirectExperts(model.mtp_experts, be)
     )
     x = x + ffn
     np.testing.assert_allclose(out.hidden, x, atol=1e-4, rtol=1e-4)
@@ -74,11 +75,12 @@ def test_model_without_nextn_is_a_one_line_error(tiny_nomtp_path: Path) -> None:
 
 
 def test_mtp_experts_release_restore_byte_identical(model: Model) -> None:
-    ex = MTPExperts(model.mtp_experts)
+    be = model.transformer.backend
+    ex = MTPExperts(model.mtp_experts, be)
     host = model.mtp_experts
-    assert ex.nbytes == host.n_expert * host.blob_bytes == ex.blobs.nbytes
-    before = ex.blobs.copy()
-    ref = DirectExperts(host)
+    assert ex.nbytes == host.n_expert * host.blob_bytes == ex.data.nbytes
+    before = ex.data.copy()
+    ref = DirectExperts(host, be)
     ex.prepare(0, [3]), ref.prepare(0, [3])
     for a, b in zip(ex.weights(0, 3), ref.weights(0, 3)):
         np.testing.assert_array_equal(a, b)
@@ -86,9 +88,9 @@ def test_mtp_experts_release_restore_byte_identical(model: Model) -> None:
     with pytest.raises(AssertionError, match="released"):
         ex.weights(0, 3)
     assert ex.restore() == ex.nbytes and ex.resident
-    np.testing.assert_array_equal(ex.blobs, before)
+    np.testing.assert_array_equal(ex.data, before)
     ex.check_integrity(deep=True)
-    ex.blobs[2, 5] ^= 0xFF  # corruption is caught
+    ex.data[2, 5] ^= 0xFF  # corruption is caught
     with pytest.raises(AssertionError, match="checksum"):
         ex.check_integrity(deep=True)
 
@@ -130,7 +132,7 @@ def test_draft_head_rows_release_restore(model: Model, draft_vocab: int) -> None
     assert full.shape == (model.hp.n_vocab,) and np.array_equal(full[head.ids], np.arange(n))
     assert draft_vocab == 0 or np.isneginf(np.delete(full, head.ids)).all()
     # the rows came from the native head's host copy; decoding the file gives the same rows
-    from_file = DraftHead(head.source, head.ids)
+    from_file = DraftHead(head.source, head.ids, head.backend)
     np.testing.assert_array_equal(from_file.rows, before)
 
 

@@ -53,7 +53,7 @@ def test_no_token_graph_is_a_runtime_flag(demo_path: Path) -> None:
     a = loop.complete(list(ids), max_new=4).text
     assert loop.set_flags(loop.flags, loop.options.with_changes(no_token_graph=True)) == []
     assert loop.complete(list(ids), max_new=4).text == a
-    assert loop.rt.options.no_token_graph and loop.rt.model.transformer.token_graph is None
+    assert loop.rt.options.no_token_graph and loop.rt.session.graph is None
     assert "token graph" not in loop.rt.summary()
 
 

@@ -1,7 +1,11 @@
-"""The device a model runs on, as one explicit object: array module, memory, counted copies.
+"""The device a model runs on, as one explicit object: array module, memory, counted copies
+and the model's ops.
 
-Model code takes `xp` from a `Backend` and never imports numpy or cupy itself; every host<->device
-copy goes through `upload`/`download`, so `stats` counts all PCIe traffic.
+Model code takes `xp` from a `Backend` and never imports numpy or cupy itself; it calls the
+backend's ops (`linear`, `rms_norm`, `rope`, `attention`, `route`, `moe`, the KV codec,
+`embed`) and never asks which device it runs on: the backend is the dispatch point. Every
+host<->device copy of model data goes through `upload`/`to_device`/`download`, so `stats`
+counts the PCIe traffic.
 
 Device memory comes in two forms:
 
@@ -21,6 +25,9 @@ from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+from gguf import GGMLQuantizationType
+
+from engine.quant import ExpertLayout
 
 # A device array: numpy.ndarray on the sim backend, cupy.ndarray on CUDA.
 DeviceArray = Any
@@ -110,15 +117,91 @@ class AddressSpace(Protocol):
         ...
 
 
+DECODE_ROWS = 8  # rows of a decode step (a verify window included) at most
+
+
+@runtime_checkable
+class ExpertProvider(Protocol):
+    """Where the backend's `moe` op gets a layer's routed experts: as decoded float32 weights
+    (the array ops) or as their quantized bytes on the device (the CUDA kernels).
+
+    Where the bytes go through a staging ring (`ring_slots` not None), `blobs` is asked for
+    groups of at most `ring_slots` experts that `needs_slot`, and `reads_queued` is told when
+    the kernels that read a group are queued, so the next group's uploads can overlap them.
+    """
+
+    layout: ExpertLayout
+
+    @property
+    def ring_slots(self) -> int | None:
+        """Slots of the staging ring the misses go through, or None (no ring)."""
+        ...
+
+    def prepare(self, layer: int, experts: list[int]) -> None:
+        """Once per (chunk, layer): the sorted experts its rows route to."""
+        ...
+
+    def prefetch(self, layer: int) -> None:
+        """Queue the uploads layer `layer` will read, ahead of its compute (where nothing is
+        staged ahead: nothing)."""
+        ...
+
+    def weights(self, layer: int, expert: int) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
+        """(gate [f, d], up [f, d], down [d, f]) float32 device arrays."""
+        ...
+
+    def blobs(self, layer: int, experts: list[int]) -> list[DeviceArray]:
+        """uint8 [blob_bytes] device bytes of each expert (gate | up | down, `layout`)."""
+        ...
+
+    def needs_slot(self, layer: int, expert: int) -> bool:
+        """Whether `blobs` stages (layer, expert) in a ring slot (it is not resident)."""
+        ...
+
+    def reads_queued(self, layer: int, experts: list[int]) -> None:
+        """The compute reading these experts' bytes is queued (their ring slots may be reused
+        after it)."""
+        ...
+
+
+@runtime_checkable
+class PromptArena(Protocol):
+    """Where a prompt chunk's temporaries live while it runs (`with arena:`), with what they
+    took: the buffer, the most in use at once, what did not fit (`spilled_bytes`)."""
+
+    n_bytes: int
+    peak_bytes: int
+    spilled_bytes: int
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def close(self) -> None:
+        """Give the buffer back; raises if a temporary still lives in it."""
+        ...
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """A device: its array module, its memory and its (counted) copies."""
+    """A device: its array module, its memory, its (counted) copies and the model's ops.
+
+    Model code calls the ops and never asks which device it runs on; each backend implements
+    every op (`SimBackend`: array code on NumPy; `CudaBackend`: CuPy kernels where one applies).
+    Every host<->device copy of model data (weights, experts, activations, logits, routing
+    reads) goes through `upload`, `to_device` or `download` and is counted in `stats`; the
+    kernels' own launch tables and constant tables (pointers, row plans, RoPE frequencies,
+    quant grids: a few KiB) are not.
+    """
 
     name: str  # "sim" or "cuda:0"
     device_index: int | None  # the CUDA device's index; None on the simulated device
     xp: ModuleType  # numpy on sim, cupy on CUDA
     capacity_bytes: int
     stats: CopyStats
+    async_copies: bool  # uploads run on a copy stream beside compute (staging ahead pays)
+
+    # -- memory ---------------------------------------------------------------------------------
 
     def alloc(self, n_bytes: int) -> DeviceArray:
         """A standalone uint8 device buffer [n_bytes]; ledger regions do not use this."""
@@ -132,13 +215,46 @@ class Backend(Protocol):
         """Reserve device addresses for a ledger region; no memory is taken until `map`."""
         ...
 
+    def mem_info(self) -> MemInfo:
+        """Total, free and (where known) this process's device bytes."""
+        ...
+
+    def chunk_arena(self, buf: DeviceArray) -> PromptArena | None:
+        """An arena routing the device's temporaries into `buf` (uint8 bytes of a prompt
+        chunk), or None where temporaries are not device memory (the sim's are host memory)."""
+        ...
+
+    # -- copies and ordering --------------------------------------------------------------------
+
     def upload(self, host: np.ndarray | list[np.ndarray], out: DeviceArray) -> None:
         """Copy host bytes (an array, or a list of arrays back to back) into an existing
         device buffer or view of the same total byte size; counted as one copy."""
         ...
 
+    def upload_many(self, jobs: list[tuple[np.ndarray | list[np.ndarray], DeviceArray]], *,
+                    after: list[Any] | None = None) -> Any:
+        """`upload` of several (host, out) copies, counted one each; returns a point to `wait`
+        for. `after`: `mark`s past the last reader of every `out` (None: all compute queued)."""
+        ...
+
+    def to_device(self, host: np.ndarray) -> DeviceArray:
+        """A new device array holding a copy of `host`; counted as one copy."""
+        ...
+
     def download(self, dev: DeviceArray) -> np.ndarray:
-        """A host copy of a device array."""
+        """A host copy of a device array; counted."""
+        ...
+
+    def as_device(self, a: Any) -> DeviceArray:
+        """`a` as a device array: itself where it is one, else a counted copy (`to_device`)."""
+        ...
+
+    def mark(self) -> Any:
+        """A point in the compute queue, for `upload_many`'s `after`."""
+        ...
+
+    def wait(self, event: Any) -> None:
+        """Make compute queued from now on wait for `event` (from `upload_many`)."""
         ...
 
     def keep_for_upload(self, host: np.ndarray) -> None:
@@ -147,12 +263,63 @@ class Backend(Protocol):
         restore is one DMA instead of a staged copy); nothing where copies are memcpy."""
         ...
 
-    def mem_info(self) -> MemInfo:
-        """Total, free and (where known) this process's device bytes."""
-        ...
-
     def synchronize(self) -> None:
         """Wait for all queued device work and copies."""
+        ...
+
+    def time_mark(self) -> Any:
+        """A point in stream order to time from (a CUDA event; the wall clock on the sim)."""
+        ...
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        """Seconds between two `time_mark`s (waits for `end`)."""
+        ...
+
+    # -- the model's ops ------------------------------------------------------------------------
+
+    def linear(self, x: DeviceArray, w: DeviceArray) -> DeviceArray:
+        """x [.., n_in] @ w [n_out, n_in]^T -> float32 [.., n_out]."""
+        ...
+
+    def rms_norm(self, x: DeviceArray, weight: DeviceArray, eps: float) -> DeviceArray:
+        """RMSNorm over the last axis of x [.., n] with weight [n]; float32 out."""
+        ...
+
+    def rope(self, x: DeviceArray, pos0: int, base: float) -> DeviceArray:
+        """x [T, H, D] rotated (NEOX) at positions pos0..; may rotate x in place."""
+        ...
+
+    def attention(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, pos0: int) -> DeviceArray:
+        """Causal GQA: q [T, H, D] at positions pos0.., k, v [S, Hkv, D] -> float32 [T, H, D]."""
+        ...
+
+    def route(self, logits: DeviceArray, k: int) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
+        """Router logits [T, E] -> (ids [T, k], weights [T, k] summing to 1, margin [T])."""
+        ...
+
+    def moe(self, h: DeviceArray, ids: Any, w: DeviceArray, used: list[int], counts: np.ndarray,
+            experts: ExpertProvider, layer: int) -> DeviceArray:
+        """The routed FFN of one layer: h [T, d] normed, ids [T, k] (on the host for a decode
+        step), w [T, k], `used` the sorted experts named, `counts` host rows per expert [E]
+        -> float32 [T, d]."""
+        ...
+
+    def decode_expert(self, blob: DeviceArray, layout: ExpertLayout
+                      ) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
+        """An expert's quantized device bytes uint8 [blob_bytes] -> float32 (gate [f, d],
+        up [f, d], down [d, f]) on the device (what the array ops' `moe` computes with)."""
+        ...
+
+    def kv_store(self, kind: str, x: DeviceArray, cells: DeviceArray, scales: Any) -> None:
+        """Encode x [T, Hkv, D] float32 into KV cells of kind `kind` and their scales."""
+        ...
+
+    def kv_load(self, kind: str, cells: DeviceArray, scales: Any) -> DeviceArray:
+        """KV cells [n, Hkv, ..] of kind `kind` and their scales -> float32 [n, Hkv, D]."""
+        ...
+
+    def embed(self, rows: np.ndarray, qtype: GGMLQuantizationType, n_embd: int) -> DeviceArray:
+        """Quantized embedding rows in host memory, uint8 [T, row_bytes] -> float32 [T, d]."""
         ...
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""A CUDA device behind the `Backend` protocol: CuPy arrays, VMM segments, counted copies.
+"""A CUDA device behind the `Backend` protocol: CuPy arrays, VMM segments, counted copies; its
+ops are the kernels' (`CudaOps`, engine/backend/cuda_ops.py).
 
 Budget (engine/memory/budget.py). `--vram-limit N` bounds the whole process as NVML counts it:
 CUDA context, cuBLAS handle and workspace, kernel modules and CuPy's pool included, not only
@@ -36,6 +37,8 @@ import cupy
 import numpy as np
 
 from engine.backend.base import CopyStats, MemInfo
+from engine.backend.cuda_arena import ChunkArena
+from engine.backend.cuda_ops import CudaOps
 from engine.backend.vmm import PlainAddressSpace, VmmAddressSpace, vmm_granularity, vmm_supported
 from engine.errors import DeviceError
 from engine.memory.budget import (
@@ -57,8 +60,10 @@ DEFAULT_STAGING_BYTES = 64 * MiB
 _PARALLEL_COPY_BYTES = 4 * MiB  # host copies larger than this are split over threads
 
 
-class CudaBackend:
-    """One GPU as a `Backend` (see the module docstring)."""
+class CudaBackend(CudaOps):
+    """One GPU as a `Backend` (see the module docstring); its ops are `CudaOps`."""
+
+    async_copies = True  # uploads run on their own stream beside compute
 
     def __init__(
         self,
@@ -263,6 +268,10 @@ class CudaBackend:
         left = self.limit_bytes - (held if process is None else process)
         return MemInfo(self.limit_bytes, max(0, left), process)
 
+    def chunk_arena(self, buf: Any) -> ChunkArena:
+        """A prompt chunk's temporaries inside `buf` (engine/backend/cuda_arena.py)."""
+        return ChunkArena(buf)
+
     def device_mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of the whole device (`cudaMemGetInfo`)."""
         with self._dev:
@@ -433,6 +442,24 @@ class CudaBackend:
         for job in jobs:
             job.result()
 
+    def upload_inline(self, host: np.ndarray, out: Any) -> None:
+        """Copy `host` into `out` on the compute stream itself (`ndarray.set`), for a few bytes
+        that must land in stream order before the next launch (a captured graph's inputs);
+        counted as H2D."""
+        out.set(host)
+        self.stats.count_h2d(host.nbytes)
+
+    def to_device(self, host: np.ndarray) -> Any:
+        """A new device array holding a copy of `host` (`cupy.asarray`: a copy on the compute
+        stream, for activations; weights and experts go through `upload`); counted as H2D."""
+        dev = cupy.asarray(host)
+        self.stats.count_h2d(dev.nbytes)
+        return dev
+
+    def as_device(self, a: Any) -> Any:
+        """`a` itself when it is a CuPy array, else `to_device(a)`."""
+        return a if isinstance(a, cupy.ndarray) else self.to_device(a)
+
     def download(self, dev: Any) -> np.ndarray:
         """A host copy of `dev` (waits for the work that writes it); counted as D2H."""
         host = cupy.asnumpy(dev)
@@ -443,3 +470,14 @@ class CudaBackend:
         """Wait for all queued kernels and copies."""
         cupy.cuda.get_current_stream().synchronize()
         self._copy_stream.synchronize()
+
+    def time_mark(self) -> Any:
+        """A CUDA event recorded on the current stream (no host synchronisation)."""
+        event = cupy.cuda.Event()
+        event.record()
+        return event
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        """GPU seconds between two `time_mark` events (waits for `end`)."""
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(start, end) / 1e3

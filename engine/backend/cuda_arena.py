@@ -85,8 +85,3 @@ class ChunkArena:
                 "(copy what is kept out of the arena before leaving it)"
             )
 
-
-def process_lifetime() -> Any:
-    """A context in which CuPy allocates from its default pool, for device arrays cached for
-    the whole process (lookup tables), even when first asked for inside an arena."""
-    return cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc)

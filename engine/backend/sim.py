@@ -1,4 +1,5 @@
-"""A simulated device in host memory: numpy arrays, a hard capacity, counted copies.
+"""A simulated device in host memory: numpy arrays, a hard capacity, counted copies, and the
+model's ops in array code (engine/backend/array_ops.py).
 
 The capacity is enforced on everything the device holds (standalone buffers plus mapped address
 ranges), so a plan that does not fit a `sim:512MiB` device fails exactly where it would fail on a
@@ -15,19 +16,25 @@ from __future__ import annotations
 import bisect
 import mmap
 import sys
+import time
+from typing import Any
 
 import numpy as np
 
+from engine.backend.array_ops import ArrayOps
 from engine.backend.base import CopyStats, MemInfo
 from engine.errors import DeviceError
 from engine.memory.sizes import format_mib
+from engine.quant import ExpertLayout
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 _FAULT_OPS = ("alloc", "map", "upload", "download")
 
 
-class SimBackend:
+class SimBackend(ArrayOps):
     """A device of `capacity_bytes` simulated with numpy (see the module docstring)."""
+
+    async_copies = False  # every copy has finished when its call returns
 
     def __init__(self, capacity_bytes: int, *, name: str = "sim"):
         assert capacity_bytes > 0, capacity_bytes
@@ -84,6 +91,14 @@ class SimBackend:
         used = self.used_bytes
         return MemInfo(self.capacity_bytes, self.capacity_bytes - used, used)
 
+    def decode_expert(self, blob: np.ndarray, layout: ExpertLayout
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Decoded in place by the host CPU, the simulated device's processor (no copy)."""
+        return layout.decode(blob)
+
+    def chunk_arena(self, buf: np.ndarray) -> None:
+        """None: NumPy temporaries are host memory, which the simulated device does not budget."""
+
     # -- copies ---------------------------------------------------------------------------------
 
     def upload(self, host: np.ndarray | list[np.ndarray], out: np.ndarray) -> None:
@@ -100,6 +115,19 @@ class SimBackend:
             np.copyto(_as_bytes(out), _as_bytes(src))
         self.stats.count_h2d(src.nbytes)
 
+    def upload_many(self, jobs: list[tuple[np.ndarray | list[np.ndarray], np.ndarray]], *,
+                    after: list[Any] | None = None) -> None:
+        """Each (host, out) `upload` in turn (there is no queue to order them after)."""
+        for host, out in jobs:
+            self.upload(host, out)
+
+    def to_device(self, host: np.ndarray) -> np.ndarray:
+        """A C-contiguous copy of `host`; counted as H2D."""
+        self._maybe_fail("upload")
+        out = np.array(host, copy=True, order="C")
+        self.stats.count_h2d(out.nbytes)
+        return out
+
     def download(self, dev: np.ndarray) -> np.ndarray:
         """A host copy of `dev`; counted as D2H."""
         self._maybe_fail("download")
@@ -107,11 +135,28 @@ class SimBackend:
         self.stats.count_d2h(host.nbytes)
         return host
 
+    def as_device(self, a: Any) -> np.ndarray:
+        """`a` itself: host memory is the simulated device's memory (nothing to copy)."""
+        return np.asarray(a)
+
+    def mark(self) -> None:
+        """Nothing to mark: no compute is ever queued."""
+
+    def wait(self, event: object) -> None:
+        """Nothing to wait for: every copy has finished."""
+
     def keep_for_upload(self, host: np.ndarray) -> None:
         """Nothing to do: the simulated device's uploads are memcpy."""
 
     def synchronize(self) -> None:
         """Nothing is queued on the sim device; every call has finished when it returns."""
+
+    def time_mark(self) -> float:
+        """The wall clock (every op has finished when it returns)."""
+        return time.perf_counter()
+
+    def seconds_between(self, start: float, end: float) -> float:
+        return end - start
 
     def close(self) -> None:
         """Free every standalone buffer (address spaces are closed by their ledger)."""

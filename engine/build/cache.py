@@ -8,13 +8,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
 from engine.backend.base import Backend
 from engine.errors import DeviceError
 from engine.experts.cache import ExpertCache
+from engine.experts.decoded import DecodedLRU
 from engine.experts.host import HostExperts
 from engine.experts.profile import ExpertProfile
 from engine.experts.provider import CachedExperts
@@ -25,7 +25,6 @@ from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
 from engine.memory.planner import plan_startup
 from engine.memory.sizes import format_mib
 from engine.model.loader import Model
-from engine.model.weights import DecodedLRU
 from engine.profile_record import default_profile
 
 Sink = Callable[[str], None]
@@ -87,14 +86,13 @@ def pin_model_file(backend: Backend, data: np.ndarray | None, trace: Sink, warn:
           f"{time.perf_counter() - t0:.1f} s")
 
 
-def startup_profile(path: str | None, model: Model, to_host: Callable[[Any], Any],
-                    backend: Backend | None) -> ExpertProfile:
+def startup_profile(path: str | None, model: Model, backend: Backend) -> ExpertProfile:
     """The profile the cache is filled from: --expert-profile, else the calibration one
-    (`backend`: given on CUDA, where the calibration pass runs the MoE kernels)."""
+    (routed on `backend`)."""
     if path:
         profile = ExpertProfile.load(path)
         profile.check_model(model.hp.n_layer, model.hp.n_expert)
         return profile
     # the calibration pass streams every expert it routes to (the cache is not filled yet)
-    stream = CachedExperts(None, model.experts, DecodedLRU(), to_host, backend)
+    stream = CachedExperts(None, model.experts, DecodedLRU(), backend)
     return default_profile(model, stream)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import EngineOptions
-from engine.experts.provider import kernel_ffn
 from engine.loan.resources import DecodeResource
 from engine.memory.arena import Arena
 from engine.memory.ledger import Ledger
@@ -21,27 +20,24 @@ from engine.spec.verifier import Verifier
 
 
 def build_spec(
-    o: EngineOptions, m: Model, ledger: Ledger, costs: ModelCosts, *, xp: Any,
-    weight_dtype: Any, on_cuda: bool, dense: Arena, kv: Arena,
+    o: EngineOptions, m: Model, ledger: Ledger, costs: ModelCosts, *,
+    weight_dtype: Any, dense: Arena, kv: Arena,
 ) -> tuple[SpecDecoder | None, list[DecodeResource]]:
     """The MTP resources of `--mtp`, and a SpecDecoder when `--spec T` >= 2 (the caller
     feeds it the session's hidden states: `Session.on_hidden = spec.collect`)."""
     require_mtp(m)
-    assert m.mtp_experts is not None
+    assert m.mtp_experts is not None and m.transformer is not None
+    be = m.transformer.backend
     exa = Arena(ledger, "mtp.experts", costs.mtp_expert_bytes)
     hda = Arena(ledger, "mtp.draft_head", costs.draft_head_bytes, float_dtype=weight_dtype)
-    head = DraftHead.from_model(m, o.draft_vocab, None, xp, hda.to_device)
-    experts = MTPExperts(m.mtp_experts, xp, exa.to_device)
-    if on_cuda:  # compute the MTP experts from their resident quantized bytes
-        layout = m.mtp_experts.layout
-        experts.ffn = lambda layer, h, ids, w, used, counts: kernel_ffn(  # type: ignore[attr-defined]
-            layout, {e: experts.blobs[e] for e in used}, h, ids, w, counts)
+    head = DraftHead.from_model(m, o.draft_vocab, None, hda.to_device)
+    experts = MTPExperts(m.mtp_experts, be, exa.to_device)
     items = [DecodeResource("mtp.experts", exa, experts), DecodeResource("mtp.draft_head", hda, head)]
-    block = MTPBlock(m, head=head, experts=experts, xp=xp, to_device=dense.to_device)
+    block = MTPBlock(m, head=head, experts=experts, to_device=dense.to_device)
     if o.spec < 2:
         return None, items
     ver = Arena(ledger, "verifier", costs.verifier_bytes)
-    verifier = Verifier.for_model(m, o.spec, xp, ver.alloc)
+    verifier = Verifier.for_model(m, o.spec, be.xp, ver.alloc)
     spec = SpecDecoder(o.spec, MTPDraft(block, kv_alloc=kv.alloc), verifier)
     spec.always = o.spec_always
     return spec, [DecodeResource("verifier", ver, verifier), *items]

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from engine.backend.base import Backend
 from engine.build.cache import make_cache, pin_model_file, startup_profile
 from engine.build.device import plan_device
 from engine.build.spec import build_spec
@@ -20,19 +18,19 @@ from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes
 from engine.devices import weight_bytes
 from engine.events import EventBus, LedgerChanged, Loading
+from engine.experts.decoded import DecodedLRU
 from engine.experts.provider import CachedExperts
 from engine.faults import Faults
 from engine.loan.resources import DecodeResource, NativeHead, ResourceSet
 from engine.memory.arena import Arena
 from engine.memory.ledger import Ledger
 from engine.model.loader import load_model
-from engine.model.weights import DecodedLRU
 from engine.prompt.path import PromptPath
 from engine.report import Reporter
 from engine.runtime import Runtime
 from engine.session import Session
 from engine.synth.demo import resolve_model
-from engine.token_graph import attach_token_graph
+from engine.token_graph import make_token_graph
 
 
 def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None = None,
@@ -64,7 +62,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
     wdt = np.float16 if weight_bytes(backend.name) == 2 else np.float32
     dense = Arena(ledger, "weights.dense", costs.dense_bytes, float_dtype=wdt)
     head = Arena(ledger, "head.native", costs.head_bytes, float_dtype=wdt)
-    model.build(backend.xp, dense.to_device, head.to_device)
+    model.build(backend, dense.to_device, head.to_device)
     publish(Loading("decoding weights", 1, 3))
     kv = Arena(ledger, "kv", costs.kv_bytes)
     if planned.plan_options.reserve_bytes:
@@ -73,26 +71,25 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
     if cuda is not None:
         report.say(f"strata serve: {cuda.budget.line()}")  # type: ignore[attr-defined]
         pin_model_file(cuda, model.mf.data, report.trace, report.warn)
-    to_host = _to_host(backend)
     token_graph = cuda is not None and not options.no_token_graph
     cache, plan, plan_options = make_cache(
         ledger, model.experts, planned.plan, costs, planned.plan_options,
-        profile=lambda: startup_profile(options.expert_profile, model, to_host, cuda),
+        profile=lambda: startup_profile(options.expert_profile, model, backend),
         token_graph=token_graph, faults=faults, trace=report.trace, warn=report.warn,
     )
-    experts = CachedExperts(cache, model.experts, DecodedLRU(), to_host, cuda)
-    session = Session(model, n_ctx=options.ctx, kv_kind=options.kv, xp=backend.xp,
-                      experts=experts, kv_alloc=kv.alloc)
+    experts = CachedExperts(cache, model.experts, DecodedLRU(), backend)
+    session = Session(model, n_ctx=options.ctx, kv_kind=options.kv, experts=experts,
+                      kv_alloc=kv.alloc)
     if token_graph:
-        attach_token_graph(model.transformer, session.kv, experts, cache, backend, report.warn)
+        session.graph = make_token_graph(model.transformer, session.kv, experts, cache, backend,
+                                         report.warn)
     prompt = PromptPath(ledger, plan.prompt, costs, cache, experts, backend, faults, report)
 
     items = [DecodeResource("head.native", head, NativeHead(model.transformer, head))]
     spec = None
     if options.mtp:
-        spec, mtp_items = build_spec(options, model, ledger, costs, xp=backend.xp,
-                                     weight_dtype=wdt, on_cuda=cuda is not None, dense=dense,
-                                     kv=kv)
+        spec, mtp_items = build_spec(options, model, ledger, costs, weight_dtype=wdt,
+                                     dense=dense, kv=kv)
         items += mtp_items
         if spec is not None:
             session.on_hidden = spec.collect
@@ -110,7 +107,3 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
     rt.publish_gpu(force=True)
     return rt
 
-
-def _to_host(backend: Backend) -> Callable[[Any], np.ndarray]:
-    """A device array's host copy."""
-    return getattr(backend.xp, "asnumpy", np.asarray)

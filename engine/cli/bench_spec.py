@@ -17,9 +17,9 @@ import numpy as np
 
 from engine.cli.options import add_sampling_args, sampling_params
 from engine.errors import FlagError, StrataError
+from engine.experts.provider import DirectExperts
 from engine.gguf.tokenizer import TokenType
 from engine.model.loader import load_model
-from engine.model.weights import DirectExperts
 from engine.request import generate
 from engine.sampler import SamplingParams
 from engine.session import Session
@@ -115,7 +115,7 @@ def bench(
         raise StrataError("--prompt is empty; give a message")
     model = load_model(model_path)
     decoders = {t: SpecDecoder.with_mtp(model, t, draft_vocab) for t in specs if t}
-    experts = DirectExperts(model.experts)  # decoded experts shared: every run as warm
+    experts = DirectExperts(model.experts, model.transformer.backend)  # decoded once: every run warm
     for d in decoders.values():
         d.always = always
     tok = model.tokenizer

@@ -11,6 +11,9 @@ import time
 
 import numpy as np
 
+from engine.kernels import dequantize, gemv
+from engine.kernels.bench import random_quant_bytes
+from engine.kernels.warmup import warm_up
 from engine.memory.sizes import MiB
 
 
@@ -37,8 +40,6 @@ def _kernel_check() -> str:
     import cupy as cp
     from gguf import GGMLQuantizationType as Q
 
-    from engine.kernels import dequantize, gemv
-    from engine.kernels.bench import random_quant_bytes
     from engine.quant import dequantize_bytes
 
     rng = np.random.default_rng(0)
@@ -70,7 +71,6 @@ def probe(device: int = 0) -> str:
         )
     from engine.backend.cuda import CudaBackend
     from engine.backend.vmm import vmm_granularity, vmm_supported
-    from engine.kernels.warmup import warm_up
 
     backend = CudaBackend(device, warm_up=warm_up)  # measured as an engine's start measures it
     props = cp.cuda.runtime.getDeviceProperties(device)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from engine.backend.array_ops import KV_KINDS
 from engine.config import EngineOptions, LoanFlags, parse_auto_int
-from engine.kv import KV_KINDS
 from engine.sampler import SamplingParams
 
 

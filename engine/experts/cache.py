@@ -1,7 +1,7 @@
 """The expert cache: device slots of one (layer, expert) blob each, filled in profile order.
 
-Layout of the `experts.cache` region: the staged residency table (int32 [L, E], 256-byte
-aligned), then `n_slots` slots of `blob_bytes` each. The prompt loan borrows the *tail*:
+Layout of the `experts.cache` region (engine/memory/cache_layout.py): the staged residency
+table (int32 [L, E], 256-byte aligned), then `n_slots` slots of `blob_bytes` each. The prompt loan borrows the *tail*:
 `lend_tail(n)` hands the last n slots' bytes to the prompt path as one contiguous view and sets
 their residency rows to -1; `refill(lent)` uploads every lent slot's previous expert back into
 the same slot and restores its row. A loan may first `grow` the cache into memory freed by
@@ -22,23 +22,14 @@ import numpy as np
 from engine.backend.base import DeviceArray
 from engine.errors import StrataError
 from engine.experts.host import HostExperts
-from engine.experts.residency import (
-    TABLE_DTYPE,
-    ResidencyReaders,
-    ResidencyTable,
-    residency_table_bytes,
-)
+from engine.experts.residency import ResidencyReaders, ResidencyTable
+from engine.memory.cache_layout import TABLE_DTYPE, cache_region_bytes, residency_table_bytes
 from engine.memory.ledger import Ledger
 
 # Slot states, as the UI's slot map draws them.
 EMPTY, RESIDENT, LENT, REFILLING = 0, 1, 2, 3
 STATE_NAMES = ("empty", "resident", "lent", "refilling")
 REGION = "experts.cache"
-
-
-def cache_region_bytes(n_layer: int, n_expert: int, blob_bytes: int, n_slots: int) -> int:
-    """Bytes of the `experts.cache` region: staged table plus `n_slots` blobs."""
-    return residency_table_bytes(n_layer, n_expert) + n_slots * blob_bytes
 
 
 @dataclass(frozen=True)

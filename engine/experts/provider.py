@@ -1,8 +1,12 @@
-"""The expert provider over the expert cache, for the prompt path and for decode steps.
+"""Expert providers (`engine.backend.base.ExpertProvider`): where the backend's `moe` op gets a
+layer's routed experts, as decoded float32 weights (the array ops) or as quantized device
+bytes (the CUDA kernels).
 
-Resident experts are read from their cache slot; misses are streamed through the prompt
-path's staging ring, or (decode) decoded from host memory on the CPU and copied into a
-transient device buffer on CUDA. Counters report hits, experts streamed and bytes streamed.
+`CachedExperts` is the provider over the expert cache, for the prompt path and for decode
+steps: resident experts are read from their cache slot; misses are streamed through the prompt
+path's staging ring, or (decode) read from host memory: decoded there for the array ops,
+copied into a transient device buffer for the kernels. Counters report hits, experts streamed
+and bytes streamed. `DirectExperts` reads every expert from host memory (no cache, no ring).
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.backend.base import Backend
+from engine.backend.base import Backend, DeviceArray
 from engine.experts.cache import ExpertCache
+from engine.experts.decoded import DecodedLRU
+from engine.experts.host import FileExperts
 from engine.memory.ring import StagingRing
-from engine.model.weights import DecodedLRU, HostExperts
 
 
 @dataclass
@@ -31,31 +36,30 @@ class StreamCounters:
 
 
 class CachedExperts:
-    """ExpertProvider over the expert cache.
+    """`ExpertProvider` over the expert cache (see the module docstring).
 
-    Resident experts are read from their slot (on the CPU decoded once and kept: the bytes
-    of a resident (layer, expert) never change). Misses go to the staging ring when one is
-    attached (the prompt path); otherwise (decode) the CPU decodes them from host memory and
-    CUDA copies them into a transient device buffer.
+    The array ops read resident experts decoded once and kept (the bytes of a resident
+    (layer, expert) never change), ring-staged ones decoded per chunk, host misses decoded
+    from host memory; the kernels read the quantized bytes themselves.
     """
 
-    def __init__(self, cache: ExpertCache | None, host: HostExperts, decoded: DecodedLRU,
-                 to_host: Callable[[Any], Any], backend: Backend | None = None):
-        """`backend`: given on CUDA, where experts are computed from their quantized bytes by
-        the MoE kernels and a decode miss is streamed into a transient device buffer."""
-        self.cache, self.host, self.decoded = cache, host, decoded
+    def __init__(self, cache: ExpertCache | None, host: FileExperts, decoded: DecodedLRU,
+                 backend: Backend):
+        self.cache, self.host, self.decoded, self.backend = cache, host, decoded, backend
+        self.layout = host.layout
         self.ring: StagingRing | None = None
         self._ahead: list[list[int]] | None = None  # per layer: the experts the cache lacks
         self._seen: dict[int, set[int]] = {}  # per layer: what the last chunk routed to
         self.counters = StreamCounters()
-        self._to_host = to_host
         self._host_decoded = DecodedLRU(64 << 20)
-        self._backend = backend
-        if backend is not None:
-            self.ffn = self.kernel_ffn
+
+    @property
+    def ring_slots(self) -> int | None:
+        return self.ring.n_slots if self.ring is not None else None
 
     def prepare(self, layer: int, experts: list[int]) -> None:
-        pass
+        if self._ahead is not None:
+            self._seen[layer] = set(experts)
 
     def _resident(self, layer: int, expert: int) -> Any:
         """The cache slot's device bytes of (layer, expert), counted as a hit; None on a miss."""
@@ -66,13 +70,14 @@ class CachedExperts:
         return self.cache.slot_view(slot)  # type: ignore[union-attr]
 
     def attach_ring(self, ring: StagingRing | None) -> None:
-        """The prompt path's staging ring (None after the prompt). On CUDA, when the ring
-        holds two layers of the experts the cache lacks, `prefetch` stages a layer ahead;
-        otherwise experts are staged as the MoE kernels reach them. (Correctness never
-        depends on the size: an evicted prefetch is staged again; two layers is what keeps
-        layer L+1's prefetch from evicting layer L's before L reads them.)"""
+        """The prompt path's staging ring (None after the prompt). Where copies run beside
+        compute (`Backend.async_copies`: CUDA) and the ring holds two layers of the experts
+        the cache lacks, `prefetch` stages a layer ahead; otherwise experts are staged as the
+        MoE reaches them. (Correctness never depends on the size: an evicted prefetch is
+        staged again; two layers is what keeps layer L+1's prefetch from evicting layer L's
+        before L reads them.)"""
         self.ring, self._ahead, self._seen = ring, None, {}
-        if ring is None or self._backend is None:
+        if ring is None or not self.backend.async_copies:
             return
         n_layer, n_expert = self.host.n_layer, self.host.n_expert
         lookup = self.cache.lookup if self.cache is not None else (lambda layer, e: -1)
@@ -110,22 +115,23 @@ class CachedExperts:
         self.counters.bytes_streamed += n * self.host.blob_bytes
         return out
 
-    def blob(self, layer: int, expert: int) -> Any:
-        """Device bytes of (layer, expert) on CUDA outside the prompt path: its cache slot, or
-        a transient buffer its pieces are copied into (the decode-miss policy: stream it
-        over PCIe asynchronously; the kernels that read it wait for the copy, the host does
+    def blob(self, layer: int, expert: int) -> DeviceArray:
+        """Device bytes of (layer, expert) outside the prompt path: its cache slot, or a
+        transient buffer its pieces are copied into (the kernels' decode-miss policy: stream
+        it over PCIe asynchronously; the kernels that read it wait for the copy, the host does
         not)."""
         view = self._resident(layer, expert)
         if view is not None:
             return view
-        assert self._backend is not None and self.ring is None, "blob() is CUDA's decode path"
+        assert self.ring is None, "on the prompt path misses go through the ring (blobs)"
         self.counters.streamed += 1
         self.counters.bytes_streamed += self.host.blob_bytes
-        buf = self._backend.xp.empty(self.host.blob_bytes, dtype=self._backend.xp.uint8)
-        self._backend.upload(self.host.pieces(layer, expert), buf)  # DMA from the pinned file
+        xp = self.backend.xp
+        buf = xp.empty(self.host.blob_bytes, dtype=xp.uint8)
+        self.backend.upload(self.host.pieces(layer, expert), buf)  # DMA from the pinned file
         return buf
 
-    def blobs(self, layer: int, experts: list[int]) -> list[Any]:
+    def blobs(self, layer: int, experts: list[int]) -> list[DeviceArray]:
         """`blob` of each expert, as one group: on the ring, no expert of the group evicts
         another (at most `ring.n_slots` experts)."""
         if self.ring is None:
@@ -136,47 +142,59 @@ class CachedExperts:
         staged = iter(self._counted(lambda: ring.stage_group(layer, missing, self.host.pieces)))
         return [v if v is not None else next(staged) for v in views]
 
-    def kernel_ffn(self, layer: int, h: Any, ids: Any, w: Any, used: list[int],
-                   counts: Any = None) -> Any:
-        """The routed FFN on CUDA, h [T, d], ids/w [T, k] -> [T, d]: fused GEMVs for a few
-        decode tokens, else grouped fp16 GEMMs with experts fetched one group at a time (a
-        group never needs more ring slots than the ring has); `counts`: host rows per
-        expert, when the caller read them."""
-        from engine.kernels.moe import moe_decode, moe_prefill
+    def needs_slot(self, layer: int, expert: int) -> bool:
+        """Not resident: `blobs` stages it in a ring slot (an uncounted lookup)."""
+        return self.cache is None or self.cache.table.lookup(layer, expert) < 0
 
-        layout = self.host.layout
-        if self._ahead is not None:
-            self._seen[layer] = set(used)
-        if h.shape[0] <= 8 and self.ring is None:
-            return moe_decode(h, ids, w, {e: self.blob(layer, e) for e in used}, layout)
-        ring = self.ring
-        if ring is None:
-            return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, counts=counts)
-        table = self.cache.table if self.cache is not None else None  # (uncounted lookups)
-        return moe_prefill(h, ids, w, lambda es: self.blobs(layer, es), layout, counts=counts,
-                           max_group=ring.n_slots, release=lambda es: ring.release(layer, es),
-                           staged=lambda e: table is None or table.lookup(layer, e) < 0)  # fmt: skip
+    def reads_queued(self, layer: int, experts: list[int]) -> None:
+        if self.ring is not None:
+            self.ring.release(layer, experts)
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
-        layout = self.host.layout
+        be, layout = self.backend, self.layout
         view = self._resident(layer, expert)
         if view is not None:
-            return self.decoded.get((layer, expert), lambda: layout.decode(self._to_host(view)))
+            return self.decoded.get((layer, expert), lambda: be.decode_expert(view, layout))
         if self.ring is not None:
             view = self._stage(layer, expert)  # upload: counted H2D
-            return layout.decode(self._to_host(view))  # decoded per chunk: this is streaming
+            return be.decode_expert(view, layout)  # decoded per chunk: this is streaming
         self.counters.host_reads += 1
-        return self._host_decoded.get(
-            (layer, expert), lambda: layout.decode(self.host.blob(layer, expert))
+        return self._host_decoded.get((layer, expert), lambda: _upload_decoded(be, self.host, layer, expert))
+
+
+class DirectExperts:
+    """`ExpertProvider` that reads every expert from host memory (no cache, no ring): decoded
+    there and uploaded for the array ops (kept, up to `max_bytes`), uploaded quantized for
+    the kernels."""
+
+    ring_slots = None
+
+    def __init__(self, host: FileExperts, backend: Backend, max_bytes: int = 256 << 20):
+        self.host, self.backend, self.layout = host, backend, host.layout
+        self._decoded = DecodedLRU(max_bytes)
+
+    def prepare(self, layer: int, experts: list[int]) -> None:
+        pass
+
+    def prefetch(self, layer: int) -> None:
+        pass
+
+    def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
+        return self._decoded.get(
+            (layer, expert), lambda: _upload_decoded(self.backend, self.host, layer, expert)
         )
 
+    def blobs(self, layer: int, experts: list[int]) -> list[DeviceArray]:
+        return [self.backend.to_device(self.host.blob(layer, e)) for e in experts]
 
-def kernel_ffn(layout: Any, blobs: dict[int, Any], h: Any, ids: Any, w: Any,
-               counts: Any = None) -> Any:
-    """h [T, d], ids/w [T, k] -> [T, d] with the CUDA MoE kernels over resident blobs
-    (`counts`: host rows per expert, when the caller read them)."""
-    from engine.kernels.moe import moe_decode, moe_prefill
+    def needs_slot(self, layer: int, expert: int) -> bool:
+        return False
 
-    if h.shape[0] <= 8:
-        return moe_decode(h, ids, w, blobs, layout)
-    return moe_prefill(h, ids, w, blobs, layout, counts=counts)
+    def reads_queued(self, layer: int, experts: list[int]) -> None:
+        pass
+
+
+def _upload_decoded(be: Backend, host: FileExperts, layer: int, expert: int) -> tuple[Any, Any, Any]:
+    """(gate, up, down) of (layer, expert) decoded from host memory, then uploaded."""
+    gate, up, down = host.layout.decode(host.blob(layer, expert))  # [f, d], [f, d], [d, f]
+    return be.to_device(gate), be.to_device(up), be.to_device(down)

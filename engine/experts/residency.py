@@ -15,15 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.memory.sizes import align_up
-
-TABLE_DTYPE = np.int32
-TABLE_ALIGN_BYTES = 256
-
-
-def residency_table_bytes(n_layer: int, n_expert: int) -> int:
-    """Device bytes of a staged table: int32 [n_layer, n_expert], 256-byte aligned."""
-    return align_up(n_layer * n_expert * np.dtype(TABLE_DTYPE).itemsize, TABLE_ALIGN_BYTES)
+from engine.memory.cache_layout import TABLE_DTYPE
 
 
 @dataclass(frozen=True)

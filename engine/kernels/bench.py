@@ -27,6 +27,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
+from engine.quant import ExpertLayout
 from engine.synth.blocks import SCALE_FIELDS
 
 GB = 1e9
@@ -163,7 +164,6 @@ def bench_moe(
         moe_decode,
         moe_prefill,
     )
-    from engine.model.weights import ExpertLayout
 
     rng = np.random.default_rng(2)
     layout = ExpertLayout(qtypes, ((f, d), (f, d), (d, f)))
@@ -213,7 +213,7 @@ def bench_moe(
         )
     )
     for n_tok in (1, 4) if decode_rows else ():
-        hd, idd, wdd = h[:n_tok], ids[:n_tok], w[:n_tok]
+        hd, idd, wdd = h[:n_tok], ids[:n_tok].get(), w[:n_tok]  # ids read once, as moe_block does
         call = functools.partial(moe_decode, hd, idd, wdd, blobs, layout)
         ms = time_ms(call, warmup=2, repeat=20)
         moved = n_tok * k * layout.blob_bytes
@@ -243,6 +243,7 @@ def bench_attention(
     they replace) is timed beside them."""
     import cupy as cp
 
+    from engine.backend.array_ops import causal_gqa
     from engine.kernels.attention import causal_attention, causal_flops
     from engine.kernels.flash import (
         SM90_HEAD_SIZES,
@@ -250,7 +251,6 @@ def bench_attention(
         flash_attention_sm90a,
         sm90a_available,
     )
-    from engine.model.attention import causal_gqa
 
     rng = np.random.default_rng(3)
     rows = []

@@ -2,9 +2,9 @@
 KV cache's cells, the KV write and the MoE job table, all reading the step's position and the
 expert residency from device memory, so a captured CUDA graph replays unchanged every step.
 
-- `attention_at(q [T, H, D], kv, layer, pos, ws)` -> [T, H, D]: causal attention of rows at
-  positions pos[0].. over cells 0..pos[0]+t (q4_0 or f16 cells, no decoded copy);
-- `kv_write_at(kv, layer, k, v, pos)`: k, v [T, Hkv, D] into cells pos[0]..;
+- `attention_at(q [T, H, D], cells, pos, ws)` -> [T, H, D]: causal attention of rows at
+  positions pos[0].. over cells 0..pos[0]+t of one layer (q4_0 or f16 cells, no decoded copy);
+- `kv_write_at(cells, k, v, pos)`: k, v [T, Hkv, D] into one layer's cells pos[0]..;
 - `moe_at(...)`: the routed FFN of a few tokens with weights read from the cache slot the staged
   residency table names, or over PCIe from the page-locked GGUF on a miss.
 """
@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from engine.kernels.dequant import gemv_jobs
+from engine.kernels.fused import kv_q4_encode
+from engine.kernels.moe import _dims, _silu_mul
 from engine.kernels.source import cuda_source
-
-if TYPE_CHECKING:
-    from engine.kv import KVCache
+from engine.quant import ExpertLayout
 
 KEYS = 128  # keys per attention tile (threads per block); as in decode.cu
 MERGE_SLICES = 4  # attn_merge: tile slices per block (SLICES in decode.cu); 4 * D <= 1024
@@ -67,12 +68,29 @@ def attention_workspace(t: int, n_head: int, d: int, n_ctx: int) -> tuple[tuple[
     return (t, n_head, n, 2), (t, n_head, n, d)
 
 
-def _layer_cells(kv: KVCache, layer: int, j: int) -> tuple[Any, Any]:
-    """(values, scales or None) of every cell of one layer's K (j=0) or V (j=1)."""
-    return kv.data[layer, j], (kv.scale[layer, j] if kv.scale is not None else None)
+@dataclass(frozen=True)
+class KVCells:
+    """Every cell of one layer's KV cache, as the kernels read and write them in place.
+
+    `kind` "q4_0": `k`, `v` uint8 [n_ctx, Hkv, D/2] and `k_scale`, `v_scale` float16
+    [n_ctx, Hkv, D/32]; "f16": `k`, `v` float16 [n_ctx, Hkv, D] and no scales (None)."""
+
+    kind: str
+    k: Any
+    k_scale: Any
+    v: Any
+    v_scale: Any
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.k.shape[0])
+
+    @property
+    def n_head_kv(self) -> int:
+        return int(self.k.shape[1])
 
 
-def attention_at(q: Any, kv: KVCache, layer: int, pos: Any, ml: Any, acc: Any) -> Any:
+def attention_at(q: Any, cells: KVCells, pos: Any, ml: Any, acc: Any) -> Any:
     """q [T, H, D] float32 (normed, rotated) -> [T, H, D] over the layer's cells 0..pos[0]+t.
 
     `ml`, `acc`: float32 workspaces of `attention_workspace` shapes (tiles cover all n_ctx cells;
@@ -80,19 +98,18 @@ def attention_at(q: Any, kv: KVCache, layer: int, pos: Any, ml: Any, acc: Any) -
     import cupy
 
     t, n_head, d = q.shape
-    assert kv.kind in GRAPH_KV_KINDS and q.dtype == cupy.float32 and q.flags.c_contiguous
-    group = n_head // kv.n_head_kv
-    module, (tiles_name, merge_name) = _module(kv.kind, group, d)
-    k_cells, k_scale = _layer_cells(kv, layer, 0)
-    v_cells, v_scale = _layer_cells(kv, layer, 1)
-    nt = n_tiles(kv.n_ctx)
+    assert cells.kind in GRAPH_KV_KINDS and q.dtype == cupy.float32 and q.flags.c_contiguous
+    n_kv = cells.n_head_kv
+    group = n_head // n_kv
+    module, (tiles_name, merge_name) = _module(cells.kind, group, d)
+    nt = n_tiles(cells.n_ctx)
     assert ml.shape == (t, n_head, nt, 2) and acc.shape == (t, n_head, nt, d)
-    k_arg = _kv_arg(k_cells, k_scale)
-    v_arg = _kv_arg(v_cells, v_scale)
+    k_arg = _kv_arg(cells.k, cells.k_scale)
+    v_arg = _kv_arg(cells.v, cells.v_scale)
     scale = np.float32(1.0 / float(d) ** 0.5)
     module.get_function(tiles_name)(
-        (nt, kv.n_head_kv, t), (KEYS,),
-        (q, *k_arg, *v_arg, pos, np.int32(kv.n_head_kv), scale, np.int32(nt), ml, acc))
+        (nt, n_kv, t), (KEYS,),
+        (q, *k_arg, *v_arg, pos, np.int32(n_kv), scale, np.int32(nt), ml, acc))
     out = cupy.empty_like(q)
     module.get_function(merge_name)((n_head, t), (MERGE_SLICES * d,),
                                     (ml, acc, pos, np.int32(n_head), np.int32(nt), out))
@@ -104,18 +121,15 @@ def _kv_arg(cells: Any, scale: Any) -> tuple[np.uint64, np.uint64]:
     return np.uint64(cells.data.ptr), np.uint64(0 if scale is None else scale.data.ptr)
 
 
-def kv_write_at(kv: KVCache, layer: int, k: Any, v: Any, pos: Any) -> None:
-    """Store k, v [T, Hkv, D] float32 at cells pos[0].. of `layer` (q4_0 or f16 cells)."""
-    from engine.kernels.fused import kv_q4_encode
-
-    for j, x in enumerate((k, v)):
-        cells, scale = _layer_cells(kv, layer, j)
-        if kv.kind == "q4_0":
-            kv_q4_encode(x, cells, scale, pos=pos)
+def kv_write_at(cells: KVCells, k: Any, v: Any, pos: Any) -> None:
+    """Store k, v [T, Hkv, D] float32 at cells pos[0].. of one layer (q4_0 or f16 cells)."""
+    for x, data, scale in ((k, cells.k, cells.k_scale), (v, cells.v, cells.v_scale)):
+        if cells.kind == "q4_0":
+            kv_q4_encode(x, data, scale, pos=pos)
             continue
         n = x.size
-        per_cell = kv.n_head_kv * kv.head_dim
-        _fn("kv_f16_write")((-(-n // 256),), (256,), (x, cells, np.int64(n), np.int64(per_cell), pos))
+        per_cell = x.shape[1] * x.shape[2]  # Hkv * D values a cell
+        _fn("kv_f16_write")((-(-n // 256),), (256,), (x, data, np.int64(n), np.int64(per_cell), pos))
 
 
 @dataclass(frozen=True)
@@ -135,14 +149,11 @@ class ExpertSource:
     part_bytes: Any
 
 
-def moe_at(h: Any, ids: Any, w: Any, src: ExpertSource, layout: Any, counts: Any) -> Any:
+def moe_at(h: Any, ids: Any, w: Any, src: ExpertSource, layout: ExpertLayout, counts: Any) -> Any:
     """h [T, d] float32, ids [T, k] int64, w [T, k] -> [T, d]: the routed FFN through the fused
     GEMV kernels, with job rows built on the device (`moe_jobs`); counts (uint64 [2]) gains the
     hits and misses."""
     import cupy
-
-    from engine.kernels.dequant import gemv_jobs
-    from engine.kernels.moe import _dims, _silu_mul
 
     f, d = _dims(layout)
     n_tok, k = ids.shape

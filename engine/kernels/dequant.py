@@ -25,9 +25,11 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
+from engine.kernels.lifetime import process_lifetime
+
 _DIR = Path(__file__).parent
 _THREADS = 128  # 4 warps; must match WARPS in quant_kernels.cu
-_MAX_BATCH = 8
+GEMV_MAX_ROWS = 8  # vectors one gemv launch takes at most
 
 # quant type -> decoder struct in quant_blocks.cu
 DECODERS: dict[Q, str] = {
@@ -105,8 +107,6 @@ def _function(name_expression: str) -> Any:
 def _device_table(qtype: Q, device_id: int) -> tuple[Any, int]:
     cp = _cupy()
     host = lookup_table(qtype)
-    from engine.backend.cuda_arena import process_lifetime
-
     # cached for the process: never from a prompt chunk's arena, whose memory is lent
     with cp.cuda.Device(device_id), process_lifetime():
         table = cp.asarray(host if host.size else np.zeros(1, dtype=np.uint32))
@@ -202,7 +202,7 @@ def _gemv_kernel(
 ) -> Any:
     """The gemv instantiation and grid for these weight addresses (decoder-aligned)."""
     _check_qtype(qtype)
-    assert 1 <= n_batch <= _MAX_BATCH, f"gemv takes at most {_MAX_BATCH} vectors, got {n_batch}"
+    assert 1 <= n_batch <= GEMV_MAX_ROWS, f"gemv takes at most {GEMV_MAX_ROWS} vectors, got {n_batch}"
     align = _decoder_align(qtype)
     assert all(p % align == 0 for p in ptrs), f"{qtype.name} weights need {align}-alignment"
     rows = rows or _rows_per_warp(n_out)

@@ -5,12 +5,13 @@ and CuPy's per-launch cost (~10-20 us of Python and driver time each) is the ste
 - `rms_norm(x [.., n], w [n], eps)` -> float32, one block per row;
 - `rope_neox_(x [T, H, D], pos0, base)`: NEOX rotary embedding in place, positions pos0..;
 - `kv_q4_encode(x [T, H, D]) -> (packed [T, H, D/2] uint8, scale [T, H, D/32] fp16)` and
-  `kv_q4_decode(packed, scale) -> float32 [n, H, D]`: the q4_0 KV codec of engine/kv.py;
+  `kv_q4_decode(packed, scale) -> float32 [n, H, D]`: the q4_0 KV codec;
 - `route_topk(logits [T, E], k) -> (ids [T, k] int64, w [T, k], margin [T])`: softmax, top-k
   (ties: lower index first, as a stable argsort), renormalised weights and the tie margin.
 
-Each matches its NumPy reference (engine/model/ops.py, engine/kv.py, engine/model/moe.py) to
-float32 rounding (tests/test_gpu_fused.py); the q4 codec's rounding steps are the reference's.
+Each matches its array-code reference in engine/backend/array_ops.py (`rms_norm`, `rope_neox`,
+`kv_encode`/`kv_decode`, `route_topk`) to float32 rounding (tests/test_gpu_fused.py); the q4
+codec's rounding steps are the reference's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.kernels.lifetime import process_lifetime
 from engine.kernels.source import cuda_source
 
 _THREADS = 256
@@ -76,13 +78,11 @@ def rms_norm(x: Any, w: Any, eps: float) -> Any:
 
 @functools.cache
 def _inv_freq(d: int, base: float, device_id: int) -> Any:
-    """float32 [d/2]: base^(-2i/d), computed as engine.model.ops.rope_neox does (host numpy,
+    """float32 [d/2]: base^(-2i/d), computed as the array reference `rope_neox` does (host numpy,
     float32), kept for the process (from the default pool, never from a chunk arena)."""
     import cupy
 
     host = base ** (-np.arange(0, d // 2, dtype=np.float32) * 2.0 / d)
-    from engine.backend.cuda_arena import process_lifetime
-
     with cupy.cuda.Device(device_id), process_lifetime():
         return cupy.asarray(host.astype(np.float32))
 

@@ -2,8 +2,8 @@
 
 Prefill (`moe_prefill`), for a chunk of T tokens routed to k experts each:
 
-1. sort the T*k (token, expert) rows by expert (on the device; the per-expert row counts come
-   to the host once, and `plan_rows` places every row there);
+1. sort the T*k (token, expert) rows by expert (on the device; from the per-expert row counts
+   the caller read, `plan_rows` places every row);
 2. order the used experts by row count and take them in groups that fit the scratch: decode the
    gate|up|down parts of a group in one launch per quant type (`dequantize_many`), gather the
    group's token rows padded to its largest expert straight from the fp16 activations, and run
@@ -15,9 +15,9 @@ Prefill (`moe_prefill`), for a chunk of T tokens routed to k experts each:
 Decode (`moe_decode`), for B <= a few tokens: gate and up of every (token, expert) pair in one
 `gemv_many` launch, `silu(gate) * up`, down in one more, and the weighted sum.
 
-The row counts come to the host once per call (the GEMM shapes and the blob addresses need
-them; `moe_block` reads them and passes them on); small launch tables (row indices, pointers)
-go the other way.
+The kernels read nothing back: the caller (the model's `moe_block`, through the backend's
+counted download) brings the row counts, or a decode step's ids, to the host once per layer and
+passes them in; small launch tables (row indices, pointers) go the other way.
 """
 
 from __future__ import annotations
@@ -25,16 +25,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from engine.kernels.dequant import dequantize_ptrs, gemv_ptrs
 from engine.kernels.source import cuda_source
-from engine.phases import lap
-
-if TYPE_CHECKING:
-    from engine.model.weights import ExpertLayout
+from engine.quant import ExpertLayout
 
 DEFAULT_SCRATCH_BYTES = 256 << 20
 _ONE, _ZERO = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)  # cuBLAS alpha, beta
@@ -203,11 +200,12 @@ def moe_prefill(
     blobs: Mapping[int, Any] | Callable[[list[int]], list[Any]],
     layout: ExpertLayout,
     *,
+    counts: np.ndarray,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     max_group: int | None = None,
     release: Callable[[list[int]], None] | None = None,
-    counts: np.ndarray | None = None,
     staged: Callable[[int], bool] | None = None,
+    lap: Callable[[str], None] | None = None,
 ) -> Any:
     """Routed-expert FFN of a token chunk on the GPU (see the module docstring).
 
@@ -219,24 +217,24 @@ def moe_prefill(
     ring of `max_group` slots can hold every group in turn; with `staged(id)`, true for the
     experts that need a ring slot, `max_group` bounds only those); `release(ids)` (optional) is
     told the moment the decode of those experts' blobs is queued, before their GEMMs, so the
-    next group's uploads can overlap the GEMMs of this one. `counts` (optional, host [E]):
-    rows per expert id, when the caller has read them already (saves a host read).
+    next group's uploads can overlap the GEMMs of this one. `counts` (host [E]): rows per
+    expert id (the caller reads the routing once; the kernel reads nothing back). `lap`
+    (optional) marks where each stage ends, in stream order: 'moe route' (all since the
+    previous mark: router, top-k, the routing's host read), then per group 'moe fetch+decode'
+    and 'moe gemm' (the prefill phases STRATA_TRACE prints).
     Returns float32 [T, d]: sum_j weights[t, j] * down(silu(gate h_t) * up h_t) of expert ids[t, j].
     """
     cp = _cupy()
     _, combine = _kernels()
+    lap = lap or _no_lap
     f, d = _dims(layout)
     n_tok, k = ids.shape
     assert h.shape == (n_tok, d), f"h {h.shape} for {n_tok} tokens of width {d}"
     n_rows = n_tok * k
-    flat = cp.asarray(ids, dtype=cp.int32).reshape(-1)  # [T*k]; host ids when a prompt has <= 8 fresh tokens
+    flat = cp.asarray(ids, dtype=cp.int32).reshape(-1)  # [T*k]
     order = cp.argsort(flat).astype(cp.int32)  # [T*k] rows sorted by expert
-    if counts is None:
-        experts, n_of = cp.unique(flat, return_counts=True)
-        used, n_per = (a.tolist() for a in cp.stack([experts, n_of.astype(cp.int32)]).get())
-    else:
-        used = np.flatnonzero(counts).tolist()
-        n_per = [int(counts[e]) for e in used]
+    used = np.flatnonzero(counts).tolist()
+    n_per = [int(counts[e]) for e in used]
     assert sum(n_per) == n_rows, f"expert row counts sum to {sum(n_per)}, not {n_rows}"
     lap("moe route")  # router, top-k and the host read of the routing (STRATA_TRACE)
     fetch = (lambda es: [blobs[e] for e in es]) if isinstance(blobs, Mapping) else blobs
@@ -279,6 +277,10 @@ def moe_prefill(
     return out
 
 
+def _no_lap(stage: str) -> None:
+    pass
+
+
 @functools.cache
 def _silu_mul() -> Any:
     cp = _cupy()
@@ -288,16 +290,17 @@ def _silu_mul() -> Any:
 
 
 def moe_decode(
-    h: Any, ids: Any, weights: Any, blobs: Mapping[int, Any], layout: ExpertLayout
+    h: Any, ids: np.ndarray, weights: Any, blobs: Mapping[int, Any], layout: ExpertLayout
 ) -> Any:
     """Routed-expert FFN of a few tokens through fused dequantize-GEMV (no decoded copies).
 
-    h: [B, d] activations; ids, weights: [B, k] (ids on host or device). Returns float32 [B, d].
-    Three GEMV launches at most (gate|up together when they share a quant type, then down).
+    h: [B, d] activations; ids: [B, k] on the host (the job tables are built from them);
+    weights: [B, k]. Returns float32 [B, d]. Three GEMV launches at most (gate|up together when
+    they share a quant type, then down).
     """
     cp = _cupy()
     f, d = _dims(layout)
-    ids_h = ids.get() if hasattr(ids, "get") else np.asarray(ids)
+    ids_h = np.asarray(ids)
     n_tok, k = ids_h.shape
     n_pairs = n_tok * k  # job order: (token, slot)
     hx = cp.ascontiguousarray(h, dtype=cp.float32)  # [B, d]

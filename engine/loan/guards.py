@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from engine.config import ENV_NAMES, EngineOptions, LoanFlags
 from engine.devices import default_segment_bytes
+from engine.kernels.flash import env_problem
 from engine.memory.sizes import MiB, format_mib
 
 MIN_LOAN_SEGMENT_MIB = 64
@@ -59,11 +60,8 @@ def validate(
         v.append(f"--spec {options.spec} needs --mtp (the draft comes from the MTP layer)")
     if (problem := _segment_fit_problem(options, device, segment_bytes, capacity_bytes)):
         v.append(problem)
-    if device.startswith("cuda"):
-        from engine.kernels.flash import env_problem
-
-        if (problem := env_problem()) is not None:
-            v.append(problem)
+    if device.startswith("cuda") and (problem := env_problem()) is not None:
+        v.append(problem)
     return v
 
 

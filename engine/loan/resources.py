@@ -7,6 +7,7 @@ segments; restore reserves them again and re-creates the contents from the model
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,6 +56,7 @@ class DecodeResource:
     region: str
     arena: Arena
     obj: Releasable
+    last_restore_s: tuple[float, float] = (0.0, 0.0)  # the last restore: map, fill (seconds)
 
     @property
     def label(self) -> str:
@@ -79,9 +81,12 @@ class DecodeResource:
         """Reserve the segments, then re-create the contents. Returns bytes restored."""
         if self.arena.resident:
             return 0
+        t0 = time.perf_counter()
         self.arena.restore()
+        t1 = time.perf_counter()
         try:
             self.obj.restore()
+            self.last_restore_s = (t1 - t0, time.perf_counter() - t1)
         except BaseException:
             self.arena.release()
             raise

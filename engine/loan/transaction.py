@@ -200,7 +200,10 @@ class LoanTransaction:
             for attempt in (1, 2):  # a one-shot device fault gets one retry
                 try:
                     self.faults.hit(f"restore:{r.region}")
-                    parts.append(f"{LABELS[r.region]} {_mib(r.restore())}")
+                    n = r.restore()
+                    mapped, filled = (1e3 * x for x in r.last_restore_s)
+                    parts.append(f"{LABELS[r.region]} {_mib(n)} (map {mapped:.0f} + fill "
+                                 f"{filled:.0f} ms)")
                     break
                 except StrataError:
                     if attempt == 2:

@@ -1,13 +1,12 @@
-"""Where a prompt chunk's temporaries live: inside the chunk buffer on CUDA, anywhere on the CPU.
-
-`open_arena(xp, buf)` returns a `ChunkArena` (engine/backend/cuda_arena.py) when `xp` is CuPy,
-else None: NumPy temporaries are host memory, which the simulated device does not budget.
-"""
+"""What a prompt chunk's temporaries took in the arena the backend gave them (`chunk_arena`:
+inside the chunk buffer on CUDA, engine/backend/cuda_arena.py; none on the simulated device,
+whose temporaries are host memory)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from engine.backend.base import PromptArena
 
 
 @dataclass(frozen=True)
@@ -19,7 +18,7 @@ class ArenaStats:
     spilled_bytes: int
 
     @classmethod
-    def of(cls, arena: Any) -> ArenaStats:
+    def of(cls, arena: PromptArena) -> ArenaStats:
         return cls(arena.n_bytes, arena.peak_bytes, arena.spilled_bytes)
 
     def merge(self, earlier: ArenaStats | None) -> ArenaStats:
@@ -34,11 +33,3 @@ class ArenaStats:
         return (f"prompt temporaries: peak {mib(self.peak_bytes):,.0f} MiB of the "
                 f"{mib(self.n_bytes):,.0f} MiB chunk buffer, spilled {mib(self.spilled_bytes):,.0f} MiB")
 
-
-def open_arena(xp: Any, buf: Any) -> Any:
-    """A context manager routing `xp`'s allocations into `buf`, or None where nothing needs it."""
-    if xp.__name__ != "cupy":
-        return None
-    from engine.backend.cuda_arena import ChunkArena
-
-    return ChunkArena(buf)

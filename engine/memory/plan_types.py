@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.errors import FlagError, ModelError
-from engine.experts.cache import cache_region_bytes
+from engine.memory.cache_layout import cache_region_bytes
 from engine.memory.ledger import DECODE_ONLY_REGIONS, DEFAULT_SEGMENT_BYTES
 
 STRATA_MIN_KEPT_SLOTS = 128

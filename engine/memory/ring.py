@@ -54,8 +54,8 @@ class StagingRing:
 
     Overwriting a slot is safe without a host synchronisation: the backend orders every upload
     after the compute already queued (which includes every kernel that read the slot's old
-    expert), or, once `release` said the slot's readers are queued (backends with `mark`,
-    CUDA), after just those readers, so the upload overlaps the compute queued since.
+    expert), or, once `release` said the slot's readers are queued (the backend's `mark`),
+    after just those readers, so on CUDA the upload overlaps the compute queued since.
     `stage(..., wait=False)` (prefetch, CUDA) queues the copy without making the compute wait
     for it; the wait is queued when the expert is first asked for with `wait=True`.
     """
@@ -81,9 +81,9 @@ class StagingRing:
         host_blob: Callable[[int, int], np.ndarray | list[np.ndarray]], wait: bool = True,
     ) -> DeviceArray:
         """Device bytes [slot_bytes] of (layer, expert); uploads `host_blob(layer, expert)`
-        into the next slot unless the ring already holds it. `wait=False` (backends with
-        `upload_many`): compute queued later does not wait for this copy until the expert
-        is staged again with `wait=True`."""
+        into the next slot unless the ring already holds it. `wait=False`: compute queued
+        later does not wait for this copy until the expert is staged again with `wait=True`
+        (on a backend whose copies run beside compute; elsewhere every copy is done anyway)."""
         return self.stage_group(layer, [expert], host_blob, wait)[0]
 
     def stage_group(
@@ -124,34 +124,26 @@ class StagingRing:
         if wait:
             for slot in slots:
                 if slot in self._pending:
-                    self.backend.wait(self._pending.pop(slot))  # type: ignore[attr-defined]
+                    self.backend.wait(self._pending.pop(slot))
         return [self.slots[slot] for slot in slots]
 
     def _upload(self, jobs: list[tuple[Any, DeviceArray]], afters: list[object | None],
                 fresh: list[int], wait: bool) -> None:
         """One batch of uploads into the `fresh` slots: after the compute that last read them
         (their release events, or all compute queued when one has none)."""
-        upload_many = getattr(self.backend, "upload_many", None)
-        if upload_many is None:  # synchronous backends
-            assert wait, "staging without waiting needs a backend with upload_many"
-            for host, out in jobs:
-                self.backend.upload(host, out)
-            return
         after = None if any(a is None for a in afters) else list(dict.fromkeys(afters))
-        event = upload_many(jobs, after=after)
+        event = self.backend.upload_many(jobs, after=after)
         for slot in fresh:
             self._pending[slot] = event
 
     def release(self, layer: int, experts: list[int]) -> None:
         """The compute that reads these experts' slots is queued (the MoE kernels decoded
         them): a later upload into one of them waits for that compute only, not for all the
-        compute queued before it. Experts the ring does not hold are ignored; a no-op on
-        backends without `mark` (their uploads are synchronous)."""
-        mark = getattr(self.backend, "mark", None)
+        compute queued before it. Experts the ring does not hold are ignored."""
         slots = [self._where[(layer, e)] for e in experts if (layer, e) in self._where]
-        if mark is None or not slots:
+        if not slots:
             return
-        event = mark()
+        event = self.backend.mark()
         for slot in slots:
             self._free_after[slot] = event
 

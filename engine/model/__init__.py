@@ -1,1 +1,2 @@
-"""Model code written against `xp` (numpy or cupy): ops, attention, MoE, transformer, MTP."""
+"""Model code: array code on the backend's `xp` that calls the backend's ops (attention, MoE,
+transformer, weights, loader, MTP block); it never asks which device it runs on."""

@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
+from engine.backend import DEFAULT_SIM_BYTES, SimBackend
+from engine.backend.base import Backend
 from engine.errors import ModelError
+from engine.experts.host import FileExperts
 from engine.gguf.hparams import HParams, read_hparams
 from engine.gguf.reader import ModelFile, open_gguf
 from engine.gguf.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
-from engine.model.weights import HostExperts, dense_bytes
+from engine.model.weights import dense_bytes
 
 
 @dataclass
@@ -26,27 +26,26 @@ class Model:
     hp: HParams
     tokenizer: Tokenizer
     transformer: Transformer | None  # None until `build` (weights decoded onto the device)
-    experts: HostExperts  # routed experts of the main blocks
-    mtp_experts: HostExperts | None  # routed experts of the MTP block, if any
+    experts: FileExperts  # routed experts of the main blocks
+    mtp_experts: FileExperts | None  # routed experts of the MTP block, if any
     dense_bytes: int
 
     @property
     def has_mtp(self) -> bool:
         return self.hp.n_nextn > 0
 
-    def build(self, xp: Any, to_device: Callable, head_to_device: Callable | None = None) -> None:
-        """Decode the dense weights onto the device (into ledger regions via `to_device`)."""
-        self.transformer = Transformer(self.mf, self.hp, xp, to_device, head_to_device)
+    def build(self, backend: Backend, to_device: Callable | None = None,
+              head_to_device: Callable | None = None) -> None:
+        """Decode the dense weights onto `backend` (into ledger regions via `to_device`; by
+        default new device arrays)."""
+        to_device = to_device or backend.to_device
+        self.transformer = Transformer(self.mf, self.hp, backend, to_device, head_to_device)
 
 
-def load_model(
-    path: str | Path,
-    xp: Any = np,
-    to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
-    build: bool = True,
-) -> Model:
-    """Open and validate `path`; with `build`, decode the dense weights too (else call
-    `Model.build` once device memory is planned). Experts stay memory-mapped."""
+def load_model(path: str | Path, backend: Backend | None = None, build: bool = True) -> Model:
+    """Open and validate `path`; with `build`, decode the dense weights too, onto `backend`
+    (default: a simulated device of the default size), else call `Model.build` once device
+    memory is planned. Experts stay memory-mapped."""
     mf = open_gguf(path)
     hp = read_hparams(mf)
     tokenizer = Tokenizer.from_metadata(mf.metadata)
@@ -61,10 +60,10 @@ def load_model(
         hp=hp,
         tokenizer=tokenizer,
         transformer=None,
-        experts=HostExperts(mf, range(hp.n_layer)),
-        mtp_experts=HostExperts(mf, range(hp.n_layer, hp.n_layer + hp.n_nextn)) if hp.n_nextn else None,
+        experts=FileExperts(mf, range(hp.n_layer)),
+        mtp_experts=FileExperts(mf, range(hp.n_layer, hp.n_layer + hp.n_nextn)) if hp.n_nextn else None,
         dense_bytes=dense_bytes(mf, hp),
     )
     if build:
-        model.build(xp, to_device)
+        model.build(backend or SimBackend(DEFAULT_SIM_BYTES))
     return model

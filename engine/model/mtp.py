@@ -23,20 +23,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine.backend.base import Backend, ExpertProvider
 from engine.errors import ModelError
+from engine.experts.decoded import DecodedLRU
+from engine.experts.host import FileExperts
 from engine.gguf import names
 from engine.kv import KVCache
 from engine.model.attention import attention_block
 from engine.model.loader import Model
-from engine.model.moe import ExpertProvider, moe_block
-from engine.model.ops import linear, rms_norm
-from engine.model.weights import (
-    BlockWeights,
-    DecodedLRU,
-    HostExperts,
-    TokenEmbedding,
-    load_block,
-)
+from engine.model.moe import moe_block
+from engine.model.weights import BlockWeights, TokenEmbedding, load_block
 from engine.quant import dequantize
 
 NO_MTP = "model has no MTP (nextn) layer; drop --mtp"
@@ -55,68 +51,78 @@ class MTPOutput:
 
 
 class MTPExperts:
-    """The MTP block's routed experts as one resident quantized array [E, blob_bytes]
-    (region `mtp.experts`); an `ExpertProvider` for local layer 0, releasable."""
+    """The MTP block's routed experts as one resident quantized array `data` [E, blob_bytes]
+    (region `mtp.experts`); an `ExpertProvider` for local layer 0 (no ring), releasable."""
 
     name = "mtp.experts"
+    ring_slots = None
 
-    def __init__(
-        self,
-        host: HostExperts,
-        xp: Any = np,
-        to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
-    ):
+    def __init__(self, host: FileExperts, backend: Backend,
+                 to_device: Callable[[np.ndarray], Any] | None = None):
+        """`to_device`: where the blobs are uploaded (a ledger region's arena; by default a
+        new device array)."""
         assert host.n_layer == 1, f"one MTP block supported, got {host.n_layer}"
-        self.host, self.xp, self._to_device = host, xp, to_device
+        self.host, self.backend, self.layout = host, backend, host.layout
+        self._to_device = to_device or backend.to_device
         self.nbytes = host.n_expert * host.blob_bytes
         blobs = self._read()
         self._crc = zlib.crc32(np.ascontiguousarray(blobs))
-        self.blobs: Any = to_device(blobs)  # uint8 [E, blob_bytes]
-        # decoded float32 copies: what the CPU keeps in place of a GPU's dequantizing GEMV
+        self.data: Any = self._to_device(blobs)  # uint8 [E, blob_bytes]
+        # decoded float32 copies: what the array ops keep in place of a GPU's dequantizing GEMV
         self._decoded = DecodedLRU()
 
     @property
     def resident(self) -> bool:
-        return self.blobs is not None
+        return self.data is not None
 
     def prepare(self, layer: int, experts: list[int]) -> None:
         assert layer == 0, f"MTP experts have one local layer, got {layer}"
 
-    def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
-        assert self.blobs is not None, "MTP experts are released (on loan); restore them first"
-        return self._decoded.get(expert, lambda: self._decode(expert))
+    def prefetch(self, layer: int) -> None:
+        pass  # resident: nothing to stage
 
-    def _decode(self, expert: int) -> tuple[Any, Any, Any]:
-        blob = _host(self.xp)(self.blobs[expert])  # [blob_bytes]
-        gate, up, down = self.host.layout.decode(blob)  # [f, d], [f, d], [d, f]
-        return self.xp.asarray(gate), self.xp.asarray(up), self.xp.asarray(down)
+    def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
+        assert self.data is not None, "MTP experts are released (on loan); restore them first"
+        return self._decoded.get(
+            expert, lambda: self.backend.decode_expert(self.data[expert], self.layout)
+        )
+
+    def blobs(self, layer: int, experts: list[int]) -> list[Any]:
+        assert self.data is not None, "MTP experts are released (on loan); restore them first"
+        return [self.data[e] for e in experts]
+
+    def needs_slot(self, layer: int, expert: int) -> bool:
+        return False
+
+    def reads_queued(self, layer: int, experts: list[int]) -> None:
+        pass  # resident: no slot to give back
 
     def release(self) -> int:
         """Drop the resident blobs; returns the bytes freed (0 if already released)."""
-        if self.blobs is None:
+        if self.data is None:
             return 0
-        self.blobs = None
+        self.data = None
         self._decoded.clear()
         return self.nbytes
 
     def restore(self) -> int:
         """Re-read every blob from the host copy (the GGUF map); returns the bytes resident."""
-        if self.blobs is None:
-            self.blobs = self._to_device(self._read())
+        if self.data is None:
+            self.data = self._to_device(self._read())
         return self.nbytes
 
     def check_integrity(self, deep: bool = False) -> None:
         """Shape and size always; with `deep`, the blobs' checksum against the file's."""
-        if self.blobs is None:
+        if self.data is None:
             return
         want = (self.host.n_expert, self.host.blob_bytes)
-        if tuple(self.blobs.shape) != want or int(self.blobs.nbytes) != self.nbytes:
+        if tuple(self.data.shape) != want or int(self.data.nbytes) != self.nbytes:
             raise AssertionError(
-                f"MTP experts {tuple(self.blobs.shape)} ({int(self.blobs.nbytes)} bytes), "
+                f"MTP experts {tuple(self.data.shape)} ({int(self.data.nbytes)} bytes), "
                 f"expected {want} ({self.nbytes} bytes)"
             )
         if deep:
-            crc = zlib.crc32(np.ascontiguousarray(_host(self.xp)(self.blobs)))
+            crc = zlib.crc32(np.ascontiguousarray(self.backend.download(self.data)))
             if crc != self._crc:
                 raise AssertionError(f"MTP experts checksum {crc:08x} != file {self._crc:08x}")
 
@@ -144,13 +150,16 @@ class MTPBlock:
         model: Model,
         head: DraftRows,
         experts: ExpertProvider | None = None,
-        xp: Any = np,
-        to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+        to_device: Callable[[np.ndarray], Any] | None = None,
     ):
+        """On the backend of the built `model`; `to_device`: where the dense weights go (a
+        ledger region's arena; by default new device arrays)."""
         require_mtp(model)
-        assert model.mtp_experts is not None
+        assert model.mtp_experts is not None and model.transformer is not None
         mf, hp = model.mf, model.hp
-        self.model, self.hp, self.xp, self._to_device = model, hp, xp, to_device
+        be = self.backend = model.transformer.backend
+        to_device = to_device or be.to_device
+        self.model, self.hp, self.xp = model, hp, be.xp
         i = hp.n_layer  # the nextn block follows the main blocks
         get = lambda kind: to_device(dequantize(mf.tensor(names.nextn(kind, i))))
         self.eh_proj = get("eh_proj")  # [d, 2d]
@@ -164,37 +173,34 @@ class MTPBlock:
         )  # host rows
         self.head = head  # the draft head (`engine.spec.draft_head.DraftHead`)
         # default: a resident, releasable copy of the quantized experts (not the host map)
-        self.experts: ExpertProvider = experts or MTPExperts(model.mtp_experts, xp, to_device)
+        self.experts: ExpertProvider = experts or MTPExperts(model.mtp_experts, be, to_device)
 
     def new_kv(self, n_ctx: int, kind: str = "f16", alloc: Callable | None = None) -> KVCache:
         """An empty KV cache for the block (one layer, `n_ctx` cells)."""
         hp = self.hp
-        return KVCache(self.xp, 1, n_ctx, hp.n_head_kv, hp.head_dim, kind, alloc)
+        return KVCache(self.backend, 1, n_ctx, hp.n_head_kv, hp.head_dim, kind, alloc)
 
     def forward(
         self, h_prev: Any, tokens: np.ndarray, pos0: int, kv: KVCache, logits: str = "last"
     ) -> MTPOutput:
         """Cells pos0..pos0+T-1 from h_prev [T, d] and the tokens after them [T]; writes K/V."""
-        xp, hp = self.xp, self.hp
+        be, xp, hp = self.backend, self.xp, self.hp
         ids = np.asarray(tokens, dtype=np.int64)
         assert h_prev.shape == (len(ids), hp.n_embd), (h_prev.shape, len(ids))
-        e = xp.asarray(self.embd.rows(ids))  # [T, d] activations, not a weight upload
+        e = be.to_device(self.embd.rows(ids))  # [T, d] activations, not a weight upload
         u = xp.concatenate(
-            [rms_norm(xp, e, self.enorm, hp.rms_eps), rms_norm(xp, h_prev, self.hnorm, hp.rms_eps)],
+            [be.rms_norm(e, self.enorm, hp.rms_eps), be.rms_norm(h_prev, self.hnorm, hp.rms_eps)],
             axis=-1,
         )  # [T, 2d]: embedding first, then hidden
-        x = linear(xp, u, self.eh_proj)  # [T, d]
-        x = x + attention_block(xp, hp, self.block.attn, x, pos0, kv, 0)
-        ffn, _, _ = moe_block(xp, hp, self.block.ffn_norm, self.block.router, x, 0, self.experts)
+        x = be.linear(u, self.eh_proj)  # [T, d]
+        x = x + attention_block(be, hp, self.block.attn, x, pos0, kv, 0)
+        ffn, _, _ = moe_block(be, hp, self.block.ffn_norm, self.block.router, x, 0, self.experts)
         x = x + ffn  # [T, d]
         kv.n_tokens = pos0 + len(ids)
         if logits == "none":
             out = xp.zeros((0, self.head.n_rows), dtype=xp.float32)
         else:
             sel = x if logits == "all" else x[-1:]
-            out = self.head.logits(rms_norm(xp, sel, self.shared_head_norm, hp.rms_eps))
+            out = self.head.logits(be.rms_norm(sel, self.shared_head_norm, hp.rms_eps))
         return MTPOutput(logits=out, hidden=x)
 
-
-def _host(xp: Any) -> Callable[[Any], np.ndarray]:
-    return getattr(xp, "asnumpy", np.asarray)

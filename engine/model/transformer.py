@@ -9,20 +9,29 @@ from typing import Any
 import numpy as np
 
 from engine import phases
-from engine.errors import TokenGraphError
+from engine.backend.base import Backend, ExpertProvider
 from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import ModelFile
 from engine.kv import KVCache
-from engine.memory.compute_arena import ArenaStats, open_arena
+from engine.memory.compute_arena import ArenaStats
 from engine.model.attention import attention_block
-from engine.model.moe import ExpertProvider, moe_block
-from engine.model.ops import linear, rms_norm
+from engine.model.moe import moe_block
 from engine.model.weights import BlockWeights, TokenEmbedding, load_block
 from engine.phases import PhaseClock
 from engine.quant import dequantize
 
-EMBED_ON_HOST_ROWS = 8  # CUDA: longer token runs decode their embedding rows on the device
+
+@dataclass
+class PromptChunk:
+    """What the prompt path lends one forward pass of a prompt chunk (a per-call context):
+    `buf`, uint8 device bytes holding the residual stream [T, d] float32 and then the chunk's
+    temporaries (a chunk arena on CUDA); the prompt's phase clock (STRATA_TRACE); and
+    `arena`, what the temporaries took, merged over the chunks that share this record."""
+
+    buf: Any
+    clock: PhaseClock | None = None
+    arena: ArenaStats | None = None
 
 
 @dataclass
@@ -34,21 +43,19 @@ class ForwardResult:
 
 
 class Transformer:
-    """Main blocks of the model. Weights are read-only; run-state lives in the KV cache."""
+    """Main blocks of the model. Weights are read-only; run-state lives in the KV cache and
+    in what a call is given (a prompt chunk's `PromptChunk`)."""
 
     def __init__(
-        self, mf: ModelFile, hp: HParams, xp: Any, to_device: Any, head_to_device: Any = None
+        self, mf: ModelFile, hp: HParams, backend: Backend, to_device: Any,
+        head_to_device: Any = None,
     ):
-        self.hp, self.xp, self.mf = hp, xp, mf
+        self.hp, self.backend, self.xp, self.mf = hp, backend, backend.xp, mf
         self.embd = TokenEmbedding(mf.tensor(names.TOKEN_EMBD))  # stays in host memory
         self._to_device = to_device
         self.blocks: list[BlockWeights] = [load_block(mf, i, to_device) for i in range(hp.n_layer)]
         self.output_norm = to_device(dequantize(mf.tensor(names.OUTPUT_NORM)))
         self.head: Any = None  # [V, d] the output head; `release_head` / `load_head`
-        self.arena_stats: ArenaStats | None = None  # prompt temporaries since reset (CUDA)
-        self.phase_clock: PhaseClock | None = None  # the prompt path's phases (STRATA_TRACE)
-        self.token_graph: Any = None  # engine.token_graph.TokenGraph on CUDA (decode steps)
-        self.on_warning: Any = None  # (line) -> None: the token graph gave up (runtime's trace)
         self._head_host: np.ndarray | None = None
         self.load_head(head_to_device or to_device)
 
@@ -67,19 +74,10 @@ class Transformer:
         self.head = None
 
     def embed(self, tokens: np.ndarray) -> Any:
-        """tokens: [T] -> [T, d] float32. On CUDA a prompt chunk's rows go up quantized and
-        are decoded there (a 20k-token chunk: ~45 MB of Q8_0 rows instead of ~170 MB of
-        float32 decoded by numpy); activations, not weights: never in a weight region."""
+        """tokens: [T] -> [T, d] float32 on the device (activations, not weights: never in a
+        weight region); the backend decodes the quantized rows (`Backend.embed`)."""
         ids = np.asarray(tokens, dtype=np.int64)
-        if self.xp.__name__ == "cupy" and len(ids) > EMBED_ON_HOST_ROWS:
-            from engine.kernels.dequant import SUPPORTED
-            from engine.kernels.dequant import dequantize as decode_on_device
-
-            if self.embd.t.qtype in SUPPORTED:
-                raw = self.xp.asarray(self.embd.raw_rows(ids))  # [T, row_bytes]
-                shape = (len(ids), self.hp.n_embd)
-                return decode_on_device(raw.reshape(-1), self.embd.t.qtype, shape, np.float32)
-        return self.xp.asarray(self.embd.rows(ids))
+        return self.backend.embed(self.embd.raw_rows(ids), self.embd.t.qtype, self.hp.n_embd)
 
     def forward(
         self,
@@ -88,62 +86,54 @@ class Transformer:
         kv: KVCache,
         experts: ExpertProvider,
         logits: str = "last",
-        scratch: Any = None,
+        chunk: PromptChunk | None = None,
     ) -> ForwardResult:
         """Run tokens [T] at positions pos0..pos0+T-1, appending their K/V to `kv`.
 
-        `scratch` (uint8 device bytes, optional) holds the residual stream [T, d] float32: the
-        prompt path passes the chunk buffer it carved from lent cache slots.
+        `chunk` (optional): the prompt path's chunk buffer, carved from lent cache slots, which
+        holds the residual stream and the temporaries, with the prompt's clock and stats.
         """
-        graph = self.token_graph
-        if graph is not None and kv is graph.kv and graph.handles(len(tokens), experts, scratch):
-            try:
-                return graph.forward(tokens, pos0, logits)
-            except TokenGraphError as e:  # e.g. a weight that needs cuBLAS: run eagerly from now on
-                self.token_graph = None
-                graph.release()
-                if self.on_warning is not None:
-                    self.on_warning(f"strata: warning: {e}; decode steps run eagerly")
-        xp, hp = self.xp, self.hp
+        be, xp, hp = self.backend, self.xp, self.hp
         x = self.embed(tokens)  # [T, d]
         arena = None
-        if scratch is not None:
+        if chunk is not None:
             n = x.nbytes
-            stream = scratch[:n].view(xp.float32).reshape(x.shape)  # [T, d] in the chunk buffer
+            stream = chunk.buf[:n].view(xp.float32).reshape(x.shape)  # [T, d] in the chunk buffer
             stream[...] = x
             x = stream
-            arena = open_arena(xp, scratch[-(-n // 4096) * 4096 :])  # the rest: temporaries
+            arena = be.chunk_arena(chunk.buf[-(-n // 4096) * 4096 :])  # the rest: temporaries
         routes = []
         margins = xp.full(len(tokens), xp.inf, dtype=xp.float32)
-        prefetch = getattr(experts, "prefetch", lambda layer: None)
-        prefetch(0)
-        clock = self.phase_clock if scratch is not None else None
+        experts.prefetch(0)
+        clock = chunk.clock if chunk is not None else None
         lap = clock.lap if clock is not None else (lambda phase: None)
         lap("embed+setup")  # since the previous chunk's last layer (or the prompt's start)
         with arena or nullcontext(), phases.active(clock):
             for i, blk in enumerate(self.blocks):
-                prefetch(i + 1)  # the next layer's experts upload while this layer computes
-                x += attention_block(xp, hp, blk.attn, x, pos0, kv, i)
+                experts.prefetch(i + 1)  # the next layer's experts upload while this one computes
+                x += attention_block(be, hp, blk.attn, x, pos0, kv, i)
                 lap("attention")
-                ffn, ids, margin = moe_block(xp, hp, blk.ffn_norm, blk.router, x, i, experts)
+                ffn, ids, margin = moe_block(be, hp, blk.ffn_norm, blk.router, x, i, experts)
                 x += ffn
                 lap("moe")
                 routes.append(ids)
                 margins = xp.minimum(margins, margin)
                 del ffn, ids, margin
         if arena is not None:  # keep nothing in the lent chunk buffer past this call
+            assert chunk is not None
             routes, margins = [r.copy() for r in routes], margins.copy()
             arena.close()
-            self.arena_stats = ArenaStats.of(arena).merge(self.arena_stats)
+            chunk.arena = ArenaStats.of(arena).merge(chunk.arena)
         kv.n_tokens = pos0 + len(tokens)
         if logits == "none":
             out = xp.zeros((0, hp.n_vocab), dtype=xp.float32)
         else:
             out = self.logits(x if logits == "all" else x[-1:])
-        hidden = x.copy() if scratch is not None else x  # the chunk buffer is lent memory
+        hidden = x.copy() if chunk is not None else x  # the chunk buffer is lent memory
         return ForwardResult(logits=out, hidden=hidden, routes=routes, margins=margins)
 
     def logits(self, hidden: Any) -> Any:
         """hidden: [T, d] pre-norm -> [T, V] with the native output head."""
         assert self.head is not None, "output head is released (on loan); restore it first"
-        return linear(self.xp, rms_norm(self.xp, hidden, self.output_norm, self.hp.rms_eps), self.head)
+        be = self.backend
+        return be.linear(be.rms_norm(hidden, self.output_norm, self.hp.rms_eps), self.head)

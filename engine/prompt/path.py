@@ -17,9 +17,12 @@ from engine.experts.cache import ExpertCache, LentRange
 from engine.experts.provider import CachedExperts, StreamCounters
 from engine.faults import Faults
 from engine.memory.arena import Arena
+from engine.memory.compute_arena import ArenaStats
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts, PromptGeometry
 from engine.memory.ring import StagingRing, split_prompt_buffer
+from engine.model.transformer import PromptChunk
+from engine.phases import PhaseClock
 from engine.report import Reporter
 from engine.session import Session
 
@@ -70,6 +73,7 @@ class PromptPath:
             self.chunk = Arena(ledger, "prompt.chunk", prompt.chunk_bytes)
             self.ring = Arena(ledger, "prompt.ring", prompt.ring_bytes)
         self.lent: LentRange | None = None  # cache slots the running prompt holds
+        self.arena_stats: ArenaStats | None = None  # the last prompt's temporaries (CUDA)
 
     @property
     def owned(self) -> tuple[Arena | None, Arena | None]:
@@ -87,8 +91,11 @@ class PromptPath:
                                c.expert_blob_bytes)
 
     def run(self, session: Session, fresh: list[int], g: PromptGeometry,
-            on_chunk: Callable[[int, int, float], None]) -> PrefillResult:
-        """Prefill `fresh` with geometry `g` chunk by chunk; lends and always refills."""
+            on_chunk: Callable[[int, int, float], None],
+            clock: PhaseClock | None = None) -> PrefillResult:
+        """Prefill `fresh` with geometry `g` chunk by chunk; lends and always refills.
+        `clock`: where the chunks' phases go (STRATA_TRACE); `arena_stats` afterwards holds
+        what the chunks' temporaries took (CUDA)."""
         blob = self.provider.host.blob_bytes
         if g.borrowed:
             assert self.cache is not None
@@ -111,8 +118,10 @@ class PromptPath:
             self.faults.hit("lent")
             self.provider.attach_ring(StagingRing(self.backend, ring_slots))
             self.provider.counters.reset()
-            session.model.transformer.arena_stats = None
-            session.prefill(fresh, g.chunk_tokens, on_chunk, logits="none", scratch=chunk_buf)
+            chunk = PromptChunk(chunk_buf, clock)
+            self.arena_stats = None
+            session.prefill(fresh, g.chunk_tokens, on_chunk, logits="none", chunk=chunk)
+            self.arena_stats = chunk.arena
         finally:
             self.provider.attach_ring(None)
         refill_trace = ""

@@ -32,12 +32,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from engine.backend.base import Backend
 from engine.errors import FlagError
 from engine.model.loader import Model
 from engine.model.mtp import MTPBlock
 from engine.sampler import Sampler, SamplingParams, distribution
 from engine.session import Session
-from engine.spec.draft import Draft, DraftSource, MTPDraft, host_fn
+from engine.spec.draft import Draft, DraftSource, MTPDraft
 from engine.spec.draft_head import DraftHead
 from engine.spec.policy import DraftPolicy
 from engine.spec.verifier import Verifier
@@ -118,7 +119,8 @@ class SpecDecoder:
         # rows of plain steps the draft has not seen: (first position, hidden [1, d]s, ids)
         self._unseen: tuple[int, list[Any], list[int]] | None = None
         self._pos0: int | None = None  # first prompt position whose hidden `collect` expects
-        self._hidden: list[Any] = []  # [T, d] per prefill chunk since `begin`
+        self._hidden: list[Any] = []  # [T, d] per prefill chunk since `begin`, host memory
+        self._backend: Backend | None = None  # the prefilling session's (`begin`)
 
     @classmethod
     def with_mtp(
@@ -126,14 +128,14 @@ class SpecDecoder:
         model: Model,
         n_window: int,
         draft_vocab: int = 0,
-        xp: Any = np,
-        to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+        to_device: Callable[[np.ndarray], Any] | None = None,
     ) -> SpecDecoder:
-        """MTP drafts through a `draft_vocab`-row head; `ModelError` without a nextn block."""
+        """MTP drafts through a `draft_vocab`-row head, on the built model's backend;
+        `ModelError` without a nextn block."""
         check_spec(n_window)
-        head = DraftHead.from_model(model, draft_vocab, None, xp, to_device)
-        block = MTPBlock(model, head=head, xp=xp, to_device=to_device)
-        return cls(n_window, MTPDraft(block), Verifier.for_model(model, n_window, xp))
+        head = DraftHead.from_model(model, draft_vocab, None, to_device)
+        block = MTPBlock(model, head=head, to_device=to_device)
+        return cls(n_window, MTPDraft(block), Verifier.for_model(model, n_window, block.xp))
 
     def resources(self) -> list[LoanableResource]:
         """Decode-only regions in the loan's release order (restore runs it backwards)."""
@@ -153,7 +155,7 @@ class SpecDecoder:
         truncates the session to the result and prefills the rest, calling `collect`."""
         keep = self.draft.reusable(session, prompt_ids, reuse)
         self.draft.truncate(keep)
-        self._pos0, self._hidden = keep, []
+        self._pos0, self._hidden, self._backend = keep, [], session.backend
         return keep
 
     def collect(self, pos0: int, hidden: Any) -> None:
@@ -163,7 +165,8 @@ class SpecDecoder:
         have = self._pos0 + sum(len(h) for h in self._hidden)
         assert pos0 == have, f"prefill hidden arrives for position {pos0}, expected {have}"
         # kept in host memory: a long prompt's rows are big (31k x 2048 float32 = 256 MB)
-        self._hidden.append(hidden.get() if hasattr(hidden, "get") else np.asarray(hidden))
+        assert self._backend is not None
+        self._hidden.append(self._backend.download(hidden))
 
     def decode(
         self,
@@ -184,7 +187,7 @@ class SpecDecoder:
         self.policy = policy = self.new_policy(sampler.params.greedy)
         self._unseen = None
         try:
-            out = [sampler.sample(host_fn(session.xp)(logits[-1]))]
+            out = [sampler.sample(session.backend.download(logits[-1]))]
             while True:
                 for tok in out:
                     emitted.append(tok)
@@ -265,11 +268,11 @@ class SpecDecoder:
         draft = self.draft.propose(session, x, n_draft, sampler) if n_draft else Draft([], [])
         assert len(session.tokens) == n0 and len(draft.tokens) == n_draft
         logits = self.verifier.verify(session, [x, *draft.tokens])  # [w, V]
-        xp = session.xp
+        be = session.backend
         if sampler.params.greedy:
-            k, bonus = greedy_accept(draft.tokens, host_fn(xp)(xp.argmax(logits, axis=-1)))
+            k, bonus = greedy_accept(draft.tokens, be.download(be.xp.argmax(logits, axis=-1)))
         else:
-            k, bonus = speculative_accept(draft.tokens, draft.q or [], host_fn(xp)(logits), sampler)
+            k, bonus = speculative_accept(draft.tokens, draft.q or [], be.download(logits), sampler)
         session.truncate(n0 + 1 + k)
         timing.spec_steps += 1
         if not n_draft:  # a plain step: the draft model runs once drafting resumes, over every such row

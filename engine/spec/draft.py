@@ -57,10 +57,6 @@ class DraftSource(Protocol):
         ...
 
 
-def host_fn(xp: Any) -> Callable[[Any], np.ndarray]:
-    return getattr(xp, "asnumpy", np.asarray)
-
-
 class MTPDraft:
     """Drafts with the MTP block; its KV cache (run-state) follows the main session.
 
@@ -115,11 +111,12 @@ class MTPDraft:
             b = min(n, a + MTP_CHUNK)
             want = "last" if b == n else "none"
             out = self.block.forward(  # prompt rows come from host memory, a slice at a time
-                self.block.xp.asarray(hidden[a:b]), np.asarray(next_ids[a:b]), pos0 + a, self.kv, want
+                self.block.backend.as_device(hidden[a:b]), np.asarray(next_ids[a:b]), pos0 + a,
+                self.kv, want,
             )
         self.n_cells = pos0 + n
         self.seq = [*session.tokens[: pos0 + 1], *next_ids]
-        self._logits = host_fn(self.block.xp)(out.logits[-1])
+        self._logits = self.block.backend.download(out.logits[-1])
         self._hidden = out.hidden[-1:]
 
     def propose(self, session: Session, pending: int, n_draft: int, sampler: Sampler) -> Draft:
@@ -131,7 +128,7 @@ class MTPDraft:
         for j in range(n_draft):
             if j:  # chained step: the block's own output stands in for the main hidden
                 out = self.block.forward(h, np.asarray(tokens[-1:]), self.n_cells + j - 1, self.kv)
-                logits, h = host_fn(self.block.xp)(out.logits[-1]), out.hidden
+                logits, h = self.block.backend.download(out.logits[-1]), out.hidden
             tok, q = draft_token(self.block.head.full_logits(logits), sampler)
             tokens.append(tok)
             if q is not None:

@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from engine.backend.base import Backend
 from engine.errors import FlagError
 from engine.gguf import names
 from engine.gguf.reader import TensorView
 from engine.gguf.tokenizer import Tokenizer, TokenType
 from engine.model.loader import Model
-from engine.model.ops import linear
 from engine.quant import dequantize_bytes
 
 REGULAR_TYPES = (TokenType.NORMAL, TokenType.BYTE, TokenType.USER_DEFINED)
@@ -74,13 +74,15 @@ class DraftHead:
         self,
         source: TensorView,
         ids: np.ndarray,
-        xp: Any = np,
-        to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+        backend: Backend,
+        to_device: Callable[[np.ndarray], Any] | None = None,
         decoded: np.ndarray | None = None,
     ):
-        """`decoded`: the whole `source` already decoded (float32 [V, d], the native head's host
-        copy), so the rows are taken from it instead of decoding the file a second time."""
-        self.source, self.xp, self._to_device = source, xp, to_device
+        """`to_device`: where the rows go (a ledger region's arena; by default a new device
+        array). `decoded`: the whole `source` already decoded (float32 [V, d], the native
+        head's host copy), so the rows are taken from it instead of decoding the file again."""
+        self.source, self.backend = source, backend
+        self._to_device = to_device or backend.to_device
         self._decoded = decoded
         self.ids = np.asarray(ids, dtype=np.int64)  # [N] full-vocabulary id of each row
         self.n_vocab, self.n_embd = source.shape
@@ -90,7 +92,7 @@ class DraftHead:
         self._host_rows: np.ndarray | None = None
         host = self._host_rows = self._read()
         self._crc = zlib.crc32(np.ascontiguousarray(host))  # no copy of a contiguous array
-        self.rows: Any = to_device(host)  # [N, d]
+        self.rows: Any = self._to_device(host)  # [N, d]
         self.nbytes = int(self.rows.nbytes)  # the device dtype's bytes (fp16 on CUDA)
 
     @classmethod
@@ -99,14 +101,15 @@ class DraftHead:
         model: Model,
         draft_vocab: int = 0,
         counts: np.ndarray | None = None,
-        xp: Any = np,
-        to_device: Callable[[np.ndarray], Any] = np.ascontiguousarray,
+        to_device: Callable[[np.ndarray], Any] | None = None,
     ) -> DraftHead:
+        """The draft head of the built `model`, on its backend."""
         ids = select_draft_ids(model.tokenizer, draft_vocab, counts)
         source = head_tensor(model)
         tr = model.transformer
-        shared = tr is not None and source is model.mf.tensors.get(names.OUTPUT)
-        return cls(source, ids, xp, to_device, tr.head_host() if shared else None)
+        assert tr is not None, "build the model's weights first"
+        shared = source is model.mf.tensors.get(names.OUTPUT)
+        return cls(source, ids, tr.backend, to_device, tr.head_host() if shared else None)
 
     @property
     def n_rows(self) -> int:
@@ -124,7 +127,7 @@ class DraftHead:
     def logits(self, normed: Any) -> Any:
         """normed: [T, d] (after shared_head_norm) -> draft logits [T, N]."""
         assert self.rows is not None, "draft head is released (on loan); restore it first"
-        return linear(self.xp, normed, self.rows)
+        return self.backend.linear(normed, self.rows)
 
     def full_logits(self, draft_logits: np.ndarray) -> np.ndarray:
         """Host draft logits [N] -> [V] with -inf outside the draft vocabulary."""
@@ -158,7 +161,7 @@ class DraftHead:
                 f"{(self.n_rows, self.n_embd)} ({self.nbytes} bytes)"
             )
         if deep:
-            crc = zlib.crc32(np.ascontiguousarray(_host(self.xp)(self.rows)))
+            crc = zlib.crc32(np.ascontiguousarray(self.backend.download(self.rows)))
             if crc != self._crc:
                 raise AssertionError(f"draft head checksum {crc:08x} != file rows {self._crc:08x}")
 
@@ -173,6 +176,3 @@ class DraftHead:
         raw = t.raw.reshape(self.n_vocab, -1).view(np.uint8)  # [V, row_bytes]
         return dequantize_bytes(raw[self.ids], t.qtype, (self.n_rows, self.n_embd))
 
-
-def _host(xp: Any) -> Callable[[Any], np.ndarray]:
-    return getattr(xp, "asnumpy", np.asarray)

@@ -32,14 +32,14 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf import quants as gq
 
+from engine.backend.array_ops import rms_norm, route_topk, silu
+from engine.backend.base import Backend, DeviceArray
 from engine.gguf import names
 from engine.gguf.tokenizer import TokenType
 from engine.model.attention import attention_block
 from engine.model.loader import Model, load_model
-from engine.model.moe import route
 from engine.model.mtp import MTPBlock, require_mtp
-from engine.model.ops import rms_norm, silu
-from engine.quant import dequantize
+from engine.quant import ExpertLayout, dequantize
 from engine.session import Session
 from engine.spec.draft_head import DraftHead
 
@@ -63,16 +63,36 @@ class FitReport:
 
 
 class ArrayExperts:
-    """ExpertProvider over float32 (gate, up, down) arrays of one layer, held in memory."""
+    """ExpertProvider over float32 (gate [f, d], up [f, d], down [d, f]) arrays of one layer,
+    held in host memory (as blobs: the three F32 matrices back to back)."""
 
-    def __init__(self, weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]):
-        self.w = weights
+    ring_slots = None
+
+    def __init__(self, weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]],
+                 backend: Backend):
+        self.w, self.backend = weights, backend
+        gate, up, down = next(iter(weights.values()))
+        self.layout = ExpertLayout((Q.F32, Q.F32, Q.F32), (gate.shape, up.shape, down.shape))
 
     def prepare(self, layer: int, experts: list[int]) -> None:
         pass
 
+    def prefetch(self, layer: int) -> None:
+        pass
+
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         return self.w[expert]
+
+    def blobs(self, layer: int, experts: list[int]) -> list[DeviceArray]:
+        parts = lambda e: [np.ascontiguousarray(a, np.float32).reshape(-1).view(np.uint8)
+                           for a in self.w[e]]
+        return [self.backend.to_device(np.concatenate(parts(e))) for e in experts]
+
+    def needs_slot(self, layer: int, expert: int) -> bool:
+        return False
+
+    def reads_queued(self, layer: int, experts: list[int]) -> None:
+        pass
 
 
 def collect(model: Model, n_seq: int, n_prompt: int, n_gen: int, seed: int) -> list[Trace]:
@@ -96,12 +116,12 @@ def collect(model: Model, n_seq: int, n_prompt: int, n_gen: int, seed: int) -> l
 
 def _inputs(block: MTPBlock, tr: Trace) -> np.ndarray:
     """u [n-1, 2d] for cells p = 0..n-2: [enorm(embed(t[p+1])), hnorm(h[p])]."""
-    hp, xp = block.hp, block.xp
+    hp = block.hp
     e = block.embd.rows(np.asarray(tr.tokens[1:], dtype=np.int64))  # [n-1, d]
     return np.concatenate(
         [
-            rms_norm(xp, e, block.enorm, hp.rms_eps),
-            rms_norm(xp, tr.hidden[:-1], block.hnorm, hp.rms_eps),
+            rms_norm(np, e, block.enorm, hp.rms_eps),
+            rms_norm(np, tr.hidden[:-1], block.hnorm, hp.rms_eps),
         ],
         axis=-1,
     )
@@ -152,9 +172,9 @@ def fit_expert_down(
     for tr in traces:
         kv = block.new_kv(len(tr.tokens))
         x = _inputs(block, tr) @ block.eh_proj.T  # [n-1, d]
-        a = x + attention_block(np, hp, block.block.attn, x, 0, kv, 0)
+        a = x + attention_block(block.backend, hp, block.block.attn, x, 0, kv, 0)
         h = rms_norm(np, a, block.block.ffn_norm, hp.rms_eps)
-        ids, w, _ = route(np, hp, block.block.router, h)  # [n-1, k]
+        ids, w, _ = route_topk(np, h @ block.block.router.T, hp.n_expert_used)  # [n-1, k]
         for e in np.unique(ids).tolist():
             tok, slot = np.nonzero(ids == e)
             gate, up, _ = w0[e]
@@ -175,7 +195,8 @@ def fit_expert_down(
             down[e] = np.linalg.solve(gram, f.T @ (target[idx[e]] - pred[idx[e]])).T
             pred[idx[e]] += f @ down[e].T
     fitted = {e: np.ascontiguousarray(down[e], dtype=np.float32) for e in range(n_exp)}
-    block.experts = ArrayExperts({e: (w0[e][0], w0[e][1], fitted[e]) for e in range(n_exp)})
+    block.experts = ArrayExperts({e: (w0[e][0], w0[e][1], fitted[e]) for e in range(n_exp)},
+                                 block.backend)
     return fitted
 
 

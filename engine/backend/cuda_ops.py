@@ -1,0 +1,104 @@
+"""The model's ops on CUDA: the kernels (engine/kernels/) where one applies, the array ops on
+CuPy (engine/backend/array_ops.py) where none does.
+
+- `linear`: up to `GEMV_MAX_ROWS` rows (decode steps) against a contiguous fp16 weight take the
+  fused fp16 GEMV (weights read once, float32 products, one launch); more rows go to cuBLAS;
+- `rms_norm`, `rope`, `route`, the q4_0 KV codec: one fused launch each (kernels/fused.py);
+- `attention`: a prompt chunk (T > 1) takes the flash kernel where it handles the head size,
+  else cuBLAS GEMMs with a fused softmax; a decode row takes the array code;
+- `moe`: fused GEMVs on the quantized expert bytes for a decode step without a ring, else
+  grouped fp16 GEMMs with experts fetched (and, through a ring, staged) one group at a time;
+  `decode_expert`: an expert's bytes to float32 weights through the dequantize kernel;
+- `embed`: more than `EMBED_ON_HOST_ROWS` rows go up quantized and are decoded on the device.
+
+`CudaBackend` (engine/backend/cuda.py) takes these with its memory and copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from engine import phases
+from engine.backend.array_ops import ArrayOps
+from engine.backend.base import DECODE_ROWS, ExpertProvider
+from engine.kernels import fused
+from engine.kernels.attention import causal_attention
+from engine.kernels.dequant import GEMV_MAX_ROWS, SUPPORTED, dequantize, gemv
+from engine.kernels.flash import flash_attention
+from engine.kernels.flash import supported as flash_supported
+from engine.kernels.moe import moe_decode, moe_prefill
+from engine.quant import ExpertLayout
+
+EMBED_ON_HOST_ROWS = 8  # longer token runs decode their embedding rows on the device
+
+
+class CudaOps(ArrayOps):
+    """The `Backend` protocol's ops through the CUDA kernels (see the module docstring)."""
+
+    def linear(self, x: Any, w: Any) -> Any:
+        if (x.ndim == 2 and x.shape[0] <= GEMV_MAX_ROWS and w.dtype == cupy.float16
+                and w.flags.c_contiguous):
+            return gemv(w.reshape(-1).view(cupy.uint8), GGMLQuantizationType.F16, w.shape, x)
+        return super().linear(x, w)
+
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        if x.dtype == cupy.float32:
+            return fused.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def rope(self, x: Any, pos0: int, base: float) -> Any:
+        return fused.rope_neox_(cupy.ascontiguousarray(x, dtype=cupy.float32), pos0, base)
+
+    def attention(self, q: Any, k: Any, v: Any, pos0: int) -> Any:
+        if q.shape[0] > 1:  # a prompt chunk: tensor-core kernels
+            attend = flash_attention if flash_supported(q.shape[2]) else causal_attention
+            return attend(q, k, v, pos0)  # [T, H, D] float32
+        return super().attention(q, k, v, pos0)
+
+    def route(self, logits: Any, k: int) -> tuple[Any, Any, Any]:
+        return fused.route_topk(logits, k)
+
+    def moe(self, h: Any, ids: Any, w: Any, used: list[int], counts: np.ndarray,
+            experts: ExpertProvider, layer: int) -> Any:
+        layout, ring_slots = experts.layout, experts.ring_slots
+        if h.shape[0] <= DECODE_ROWS and ring_slots is None:  # ids on the host: job tables
+            return moe_decode(h, ids, w, dict(zip(used, experts.blobs(layer, used))), layout)
+        if isinstance(ids, np.ndarray):  # a short prompt through the ring: ids were read back
+            ids = self.to_device(ids)
+        fetch = lambda es: experts.blobs(layer, es)
+        if ring_slots is None:
+            return moe_prefill(h, ids, w, fetch, layout, counts=counts, lap=phases.lap)
+        return moe_prefill(h, ids, w, fetch, layout, counts=counts, max_group=ring_slots,
+                           release=lambda es: experts.reads_queued(layer, es),
+                           staged=lambda e: experts.needs_slot(layer, e), lap=phases.lap)
+
+    def decode_expert(self, blob: Any, layout: ExpertLayout) -> tuple[Any, Any, Any]:
+        """Each part through the dequantize kernel, float32 out."""
+        out, off = [], 0
+        for qtype, shape, n in zip(layout.qtypes, layout.shapes, layout.part_bytes):
+            out.append(dequantize(blob[off : off + n], qtype, shape, np.float32))
+            off += n
+        return out[0], out[1], out[2]
+
+    def kv_store(self, kind: str, x: Any, cells: Any, scales: Any) -> None:
+        if kind == "q4_0":  # encode straight into the cells: one launch
+            fused.kv_q4_encode(x, cells, scales)
+            return
+        super().kv_store(kind, x, cells, scales)
+
+    def kv_load(self, kind: str, cells: Any, scales: Any) -> Any:
+        if kind == "q4_0":
+            return fused.kv_q4_decode(cells, scales)
+        return super().kv_load(kind, cells, scales)
+
+    def embed(self, rows: np.ndarray, qtype: GGMLQuantizationType, n_embd: int) -> Any:
+        """More than `EMBED_ON_HOST_ROWS` rows go up quantized and are decoded on the device (a
+        20k-token chunk: ~45 MB of Q8_0 rows instead of ~170 MB of float32 decoded by numpy)."""
+        if len(rows) > EMBED_ON_HOST_ROWS and qtype in SUPPORTED:
+            raw = self.to_device(rows)  # [T, row_bytes]
+            return dequantize(raw.reshape(-1), qtype, (len(rows), n_embd), np.float32)
+        return super().embed(rows, qtype, n_embd)
