@@ -15,7 +15,8 @@ from textual.widgets import Footer, Header, Input, TextArea
 
 from app.commands import FlagCommands
 from app.config import ChatConfig
-from app.engine_link import EngineLink
+from app.engine_link import EngineLink, LocalLink
+from app.remote_link import RemoteLink
 from app.screens import ConversationsScreen, HelpScreen, LoadingScreen
 from app.store import Store, StoreError, export_markdown
 from app.widgets.base import EventView
@@ -78,7 +79,10 @@ class StrataApp(App[None]):
     ):
         super().__init__()
         self.config = config
-        self.link = EngineLink(self, config.options, config.flags)
+        self.link: EngineLink = (
+            RemoteLink(self, config.connect, config.api_key) if config.connect
+            else LocalLink(self, config.options, config.flags)
+        )  # fmt: skip
         self.store = store
         self.export_dir = export_dir
         self.conv = Conversation()
@@ -100,7 +104,7 @@ class StrataApp(App[None]):
 
     def on_mount(self) -> None:
         self._views = [*self.query(EventView), *self.query(EventLog)]
-        self.push_screen(LoadingScreen(self.config.options.model))
+        self.push_screen(LoadingScreen(self.config.options.model, self.config.connect))
         self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
         self.call_after_refresh(self._start)
 
@@ -197,8 +201,8 @@ class StrataApp(App[None]):
 
     def _startup_violations(self) -> list[str]:
         cfg = self.config
-        if cfg.flags == LoanFlags() and not (cfg.options.mtp or cfg.options.spec):
-            return []
+        if cfg.connect or cfg.flags == LoanFlags() and not (cfg.options.mtp or cfg.options.spec):
+            return []  # a server's flags are its own
         return self.link.set_flags(cfg.flags, cfg.options)
 
     def on_engine_link_load_failed(self, message: EngineLink.LoadFailed) -> None:

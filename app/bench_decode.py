@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from textual.pilot import Pilot
@@ -35,8 +35,7 @@ from app.store import Store
 from app.widgets.prompt_input import PromptInput
 from app.widgets.timing_panel import TimingPanel
 from engine.cli import OneLineParser, build_parser
-from engine.cli.options import engine_options, sampling_params
-from engine.config import EngineOptions
+from engine.cli.options import engine_options, options_argv, sampling_params
 from engine.errors import StrataError
 from engine.events import Event, RequestDone, Token
 
@@ -60,21 +59,6 @@ class Sample:
     @property
     def tok_s(self) -> float:
         return self.generated / (self.decode_ms / 1e3) if self.decode_ms > 0 else 0.0
-
-
-def options_argv(options: EngineOptions) -> list[str]:
-    """The `strata run` arguments that give back `options` (checked by `run_argv`)."""
-    argv: list[str] = []
-    for f in fields(options):
-        value = getattr(options, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if value == f.default or value is None:
-            continue
-        if isinstance(value, bool):
-            argv.append(flag)
-        else:
-            argv += [flag, str(value)]
-    return argv
 
 
 def run_argv(config: ChatConfig, prompt: str) -> list[str]:

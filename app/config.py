@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from engine.cli.options import (
     add_engine_args,
@@ -22,6 +23,7 @@ from engine.cli.options import (
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import StrataError
 from engine.sampler import SamplingParams
+from engine.server.config import API_KEY_ENV
 from engine.synth.demo import is_model_name
 from engine.synth.model import PRESETS
 
@@ -34,6 +36,8 @@ class ChatConfig:
     flags: LoanFlags
     params: SamplingParams = field(default_factory=SamplingParams)
     max_new: int = 256
+    connect: str | None = None  # a `strata serve` URL: the app is its client (options unused)
+    api_key: str | None = None  # the server's bearer token
 
 
 # The app exists to show the loan: unless told otherwise it starts on the serialized serve
@@ -50,6 +54,12 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new", type=int, default=256, help="tokens per answer (default 256)")
     p.add_argument("--plain", action="store_true",
                    help="start without the loan defaults (no --serve/--mtp, flags from the env)")
+    p.add_argument("--connect", metavar="URL",
+                   help="chat with a running `strata serve` (such as http://127.0.0.1:8080) "
+                        "instead of an engine in this process; its engine options and flags "
+                        "are the server's")
+    p.add_argument("--api-key", help=f"the server's bearer token with --connect (default: "
+                                     f"${API_KEY_ENV} when set)")
     p.set_defaults(**APP_DEFAULTS)
 
 
@@ -57,6 +67,8 @@ def chat_config(args: argparse.Namespace) -> ChatConfig:
     """Validate the command line and the environment; raises StrataError (one line)."""
     if args.max_new < 1:
         raise StrataError(f"--max-new {args.max_new} must be at least 1")
+    if args.connect is not None:
+        return _remote_config(args)
     if args.plain:
         for name in APP_DEFAULTS:
             setattr(args, name, 0 if name == "spec" else False)
@@ -74,6 +86,18 @@ def chat_config(args: argparse.Namespace) -> ChatConfig:
     for warning in flags.warnings:
         sys.stderr.write(f"strata: warning: {warning}\n")
     return ChatConfig(options, flags, sampling_params(args), args.max_new)
+
+
+def _remote_config(args: argparse.Namespace) -> ChatConfig:
+    """--connect: the server's URL and key; sampling and --max-new stay the app's."""
+    url = args.connect.rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise StrataError(f"--connect {args.connect}: give the server's URL, such as "
+                          "http://127.0.0.1:8080")
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    return ChatConfig(engine_options(args), LoanFlags(), sampling_params(args), args.max_new,
+                      connect=url, api_key=key or None)
 
 
 def _has_mtp(path: str) -> bool:

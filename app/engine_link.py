@@ -1,9 +1,10 @@
-"""EngineLink: the app's only door to the engine.
+"""EngineLink: the app's only door to the engine, in this process (`LocalLink`) or behind
+`strata serve` (`app.remote_link.RemoteLink`).
 
-The engine runs in thread workers; its bus callback (engine thread) only appends to a queue.
-A timer on the UI thread drains the queue at a steady rate, coalesces snapshot events and posts
-one `EngineLink.Events` message per tick, so a prefill publishing thousands of events never
-makes a frame wait.
+Engine events only go into a queue (the in-process engine's bus callback runs on the engine
+thread). A timer on the UI thread drains the queue at a steady rate, coalesces snapshot events
+and posts one `EngineLink.Events` message per tick, so a prefill publishing thousands of events
+never makes a frame wait.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import gc
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from textual.app import App
 from textual.message import Message
@@ -56,8 +58,24 @@ def coalesce(events: Iterable[Event]) -> tuple[Event, ...]:
     return tuple(out)
 
 
+class EngineHandle(Protocol):
+    """What the app reads of a loaded engine: the flags and options in force, and whether a
+    request is running (the in-process ServeLoop, or the remote link's view of a server)."""
+
+    @property
+    def flags(self) -> LoanFlags: ...
+
+    @property
+    def options(self) -> EngineOptions: ...
+
+    @property
+    def busy(self) -> bool: ...
+
+
 class EngineLink:
-    """Owns the ServeLoop, the bus subscription and the event queue."""
+    """The app's door to an engine: its messages, and the event queue drained on the UI
+    thread. `LocalLink` runs the engine in this process; `app.remote_link.RemoteLink` talks to
+    `strata serve`. The app uses only what is defined here."""
 
     @dataclass
     class Events(Message, bubble=False):
@@ -67,7 +85,7 @@ class EngineLink:
 
     @dataclass
     class Loaded(Message):
-        loop: ServeLoop
+        loop: EngineHandle
 
     @dataclass
     class LoadFailed(Message):
@@ -86,18 +104,16 @@ class EngineLink:
         error: str
         draft: Draft
 
-    def __init__(self, app: App, options: EngineOptions, flags: LoanFlags):
-        self.app, self.options, self.flags = app, options, flags
-        self.bus = EventBus()
-        self.loop: ServeLoop | None = None
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.loop: EngineHandle | None = None
         self._queue: deque[Event] = deque()
-        self._unsubscribe: Callable[[], None] = self.bus.subscribe(self._queue.append)
 
     # -- UI thread ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start loading the model in a thread and the drain timer."""
+        """Start the drain timer, then connect to (or load) the engine."""
         self.app.set_interval(1 / REFRESH_HZ, self.drain, name="engine-drain")
-        self.app.run_worker(self._load, thread=True, group="engine", name="load")
+        self._begin()
 
     def take(self) -> tuple[Event, ...]:
         """Everything published since the last take, coalesced."""
@@ -115,6 +131,49 @@ class EngineLink:
     @property
     def busy(self) -> bool:
         return self.loop is not None and self.loop.busy
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def send(
+        self,
+        conv: Conversation,
+        prompt: str,
+        draft: Draft,
+        params: SamplingParams,
+        max_new: int,
+    ) -> None:
+        """Answer `prompt` in `conv`; ReplyDone or ReplyFailed follows."""
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        """Cancel the running request (it rolls back)."""
+        raise NotImplementedError
+
+    def set_flags(self, flags: LoanFlags, options: EngineOptions) -> list[str]:
+        """Ask for new flags/options; the guards' violations (empty: accepted)."""
+        raise NotImplementedError
+
+    def count_tokens(self, text: str) -> int | None:
+        """Tokens of `text` (None while no engine answers)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class LocalLink(EngineLink):
+    """The engine in this process: a ServeLoop in thread workers, its bus feeding the queue."""
+
+    def __init__(self, app: App, options: EngineOptions, flags: LoanFlags):
+        super().__init__(app)
+        self.options, self.flags = options, flags
+        self.bus = EventBus()
+        self.loop: ServeLoop | None = None
+        self._unsubscribe: Callable[[], None] = self.bus.subscribe(self._queue.append)
+
+    def _begin(self) -> None:
+        self.app.run_worker(self._load, thread=True, group="engine", name="load")
 
     def send(
         self,

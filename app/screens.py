@@ -63,13 +63,14 @@ class LoadingScreen(ModalScreen[None]):
     }
     """
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, url: str | None = None) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.url = model, url
 
     def compose(self) -> ComposeResult:
+        title = f"Connecting to {self.url}" if self.url else f"Starting the engine: {self.model}"
         with Vertical():
-            yield Label(f"Starting the engine: {self.model}", id="loading-title")
+            yield Label(title, id="loading-title")
             yield Label("", id="loading-stage")
             yield ProgressBar(total=None, show_eta=False, id="loading-bar")
 

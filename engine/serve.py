@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -50,6 +50,7 @@ from engine.request import Request
 from engine.runtime import Runtime
 from engine.sampler import Sampler, SamplingParams
 from engine.session import reusable
+from engine.stops import StopStrings
 from engine.synth.demo import cache_dir
 from engine.timing import Timing
 
@@ -68,6 +69,8 @@ class Reply:
     timing: Timing
     cancelled: bool = False
     verdict: LoanVerdict | None = None  # the loan and the forecast made before it ran
+    # "stop": an end-of-generation token or a stop string; "length": max_new or a full context
+    finish_reason: str = "length"
 
     @property
     def withdrawn(self) -> bool:
@@ -81,8 +84,9 @@ class ServeLoop:
     def __init__(self, runtime: Runtime, bus: EventBus | None = None):
         self.rt = runtime
         self.bus = bus or runtime.bus
-        self._cancel = threading.Event()
+        self._cancel = threading.Event()  # the running request's (each request gets its own)
         self._busy = threading.Lock()
+        self._flags_lock = threading.Lock()  # pending flags: set by any thread, taken by a request
         self._pending_flags: LoanFlags | None = None
         self._pending_options: EngineOptions | None = None
         self._conv_id: str | None = None  # the conversation whose tokens the KV holds
@@ -203,14 +207,15 @@ class ServeLoop:
 
         Returns the violations (empty when accepted). Never changes a running request.
         """
-        options = options or self.options
-        violations = self.rt.validate(options, flags)
-        if violations:
-            self.bus.publish(FlagsRefused(tuple(violations)))
-            return violations
-        self._pending_flags, self._pending_options = flags, options
-        self.bus.publish(FlagsChanged(tuple(sorted(flags.as_env().items())) + (
-            ("spec", str(options.spec)), ("prefill", str(options.prefill)))))
+        with self._flags_lock:
+            options = options or self.options
+            violations = self.rt.validate(options, flags)
+            if violations:
+                self.bus.publish(FlagsRefused(tuple(violations)))
+                return violations
+            self._pending_flags, self._pending_options = flags, options
+            self.bus.publish(FlagsChanged(tuple(sorted(flags.as_env().items())) + (
+                ("spec", str(options.spec)), ("prefill", str(options.prefill)))))
         return []
 
     def chat(
@@ -220,6 +225,8 @@ class ServeLoop:
         params: SamplingParams | None = None,
         max_new: int = 256,
         on_text: Callable[[str], None] | None = None,
+        stop: Sequence[str] = (),
+        cancel: threading.Event | None = None,
     ) -> Reply:
         """Add `user_text` to `conv`, answer it, and append the answer. Blocking.
 
@@ -227,20 +234,26 @@ class ServeLoop:
         before the call. A cancel after some text keeps the prompt and the partial answer
         (marked cancelled) in the conversation: the user saw it, so the next prompt includes
         it. A cancel returns `Reply(cancelled=True)`, a failure re-raises after rollback.
+        The answer ends before the first of the `stop` strings. `cancel` is this request's
+        own cancel event (a server's request cancelled before it starts stays cancelled);
+        without it `cancel()` stops the request.
         """
         if not self._busy.acquire(blocking=False):
             raise StrataError("a request is already running; wait for it or cancel it")
         try:
             self._apply_pending()
-            self._cancel.clear()
-            return self._chat(conv, user_text, params or SamplingParams(), max_new, on_text)
+            self._cancel = cancel or threading.Event()
+            return converse(conv, user_text, lambda: self._answer(
+                conv, params or SamplingParams(), max_new, on_text, stop))
         finally:
             self._busy.release()
 
     def _apply_pending(self) -> None:
-        if self._pending_flags or self._pending_options:
-            self.rt.apply(self._pending_options or self.rt.options, self._pending_flags or self.rt.flags)
-            self._pending_flags = self._pending_options = None
+        with self._flags_lock:
+            if self._pending_flags or self._pending_options:
+                self.rt.apply(self._pending_options or self.rt.options,
+                              self._pending_flags or self.rt.flags)
+                self._pending_flags = self._pending_options = None
 
     def complete(
         self,
@@ -248,40 +261,33 @@ class ServeLoop:
         params: SamplingParams | None = None,
         max_new: int = 256,
         on_text: Callable[[str], None] | None = None,
+        stop: Sequence[str] = (),
+        cancel: threading.Event | None = None,
     ) -> Reply:
         """Generate after raw prompt ids (no chat template): `strata run --tokens-file`, bench."""
         if not self._busy.acquire(blocking=False):
             raise StrataError("a request is already running; wait for it or cancel it")
         try:
             self._apply_pending()
-            self._cancel.clear()
+            self._cancel = cancel or threading.Event()
             self._conv_id = None
-            return self._generate(ids, params or SamplingParams(), max_new, on_text)
+            return self._generate(ids, params or SamplingParams(), max_new, on_text, stop)
         finally:
             self._busy.release()
 
-    def _chat(
+    def _answer(
         self,
         conv: Conversation,
-        user_text: str,
         params: SamplingParams,
         max_new: int,
         on_text: Callable[[str], None] | None,
+        stop: Sequence[str],
     ) -> Reply:
+        """Answer the last message of `conv` (the user's, just added)."""
         if conv.id != self._conv_id:  # another conversation: its KV starts empty
             self.rt.rollback(0)
             self._conv_id = conv.id
-        conv.add("user", user_text)
-        try:
-            reply = self._generate(self.prompt_ids(conv), params, max_new, on_text)
-        except BaseException:
-            conv.pop()
-            raise
-        if reply.withdrawn:
-            conv.pop()
-        else:  # the KV was rolled back: the next prompt re-reads this exchange from its text
-            conv.add("assistant", reply.text, cancelled=reply.cancelled)
-        return reply
+        return self._generate(self.prompt_ids(conv), params, max_new, on_text, stop)
 
     def _generate(
         self,
@@ -289,6 +295,7 @@ class ServeLoop:
         params: SamplingParams,
         max_new: int,
         on_text: Callable[[str], None] | None,
+        stop: Sequence[str] = (),
     ) -> Reply:
         """admit -> plan and prefill (the runtime) -> decode -> done; on cancel or failure
         roll back to the reused prefix and publish the outcome."""
@@ -298,6 +305,8 @@ class ServeLoop:
         req.loan_pays = verdict.pays
         timing = req.timing
         pieces: list[str] = []
+        stops = StopStrings(stop)
+        finish = "length"
         t0 = time.perf_counter()
         try:
             logits = rt.prefill(req, self)
@@ -311,9 +320,14 @@ class ServeLoop:
                 if timing.generated == 1:
                     timing.ttft_s = time.perf_counter() - t0
                 if token in tok.eog_ids:
+                    finish = "stop"
                     break
-                self._emit(stream.push(token), pieces, on_text)
-            self._emit(stream.flush(), pieces, on_text)
+                self._emit(stops.push(stream.push(token)), pieces, on_text)
+                if stops.hit is not None:
+                    break
+            self._emit(stops.push(stream.flush()) + stops.flush(), pieces, on_text)
+            if stops.hit is not None:
+                finish = "stop"
             timing.decode_s = time.perf_counter() - t1
             after = _expert_reads(rt.experts.counters)
             timing.decode_hits, timing.decode_misses = (a - b for a, b in zip(after, before))
@@ -327,7 +341,7 @@ class ServeLoop:
                 return Reply("".join(pieces), timing, cancelled=True, verdict=verdict)
             raise
         self._done(req)
-        return Reply("".join(pieces), timing, verdict=verdict)
+        return Reply("".join(pieces), timing, finish_reason=finish, verdict=verdict)
 
     def _learn(self, req: Request, verdict: LoanVerdict) -> None:
         """After a prefill: compare it with its forecast (a trace line, `timing.forecast_s`)
@@ -401,6 +415,24 @@ class ServeLoop:
         done = RequestDone.of(req.timing, cancelled=cancelled)
         self.bus.publish(TraceLine(done.line))
         self.bus.publish(done)
+
+
+def converse(conv: Conversation, user_text: str, answer: Callable[[], Reply]) -> Reply:
+    """One exchange of a conversation: add the user's message, `answer()` it, keep what the
+    user saw. A failure, or a cancel before any text, leaves `conv` as before; a cancel after
+    some text keeps the partial answer, marked cancelled (the next prompt includes it). The
+    one owner of that rule: the serve loop and the app's remote link answer through it."""
+    conv.add("user", user_text)
+    try:
+        reply = answer()
+    except BaseException:
+        conv.pop()
+        raise
+    if reply.withdrawn:
+        conv.pop()
+    else:  # the KV was rolled back: the next prompt re-reads this exchange from its text
+        conv.add("assistant", reply.text, cancelled=reply.cancelled)
+    return reply
 
 
 def _expert_reads(c: StreamCounters) -> tuple[int, int]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from gates import Gate
 from test_app_store import store_all
 from test_app_widgets import plain
 from textual.events import Paste
@@ -27,7 +27,7 @@ from app.widgets.timing_panel import TimingPanel
 from app.widgets.vram_bar import BLOCK, VramBar
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
-from engine.events import Event, EventBus, PrefillProgress
+from engine.events import PrefillProgress
 from engine.forecast import seconds_text
 from engine.serve import ServeLoop
 
@@ -61,25 +61,6 @@ def reference_reply(prompts: list[str], **options: object) -> str:
     for prompt in prompts:
         reply = loop.chat(conv, prompt, max_new=MAX_NEW).text
     return reply
-
-
-class Gate:
-    """Holds the engine thread at the first event `when` accepts until `release()` (30 s at
-    most, so a failing test does not hang): a test presses Esc (or quits) at a known point of
-    a request, however fast the machine is."""
-
-    def __init__(self, bus: EventBus, when: Callable[[Event], bool]):
-        self.reached, self._released = threading.Event(), threading.Event()
-        self._when = when
-        bus.subscribe(self._on_event)
-
-    def _on_event(self, event: Event) -> None:
-        if not self.reached.is_set() and self._when(event):
-            self.reached.set()
-            self._released.wait(30)
-
-    def release(self) -> None:
-        self._released.set()
 
 
 async def send(pilot, text: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from engine.backend.array_ops import KV_KINDS
 from engine.config import EngineOptions, LoanFlags, parse_auto_int
@@ -59,6 +60,22 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         no_borrow=args.no_borrow, batch_slots=args.batch_slots,
         prefill_head_alias=args.prefill_head_alias,
     )
+
+
+def options_argv(options: EngineOptions) -> list[str]:
+    """The command-line options that give back `options` (`engine_options` inverted): what
+    a benchmark passes to the `strata run` and `strata serve` it starts."""
+    argv: list[str] = []
+    for f in fields(options):
+        value = getattr(options, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if value == f.default or value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def loan_flags() -> LoanFlags:

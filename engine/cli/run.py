@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--tokens-file",
                      help="file of whitespace-separated decimal token ids (a raw prompt)")
     p.add_argument("--max-new", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the answer before this text (repeatable)")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -142,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         raise StrataError(f"--max-new {args.max_new} must be at least 1")
     if args.prompt is not None:
         check_prompt(args.prompt)
+    if "" in args.stop:
+        raise StrataError("--stop is empty; give the text the answer ends before")
     params = sampling_params(args)
     options = engine_options(args)
     flags = loan_flags()
@@ -164,9 +168,10 @@ def run(args: argparse.Namespace) -> int:
         write = out.text
         if args.tokens_file is not None:
             check_token_ids(args.tokens_file, ids, loop.rt.model.hp.n_vocab)
-            reply = loop.complete(ids, params, args.max_new, on_text=write)
+            reply = loop.complete(ids, params, args.max_new, on_text=write, stop=args.stop)
         else:
-            reply = loop.chat(Conversation(), args.prompt, params, args.max_new, on_text=write)
+            reply = loop.chat(Conversation(), args.prompt, params, args.max_new, on_text=write,
+                              stop=args.stop)
     finally:
         peak = sampler.stop() if sampler is not None else None
     out.end_text()

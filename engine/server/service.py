@@ -1,0 +1,126 @@
+"""Service: what the endpoints share — the config, the event feed, the metrics, admission,
+and (once the model is loaded) the engine worker — with the server's states: loading, ok,
+stopping, and failed (the engine's check after a request did not hold).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from starlette.requests import Request
+
+from engine.events import EventBus
+from engine.serve import ServeLoop
+from engine.server.admission import Admission
+from engine.server.config import ServerConfig
+from engine.server.feed import EventFeed
+from engine.server.metrics import Metrics
+from engine.server.schema import ChatRequest, RequestError
+from engine.server.worker import EngineWorker, Job
+
+
+class Service:
+    """Built before the model loads (the server answers 503 'loading' meanwhile)."""
+
+    def __init__(self, config: ServerConfig, bus: EventBus):
+        self.config, self.bus = config, bus
+        self.feed = EventFeed(bus)
+        self.metrics = Metrics(bus)
+        self.admission = Admission(config.queue_max)
+        self.metrics.watch_queue(lambda: len(self.admission.waiting),
+                                 lambda: int(self.admission.running is not None))
+        self.worker: EngineWorker | None = None
+        self.stopping = False
+        self.created = int(time.time())  # /v1/models' `created`
+        self._jobs: set[Job] = set()
+
+    def attach(self, loop: ServeLoop, on_line: Callable[[str], None] | None = None) -> None:
+        """The model is loaded: requests run on it from now on."""
+        self.worker = EngineWorker(loop, on_line,
+                                   lambda outcome: self.metrics.requests.labels(outcome).inc())
+
+    @property
+    def status(self) -> str:
+        if self.stopping:
+            return "stopping"
+        if self.worker is None:
+            return "loading"
+        return "error" if self.worker.fault else "ok"
+
+    # -- checks the endpoints make ----------------------------------------------------------------
+    def ready_worker(self) -> EngineWorker:
+        """The worker, or a 503 saying why requests cannot run now."""
+        if self.stopping:
+            raise self.stopping_error()
+        if self.worker is None:
+            raise RequestError("the model is still loading; retry shortly", status=503,
+                               kind="server_error", code="loading", headers={"Retry-After": "1"})
+        if self.worker.fault:
+            raise RequestError(self.worker.fault, status=503, kind="server_error",
+                               code="engine_fault")
+        return self.worker
+
+    def stopping_error(self) -> RequestError:
+        return RequestError("the server is shutting down", status=503, kind="server_error",
+                            code="shutting_down")
+
+    def model_names(self) -> set[str]:
+        """What a request may call the model: its id, and the --model it was started with."""
+        names = {self.config.model_id}
+        if self.worker is not None:
+            model = self.worker.loop.options.model
+            names |= {model, Path(model).name, Path(model).stem}
+        return names
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names():
+            raise RequestError(f"model {model!r} is not served here; this server has "
+                               f"{self.config.model_id!r} (GET /v1/models)", "model",
+                               status=404, code="model_not_found")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, refused (413) past the size limit without reading the rest."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # -- actions -----------------------------------------------------------------------------------
+    def start(self, req: ChatRequest, max_new: int, on_done: Callable[[], None]) -> Job:
+        """Run an admitted request on the engine thread (on the event loop)."""
+        assert self.worker is not None
+
+        def done() -> None:
+            self._jobs.discard(job)
+            on_done()
+
+        job = Job(req, max_new, done)
+        self._jobs.add(job)
+        self.worker.start(job)
+        return job
+
+    async def stop(self) -> None:
+        """Admit nothing more, cancel what runs (it rolls back), end the event streams."""
+        self.stopping = True
+        self.admission.close()
+        for job in list(self._jobs):
+            job.cancel()
+        for job in list(self._jobs):
+            await job.finished.wait()
+        self.feed.close()
+
+
+def _too_large(n_bytes: int, limit: int) -> RequestError:
+    return RequestError(f"the request body is {n_bytes:,} bytes or more; the limit is "
+                        f"{limit:,} (strata serve --max-body-mib)", status=413,
+                        code="body_too_large")
+
