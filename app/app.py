@@ -27,7 +27,7 @@ from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation, Message
-from engine.errors import FlagError
+from engine.errors import FlagError, StrataError
 from engine.events import Event, Loading, PrefillProgress, Ready, Token
 from engine.forecast import LoanVerdict
 
@@ -405,6 +405,8 @@ class StrataApp(App[None]):
                                     link.what_if(*before, n), applied)
             except FlagError as e:
                 text = Text("would be refused: " + "; ".join(e.violations), style="red")
+            except StrataError as e:  # a remote engine that does not answer
+                text = Text(f"no forecast: {e}", style="dim")
             self.call_from_thread(setattr, panel, "forecast", text)
 
         self.run_worker(work, thread=True, exclusive=True, group="what-if")

@@ -155,7 +155,18 @@ class EngineLink:
         raise NotImplementedError
 
     def count_tokens(self, text: str) -> int | None:
-        """Tokens of `text` (None while no engine answers)."""
+        """Tokens of `text` (None while no engine answers); from a worker thread."""
+        raise NotImplementedError
+
+    def preview(self, conv: Conversation, text: str) -> LoanVerdict | None:
+        """What sending `text` in `conv` would get: the loan or why not, and the forecast
+        (None while no engine answers); from a worker thread."""
+        raise NotImplementedError
+
+    def what_if(self, flags: LoanFlags, options: EngineOptions, n_fresh: int) -> LoanVerdict:
+        """The verdict on an `n_fresh`-token message under flags not applied yet; FlagError
+        when the guards would refuse them, StrataError when no engine answers; from a worker
+        thread."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -23,10 +23,18 @@ from app.draft import Draft
 from app.engine_link import EngineLink
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
+from engine.errors import FlagError, StrataError
 from engine.events import Token
+from engine.forecast import LoanVerdict
 from engine.sampler import SamplingParams
 from engine.serve import Reply, converse
-from engine.server.codec import event_from_json, flags_from_json, flags_json, options_from_json
+from engine.server.codec import (
+    event_from_json,
+    flags_from_json,
+    flags_json,
+    options_from_json,
+    verdict_from_json,
+)
 from engine.timing import Timing
 
 RETRY_S = 1.0  # between tries while the server loads, or after its event stream ends
@@ -112,6 +120,37 @@ class RemoteLink(EngineLink):
         except httpx.HTTPError:
             return None
         return len(_json(r).get("tokens", ())) if r.status_code == 200 else None
+
+    def preview(self, conv: Conversation, text: str) -> LoanVerdict | None:
+        """The server's verdict on sending `text` after `conv` (`POST /v1/forecast`); None
+        when it does not answer at once."""
+        messages = [*conv.as_dicts(), {"role": "user", "content": text}]
+        try:
+            r = httpx.post(f"{self.url}/v1/forecast", headers=self.headers,
+                           timeout=SYNC_TIMEOUT_S, json={"messages": messages})
+        except httpx.HTTPError:
+            return None
+        return verdict_from_json(_json(r)) if r.status_code == 200 else None
+
+    def what_if(self, flags: LoanFlags, options: EngineOptions, n_fresh: int) -> LoanVerdict:
+        """The server's what-if (`POST /v1/forecast` with the changed flags and options): its
+        guards' refusal is a FlagError, a server that does not answer a StrataError."""
+        assert self.loop is not None
+        now = self.loop.options
+        changes = {k: v for k, v in vars(options).items() if getattr(now, k) != v}
+        try:
+            r = httpx.post(f"{self.url}/v1/forecast", headers=self.headers,
+                           timeout=SYNC_TIMEOUT_S, json={"fresh_tokens": n_fresh,
+                                                         "flags": flags_json(flags),
+                                                         "options": changes})
+        except httpx.HTTPError as exc:
+            raise StrataError(f"the server at {self.url} did not answer: {exc}") from None
+        body = _json(r)
+        if r.status_code == 422:
+            raise FlagError(list(body["error"]["violations"]))
+        if r.status_code != 200:
+            raise StrataError(_error_text(r.status_code, body))
+        return verdict_from_json(body)
 
     def close(self) -> None:
         self.cancel()

@@ -15,6 +15,7 @@ import openai
 import pytest
 from servers import FLAGS, LOAN, Running, run_argv, running, strata
 
+from engine.conversation import Conversation
 from engine.events import LoanStep, RequestDone
 from engine.server.codec import event_from_json
 
@@ -243,3 +244,41 @@ def test_tokenize_counts_like_the_engine(server: Running) -> None:
         tokens = c.post("/tokenize", json={"content": "What is a cat?"}).json()["tokens"]
         assert len(tokens) == server.loop.count_tokens("What is a cat?")
         assert c.post("/tokenize", json={"text": "x"}).status_code == 400
+
+
+def test_forecast_answers_as_the_engine_does(server: Running) -> None:
+    """POST /v1/forecast: the verdict the in-process composer gets (ServeLoop.preview on the
+    conversation a chat completion would run), and a what-if through the guards."""
+    from engine.server.codec import verdict_from_json
+    from engine.server.worker import API_CONVERSATION
+
+    messages = [{"role": "user", "content": "What is a cat?"},
+                {"role": "assistant", "content": "A cat is a kind of feline."},
+                {"role": "user", "content": "tell me about the river " * 80}]
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 1})
+        assert r.status_code == 200  # the startup loan is over: later messages may repeat it
+        r = c.post("/v1/forecast", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        got = verdict_from_json(r.json())
+        conv = Conversation(id=API_CONVERSATION)
+        for m in messages[:-1]:
+            conv.add(m["role"], m["content"])
+        here = server.loop.preview(conv, messages[-1]["content"])
+        assert (got.prompt_tokens, got.fresh_tokens, got.kind, got.reason, got.line()) == (
+            here.prompt_tokens, here.fresh_tokens, here.kind, here.reason, here.line())
+        assert got.without_loan.workload == here.without_loan.workload
+        assert r.json()["line"] == here.line()
+        r = c.post("/v1/forecast", json={"fresh_tokens": 4096, "flags": {"repeat_loan": False}})
+        assert r.status_code == 200
+        off = verdict_from_json(r.json())
+        assert off.kind is None and off.reason == "repeat loan off" and off.fresh_tokens == 4096
+        assert server.loop.flags.repeat_loan  # a what-if applies nothing
+        r = c.post("/v1/forecast", json={"fresh_tokens": 4096, "options": {"ctx": 4096}})
+        assert r.status_code == 422 and any("--ctx cannot change while running" in v
+                                            for v in r.json()["error"]["violations"])
+        r = c.post("/v1/forecast", json={"fresh_tokens": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "fresh_tokens"
+        r = c.post("/v1/forecast", json={"messages": []})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

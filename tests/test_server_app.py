@@ -167,3 +167,24 @@ def test_connect_wants_a_url() -> None:
     assert (config.connect, config.api_key, config.max_new) == ("http://127.0.0.1:8080", "k", 9)
     with pytest.raises(StrataError, match="give the server's URL"):
         chat_config(parser.parse_args(["--connect", "127.0.0.1:8080"]))
+
+
+@async_test
+async def test_the_paste_chip_asks_the_server(tmp_path: Path, server: Running) -> None:
+    """Connected, the composer's question goes to the server (POST /v1/forecast): the chip
+    says the server's own verdict on the message."""
+    from app.widgets.prompt_input import PromptInput, expand
+    from engine.server.worker import API_CONVERSATION
+
+    app = remote_app(tmp_path, server.url)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        composer = app.query_one(Composer)
+        app.post_message(Paste(sample_paste(30)))
+        await wait_until(pilot, lambda: composer.verdict is not None and bool(composer.pastes)
+                         and composer.pastes[0].n_tokens is not None)
+        text = expand(app.query_one(PromptInput).text, composer.pastes)
+        here = server.loop.preview(Conversation(id=API_CONVERSATION), text)
+        assert composer.verdict.line() == here.line()
+        assert composer.pastes[0].n_tokens == server.loop.count_tokens(sample_paste(30))
+        assert here.line() in str(composer.query_one("#chips").render())

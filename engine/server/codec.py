@@ -1,6 +1,7 @@
 """JSON of what the server says about the engine: events (and back, for the app's remote
 link), loan flags and engine options (and a runtime change to them), the ledger and the
-expert cache. Imports neither Starlette nor uvicorn.
+expert cache, the loan forecast's verdict on a message (and back). Imports neither Starlette
+nor uvicorn.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from engine import events as ev
 from engine.config import ENV_NAMES, EngineOptions, LoanFlags, parse_auto_int
 from engine.errors import StrataError
 from engine.experts.cache import EMPTY, LENT, REFILLING, RESIDENT
+from engine.forecast import Forecast, LoanVerdict, Workload
 from engine.memory.ledger import RegionInfo
 from engine.telemetry import GpuSnapshot
 
@@ -161,3 +163,32 @@ def vram_json(ledger: ev.LedgerChanged | None, cache: ev.CacheChanged | None) ->
             "state_codes": {str(code): name for name, code in SLOT_STATES.items()},
         }
     return out
+
+
+# -- the loan forecast -----------------------------------------------------------------------
+def verdict_json(v: LoanVerdict) -> dict[str, Any]:
+    """`POST /v1/forecast`'s answer: the counts, the loan and why, both forecasts by part with
+    the workload each was made for (its fitted coefficients stay on the server)."""
+    def forecast(f: Forecast | None) -> dict[str, Any] | None:
+        if f is None:
+            return None
+        return {"total_s": f.total_s, "seconds": dict(f.seconds), "workload": asdict(f.workload),
+                "n_observations": f.n_observations}
+
+    return {"prompt_tokens": v.prompt_tokens, "fresh_tokens": v.fresh_tokens, "loan": v.kind,
+            "reason": v.reason, "pays": v.pays, "line": v.line(),
+            "without_loan": forecast(v.without_loan), "with_loan": forecast(v.with_loan)}
+
+
+def verdict_from_json(d: dict[str, Any]) -> LoanVerdict:
+    """The LoanVerdict of a `verdict_json` body (KeyError or TypeError on another shape)."""
+    def forecast(f: dict[str, Any] | None) -> Forecast | None:
+        if f is None:
+            return None
+        return Forecast(Workload(**f["workload"]), dict(f["seconds"]), {},
+                        int(f["n_observations"]))
+
+    without = forecast(d["without_loan"])
+    assert without is not None, "a verdict always has the forecast without a loan"
+    return LoanVerdict(int(d["prompt_tokens"]), int(d["fresh_tokens"]), d["loan"],
+                       str(d["reason"]), without, forecast(d["with_loan"]), d["pays"])

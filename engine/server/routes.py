@@ -10,6 +10,9 @@ bearer-token check, and errors as OpenAI's JSON shape (never Starlette's plain t
     POST /v1/flags             change them through the guards (422 with every reason)
     GET  /v1/events            the engine's events as server-sent events
     POST /tokenize             {"content": text} -> {"tokens": [ids]} (llama.cpp's)
+    POST /v1/forecast          the loan a message would get and the prefill's forecast:
+                               {"messages": [...]} (the last the user's), or a what-if
+                               {"fresh_tokens": n, "flags": {...}, "options": {...}}
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from starlette.types import ASGIApp
 
 from engine.errors import FlagError
 from engine.events import CacheChanged, Event, LedgerChanged, Ready
+from engine.sampler import SamplingParams
 from engine.server import codec, sse
 from engine.server.completions import chat_completions
 from engine.server.feed import EventFeed
 from engine.server.metrics import CONTENT_TYPE
-from engine.server.schema import RequestError, parse_json
+from engine.server.schema import RequestError, parse_chat, parse_json
 from engine.server.service import Service
+from engine.server.worker import conversation
 
 PUBLIC_PATHS = ("/health",)
 
@@ -51,6 +56,7 @@ def build_app(service: Service) -> Starlette:
         Route("/v1/flags", flags, methods=["GET", "POST"]),
         Route("/v1/events", events),
         Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/forecast", forecast, methods=["POST"]),
     ]
     app = Starlette(
         routes=routes,
@@ -203,6 +209,33 @@ async def tokenize(request: Request) -> Response:
     ids = await anyio.to_thread.run_sync(
         lambda: loop.rt.model.tokenizer.encode(content, special=False))
     return JSONResponse({"tokens": ids})
+
+
+async def forecast(request: Request) -> Response:
+    """The engine's verdict on a message, as the app's composer asks it in process
+    (`ServeLoop.preview`: the request's messages as a chat request would send them), or on
+    an `n`-token message under flags and options not applied (`ServeLoop.what_if`; refused
+    ones are a 422 with every reason, as `POST /v1/flags`)."""
+    s = _service(request)
+    loop = s.ready_worker().loop
+    raw = await s.read_body(request)
+    body = parse_json(raw)
+    if "fresh_tokens" in body:
+        n = body["fresh_tokens"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise RequestError("fresh_tokens must be a token count >= 1", "fresh_tokens")
+        change = {k: v for k, v in body.items() if k != "fresh_tokens"}
+        try:
+            new_flags, new_options = codec.changed(loop.flags, loop.options, change)
+            verdict = await anyio.to_thread.run_sync(loop.what_if, new_flags, new_options, n)
+        except codec.ChangeError as exc:
+            raise RequestError(str(exc), exc.param) from None
+        except FlagError as exc:
+            return _refused(exc.violations)
+        return JSONResponse(codec.verdict_json(verdict))
+    chat = parse_chat(raw, SamplingParams())  # the messages a chat completion would send
+    verdict = await anyio.to_thread.run_sync(loop.preview, conversation(chat), chat.prompt)
+    return JSONResponse(codec.verdict_json(verdict))
 
 
 async def events(request: Request) -> Response:
