@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gguf import GGMLQuantizationType
+
 from engine.config import EngineOptions
+from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.kernels.attention import DEFAULT_SCORE_BYTES as SCORE_BYTES
 from engine.kernels.flash import supported as flash_supported
@@ -28,6 +31,7 @@ class Shapes:
     hp: HParams
     blob_bytes: int
     mtp_blob_bytes: int
+    qtypes: tuple[GGMLQuantizationType, ...] = ()  # experts' (main, MTP) and the embedding's
 
     @property
     def has_mtp(self) -> bool:
@@ -42,7 +46,10 @@ class Shapes:
     @classmethod
     def of(cls, model) -> Shapes:  # type: ignore[no-untyped-def]
         mtp = model.mtp_experts
-        return cls(model.hp, model.experts.blob_bytes, mtp.blob_bytes if mtp is not None else 0)
+        qtypes = (*model.experts.layout.qtypes, *(mtp.layout.qtypes if mtp is not None else ()),
+                  model.mf.tensor(names.TOKEN_EMBD).qtype)
+        return cls(model.hp, model.experts.blob_bytes, mtp.blob_bytes if mtp is not None else 0,
+                   tuple(dict.fromkeys(qtypes)))
 
 
 def block_dense_bytes(d: int, q: int, kv: int, head_dim: int, n_expert: int, wb: int) -> int:

@@ -195,3 +195,17 @@ def test_gemv_many_runs_several_matrices_in_one_launch(cp) -> None:
     for j in range(n_jobs):
         ref = _ref(raws[j], Q.Q4_K, shape) @ x[0, 0].astype(np.float64)
         np.testing.assert_allclose(y1[j], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_a_decoders_kernels_compile_together(cp) -> None:
+    """Every batch size of a quant type's GEMV comes from one compile, made up front by
+    `preload`: a decode step meeting a new batch (a verify window) never stalls on NVRTC."""
+    from engine.kernels import dequant
+
+    dequant.preload([Q.Q4_K, Q.Q6_K, Q.Q4_K])
+    misses = dequant._module.cache_info().misses
+    for qtype in (Q.Q4_K, Q.Q6_K):
+        decoder = dequant.DECODERS[qtype]
+        for name in dequant._names(decoder):
+            assert dequant._function(decoder, name) is not None
+    assert dequant._module.cache_info().misses == misses

@@ -276,3 +276,16 @@ def test_a_loan_never_shrinks_the_chunk(
     if loan.borrowed:  # new empty slots (freed bytes + the cache's last partial segment)
         grown = (freed_mib * MiB + 2 * MiB) // costs.expert_blob_bytes
         assert loan.n_lent_slots <= opts.lendable_slots(plan.n_cache_slots, costs) + grown
+
+
+def test_shapes_name_the_quant_types_the_kernels_need(demo_path) -> None:  # type: ignore[no-untyped-def]
+    """The CUDA warm-up compiles the kernels of these types before the first request."""
+    from engine.costs import Shapes
+    from engine.gguf import names
+    from engine.model.loader import load_model
+
+    model = load_model(demo_path, build=False)
+    qtypes = Shapes.of(model).qtypes
+    assert set(model.experts.layout.qtypes) <= set(qtypes)
+    assert model.mf.tensor(names.TOKEN_EMBD).qtype in qtypes
+    assert len(set(qtypes)) == len(qtypes)

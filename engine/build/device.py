@@ -4,6 +4,7 @@ the options, the flags and the device's facts, and the memory plan. `strata plan
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from engine.backend import make_backend
@@ -47,8 +48,9 @@ def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes,
     reserve = options.vram_reserve_mib * MiB
     limit = vram_limit_bytes(options)
     if backend is None:
+        warm = functools.partial(warm_up, shapes.qtypes)  # the model's kernels load up front
         backend = make_backend(sim_device(device, costs, reserve, limit), limit,
-                               elastic=options.vram_elastic, warm_up=warm_up)
+                               elastic=options.vram_elastic, warm_up=warm)
     capacity = backend.capacity_bytes
     seg = segment_bytes(options, capacity)
     violations = validate(options, flags, device, shapes.has_mtp, shapes.hp.has_output,

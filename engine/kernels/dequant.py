@@ -93,14 +93,36 @@ def _cupy() -> Any:
     return cupy
 
 
+def _names(decoder: str) -> tuple[str, ...]:
+    """Every instantiation a decoder has: dequantize to fp16 / fp32, and the fused GEMV for
+    each rows-per-warp and batch (1..GEMV_MAX_ROWS vectors)."""
+    return (
+        *(f"dequant_multi<{decoder}, {f16}>" for f16 in ("true", "false")),
+        *(f"gemv<{decoder}, {rows}, {b}>" for rows in (1, 2, 4) for b in range(1, GEMV_MAX_ROWS + 1)),
+    )
+
+
 @functools.cache
-def _function(name_expression: str) -> Any:
-    """One compiled kernel instantiation (compiled on first use, cached by CuPy on disk)."""
+def _module(decoder: str) -> Any:
+    """All of a decoder's instantiations in one NVRTC compile (cached by CuPy on disk): a
+    decode step that meets a new batch size (a verify window, experts shared by its rows)
+    finds its kernel loaded, instead of stalling for a compile of its own."""
     cp = _cupy()
     source = kernel_source()
     check_layouts(source)
-    module = cp.RawModule(code=source, options=("-std=c++17",), name_expressions=(name_expression,))
-    return module.get_function(name_expression)
+    return cp.RawModule(code=source, options=("-std=c++17",), name_expressions=_names(decoder))
+
+
+def _function(decoder: str, name_expression: str) -> Any:
+    return _module(decoder).get_function(name_expression)
+
+
+def preload(qtypes: Sequence[Q]) -> None:
+    """Compile and load the kernels of these quant types now (a model's expert and embedding
+    types), before the CUDA backend measures what the process holds and before any request."""
+    for qtype in dict.fromkeys(qtypes):
+        if qtype in DECODERS:
+            _module(DECODERS[qtype])
 
 
 @functools.cache
@@ -170,7 +192,8 @@ def dequantize_ptrs(
     align = _decoder_align(qtype)
     assert all(p % align == 0 for p in src_ptrs), f"{qtype.name} sources need {align}-alignment"
     assert all(p % 16 == 0 for p in dst_ptrs), "dequantize outputs need 16-byte alignment"
-    kernel = _function(f"dequant_multi<{DECODERS[qtype]}, {'true' if f16 else 'false'}>")
+    decoder = DECODERS[qtype]
+    kernel = _function(decoder, f"dequant_multi<{decoder}, {'true' if f16 else 'false'}>")
     table, n_tab = _device_table(qtype, device_id)
     n_jobs = len(src_ptrs)
     ptrs = cp.asarray(np.array([*src_ptrs, *dst_ptrs], dtype=np.uint64))  # [2 * n_jobs]
@@ -209,7 +232,8 @@ def _gemv_kernel(
     assert rows in (1, 2, 4), rows
     warps = (n_out + rows - 1) // rows
     grid = (warps + _THREADS // 32 - 1) // (_THREADS // 32)
-    return _function(f"gemv<{DECODERS[qtype]}, {rows}, {n_batch}>"), grid
+    decoder = DECODERS[qtype]
+    return _function(decoder, f"gemv<{decoder}, {rows}, {n_batch}>"), grid
 
 
 def gemv(
