@@ -200,19 +200,20 @@ class Observation:
     workload: Workload
     seconds: Mapping[str, float]  # part -> seconds ("moe" includes its streaming)
     prefill_s: float
+    expected_bytes: float = 0.0  # what the routing odds expected it to stream (0: unknown)
 
     def as_json(self) -> dict:
         return {"workload": asdict(self.workload), "seconds": dict(self.seconds),
-                "prefill_s": self.prefill_s}
+                "prefill_s": self.prefill_s, "expected_bytes": self.expected_bytes}
 
     @classmethod
     def from_json(cls, doc: dict) -> Observation:
         return cls(Workload(**doc["workload"]), {p: float(doc["seconds"][p]) for p in PARTS},
-                   float(doc["prefill_s"]))
+                   float(doc["prefill_s"]), float(doc.get("expected_bytes", 0.0)))
 
 
 def measured_parts(workload: Workload, prefill_s: float, phases: Mapping[str, float],
-                   release_s: float, restore_s: float) -> Observation:
+                   release_s: float, restore_s: float, expected_bytes: float = 0.0) -> Observation:
     """An observation from what a request measured: the prompt path's phase totals
     (`attention`; every phase whose name starts with `moe`), the loan's release and restore,
     and the whole prefill; what the phases do not cover is `rest`."""
@@ -221,7 +222,7 @@ def measured_parts(workload: Workload, prefill_s: float, phases: Mapping[str, fl
     rest = max(0.0, prefill_s - attention - moe - release_s - restore_s)
     seconds = {"attention": attention, "moe": moe, "rest": rest, "release": release_s,
                "restore": restore_s}
-    return Observation(workload, seconds, prefill_s)
+    return Observation(workload, seconds, prefill_s, expected_bytes)
 
 
 def _nnls_with_prior(a: np.ndarray, b: np.ndarray, weight: float) -> np.ndarray:
@@ -309,8 +310,22 @@ class Rates:
             out[part] = prior * _nnls_with_prior(a, b, PRIOR_WEIGHT)
         return out
 
+    def streaming_factor(self, w: Workload) -> float:
+        """Measured over expected streamed bytes of the earlier requests most like `w` (1
+        before any): the routing odds come from the expert profile, and a prompt whose
+        routing differs (other text, other tokens) streams more or less than they say."""
+        known = [o for o in self.observations if o.expected_bytes > 0]
+        if not known:
+            return 1.0
+        weights = _weights(w, known)
+        expected = float(np.dot(weights, [o.expected_bytes for o in known]))
+        measured = float(np.dot(weights, [o.workload.streamed_bytes for o in known]))
+        return measured / expected if expected > 0 else 1.0
+
     def forecast(self, w: Workload) -> Forecast:
-        """Predicted seconds of `w` by part."""
+        """Predicted seconds of `w` by part (its expected streaming scaled by what earlier
+        requests streamed against their expectation)."""
+        w = replace(w, streamed_bytes=w.streamed_bytes * self.streaming_factor(w))
         c = self.fit(w)
         seconds = {p: float(w.features(p) @ c[p]) for p in PARTS}
         stream = w.streamed_bytes * float(c["moe"][2])

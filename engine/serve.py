@@ -361,10 +361,11 @@ class ServeLoop:
         if self._prefills == 1:  # it pays what an engine does once: not a rate
             return
         w = rt.workload(req.loan, len(req.fresh), req.reused, self.odds, geometry=req.geometry)
+        expected = w.streamed_bytes
         w = replace(w, streamed_bytes=float(timing.bytes_streamed))
         s = req.seconds
         self.last_observation = obs = measured_parts(
-            w, timing.prefill_s, s, s.get("release", 0.0), s.get("restore", 0.0))
+            w, timing.prefill_s, s, s.get("release", 0.0), s.get("restore", 0.0), expected)
         self.rates = self.rates.observe(obs)
         try:
             save_rates(self.rates_file, self.rates)

@@ -140,6 +140,26 @@ def test_the_fit_recovers_a_device_from_its_requests() -> None:
     assert float(streaming) == pytest.approx(0.09, rel=0.1)
 
 
+def test_streaming_follows_what_requests_streamed_against_their_expectation() -> None:
+    """Prompts that stream 60% of what the profile's routing odds say (other text routes
+    elsewhere): after two such requests a forecast expects 60% too, and its time follows."""
+    rates = Rates.fresh("sim test")
+    for chunk, n in [(256, 2048), (512, 4096)]:
+        shot = _shot(chunk, n, DEVICE)
+        w = shot.workload
+        actual = replace(w, streamed_bytes=0.6 * w.streamed_bytes)
+        seconds = _truth(actual, DEVICE)
+        rates = rates.observe(Observation(actual, seconds, sum(seconds.values()),
+                                          expected_bytes=w.streamed_bytes))
+    target = _shot(512, 3000, DEVICE).workload
+    f = rates.forecast(target)
+    assert f.workload.streamed_bytes == pytest.approx(0.6 * target.streamed_bytes, rel=1e-6)
+    truth = sum(_truth(replace(target, streamed_bytes=0.6 * target.streamed_bytes),
+                       DEVICE).values())
+    assert f.total_s == pytest.approx(truth, rel=0.05)
+    assert Rates.fresh("sim y").streaming_factor(target) == 1.0
+
+
 def test_with_no_request_the_forecast_is_the_defaults() -> None:
     rates = Rates.fresh("sim x")
     w = _shot(256, 2048, DEVICE).workload

@@ -41,7 +41,7 @@ def test_the_forecast_measures_and_learns_on_cuda(mid_path: Path, tmp_path: Path
     bus = EventBus()
     plans: list[PlanChosen] = []
     bus.subscribe(lambda e: plans.append(e) if isinstance(e, PlanChosen) else None)
-    opts = EngineOptions(model=str(mid_path), device="cuda", ctx=8192, vram_limit="2GiB",
+    opts = EngineOptions(model=str(mid_path), device="cuda", ctx=8192, vram_limit="4GiB",
                          vram_segment_mib=64, vram_elastic=True, serve=True, mtp=True, spec=2,
                          kv="q4_0")
     loop = ServeLoop.create(opts, LOAN, bus)
