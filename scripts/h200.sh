@@ -25,8 +25,8 @@
 #   cmp31     the engine before a change (BASE=dir holding its engine/ and app/, e.g. a
 #             `git archive` carried under out/) against this tree: A/B at 31,258 tokens, 48
 #             layers, 8 GiB, one process per side and round, sides interleaved (ROUNDS, default
-#             2; NEW_LIMIT: this tree's --vram-limit, to give both the same ledger when the
-#             budget's arithmetic changed); each side's runs pooled with bench --merge
+#             2; BASE_LIMIT / NEW_LIMIT: each side's --vram-limit, default 8GiB: a limit that
+#             caches every expert on both sides compares the code alone); each side's runs pooled with bench --merge
 #             -> $OUT/cmp31.md
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
@@ -69,13 +69,14 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           for r in $(seq "${ROUNDS:-2}"); do
             for side in base new; do
               dir=$([ "$side" = base ] && echo "${BASE:?BASE=dir of the engine before}" || echo .)
-              limit=$([ "$side" = base ] && echo 8GiB || echo "${NEW_LIMIT:-8GiB}")
+              limit=$([ "$side" = base ] && echo "${BASE_LIMIT:-8GiB}" || echo "${NEW_LIMIT:-8GiB}")
               (cd "$dir" && PYTHONPATH=/tmp/site:$PWD STRATA_CACHE_DIR=/tmp/sc-$side STRATA_TRACE=1 \
                 python3 -m engine.cli bench --model "$root/models/q48.gguf" --device cuda \
                 --vram-limit "$limit" --mtp --spec 2 --kv q4_0 --scenario ab --prefill 4096 --runs 1 \
                 --prompt-tokens 31258 --max-new 64 --ctx 31400 \
-                --json "$root/$OUT/cmp-$side-$r.json") 2>&1 | grep -E "strata loan: restored|^\|" \
-                | sed "s/^/$side $r: /" | tee -a "$OUT/cmp31.md"
+                --json "$root/$OUT/cmp-$side-$r.json") > "$OUT/cmp-$side-$r.log" 2>&1 || true
+              grep -E "strata loan: restored|^\||error" "$OUT/cmp-$side-$r.log" \
+                | sed "s/^/$side $r: /" | tee -a "$OUT/cmp31.md" || true
             done
           done
           for side in base new; do
