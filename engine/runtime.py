@@ -12,26 +12,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
-import numpy as np
-
 from engine.backend.base import Backend
 from engine.config import EngineOptions, LoanFlags
-from engine.costs import Shapes
 from engine.devices import deferred_regions
 from engine.errors import StrataError
 from engine.events import Ready
 from engine.experts.cache import ExpertCache
 from engine.experts.provider import CachedExperts
 from engine.faults import Faults
-from engine.forecast import Workload, workload
 from engine.loan.deferral import deferral_line, follow_deferral, plan_deferred
 from engine.loan.guards import validate
 from engine.loan.resources import ResourceSet
-from engine.loan.transaction import REPEAT, STARTUP, LoanTransaction, admit, loan_regions
+from engine.loan.transaction import STARTUP, LoanTransaction, admit, loan_regions
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
-from engine.memory.planner import plan_loan, plan_prompt
-from engine.memory.sizes import ceil_div, format_mib
+from engine.memory.planner import plan_prompt
+from engine.memory.sizes import format_mib
 from engine.model.loader import Model
 from engine.phases import PhaseClock
 from engine.prompt.path import PromptPath, n_chunks
@@ -134,52 +130,6 @@ class Runtime:
         if self.plan.prompt.borrowed and self.cache is not None:
             return plan_prompt(n_slots * self.cache.blob_bytes, self.costs, opts, n_slots)
         return plan_prompt(self.prompt.owned_bytes, self.costs, opts, n_slots)
-
-    def workload(self, kind: str | None, n_fresh: int, pos0: int, odds: np.ndarray,
-                 flags: LoanFlags | None = None, options: EngineOptions | None = None,
-                 geometry: PromptGeometry | None = None) -> Workload:
-        """What a prefill of `n_fresh` tokens after `pos0` with loan `kind` (STARTUP, REPEAT
-        or None) would do under `flags` and `options` (those in force by default): the
-        geometry it would get (`geometry`: the one it got), what its loan releases and
-        restores; `odds` are the routing odds in fill order (engine.forecast.routing_odds).
-        It reads the engine as it is between requests, so a question asked from another thread
-        while a request runs sees neither that request's loan nor its lent slots. A question:
-        nothing changes."""
-        flags, options = flags or self.flags, options or self.options
-        items = self.resources.select(loan_regions(flags, options, self.resources)
-                                      if kind is not None else frozenset())
-        resident = [r for r in items if self._resident_at_rest(r.region)]
-        released = sum(r.n_bytes for r in resident) if kind == REPEAT else 0
-        if geometry is None:
-            geometry = self.prompt.fit(
-                self._request_geometry(kind, resident, flags, options), n_fresh)
-        n_cache = self.plan.n_cache_slots if self.cache is not None else 0
-        lendable = self.plan_options.lendable_slots(n_cache, self.costs)
-        return workload(kind, n_fresh, pos0, geometry, Shapes.of(self.model), n_cache,
-                        lendable, odds, released, sum(r.n_bytes for r in items))
-
-    def _resident_at_rest(self, region: str) -> bool:
-        """Between requests every decode-only region is resident but those the pending
-        startup loan defers."""
-        return self.prefilled or region not in self.plan_options.deferred
-
-    def _request_geometry(self, kind: str | None, resident: list, flags: LoanFlags,
-                          options: EngineOptions) -> PromptGeometry:
-        """The geometry `prefill` would start from: the decode-time plan, the retained startup
-        geometry, or the loan's re-plan with the memory free between requests and what the
-        loan releases of the `resident` regions it lends."""
-        plan, opts = self.plan, self.plan_options
-        if options.prefill != self.options.prefill:
-            plan = replace(plan, prompt=self._prompt_plan(options.prefill))
-            opts = replace(opts, prefill=options.prefill)
-        if kind is None:
-            return plan.prompt
-        if kind == REPEAT and flags.retain_startup_chunk and self.retained_geometry is not None:
-            return self.retained_geometry
-        seg = plan.segment_bytes
-        restored = sum(r.n_segments for r in plan.deferred) * seg if self.prefilled else 0
-        freed = sum(ceil_div(r.n_bytes, seg) * seg for r in resident)
-        return plan_loan(plan, plan.free_bytes - restored + freed, self.costs, opts)
 
     def check_integrity(self) -> None:
         """Ledger, cache, KV and resources agree; 0 slots lent between requests."""

@@ -47,6 +47,7 @@ from engine.forecast import (
 )
 from engine.loan.transaction import REPEAT, STARTUP, admission
 from engine.request import Request
+from engine.request_workload import request_workload
 from engine.runtime import Runtime
 from engine.sampler import Sampler, SamplingParams
 from engine.session import reusable
@@ -165,11 +166,11 @@ class ServeLoop:
         rt, rates = self.rt, self.rates
         n_fresh = n_prompt - reused
         pending = not rt.prefilled and flags.elastic_loan  # what the next request arms
-        without = rates.forecast(rt.workload(None, n_fresh, reused, self.odds, flags, options))
+        without = rates.forecast(request_workload(rt, None, n_fresh, reused, self.odds, flags, options))
         with_loan = None
         if flags.elastic_loan and (pending or flags.repeat_loan):
             kind = STARTUP if pending else REPEAT
-            with_loan = rates.forecast(rt.workload(kind, n_fresh, reused, self.odds, flags,
+            with_loan = rates.forecast(request_workload(rt, kind, n_fresh, reused, self.odds, flags,
                                                    options))
         gain = pays(without, with_loan) if with_loan is not None else None
         kind, reason = admission(flags, pending, n_fresh, gain)
@@ -360,7 +361,7 @@ class ServeLoop:
         self.last_observation = None
         if self._prefills == 1:  # it pays what an engine does once: not a rate
             return
-        w = rt.workload(req.loan, len(req.fresh), req.reused, self.odds, geometry=req.geometry)
+        w = request_workload(rt, req.loan, len(req.fresh), req.reused, self.odds, geometry=req.geometry)
         expected = w.streamed_bytes
         w = replace(w, streamed_bytes=float(timing.bytes_streamed))
         s = req.seconds

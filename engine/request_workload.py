@@ -1,0 +1,65 @@
+"""What a prefill would do, asked of a runtime between requests (the forecast's input): the
+geometry it would get, what its loan would release and restore, and the experts it would
+stream. Questions only: nothing here changes the runtime."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from engine.config import EngineOptions, LoanFlags
+from engine.costs import Shapes
+from engine.forecast import Workload, workload
+from engine.loan.transaction import REPEAT, loan_regions
+from engine.memory.plan_types import PromptGeometry
+from engine.memory.planner import plan_loan
+from engine.memory.sizes import ceil_div
+from engine.runtime import Runtime
+
+
+def request_workload(rt: Runtime, kind: str | None, n_fresh: int, pos0: int, odds: np.ndarray,
+                 flags: LoanFlags | None = None, options: EngineOptions | None = None,
+                 geometry: PromptGeometry | None = None) -> Workload:
+    """What a prefill of `n_fresh` tokens after `pos0` with loan `kind` (STARTUP, REPEAT
+    or None) would do under `flags` and `options` (those in force by default): the
+    geometry it would get (`geometry`: the one it got), what its loan releases and
+    restores; `odds` are the routing odds in fill order (engine.forecast.routing_odds).
+    It reads the engine as it is between requests, so a question asked from another thread
+    while a request runs sees neither that request's loan nor its lent slots. A question:
+    nothing changes."""
+    flags, options = flags or rt.flags, options or rt.options
+    items = rt.resources.select(loan_regions(flags, options, rt.resources)
+                                  if kind is not None else frozenset())
+    resident = [r for r in items if _resident_at_rest(rt, r.region)]
+    released = sum(r.n_bytes for r in resident) if kind == REPEAT else 0
+    if geometry is None:
+        geometry = rt.prompt.fit(
+            _request_geometry(rt, kind, resident, flags, options), n_fresh)
+    n_cache = rt.plan.n_cache_slots if rt.cache is not None else 0
+    lendable = rt.plan_options.lendable_slots(n_cache, rt.costs)
+    return workload(kind, n_fresh, pos0, geometry, Shapes.of(rt.model), n_cache,
+                    lendable, odds, released, sum(r.n_bytes for r in items))
+
+def _resident_at_rest(rt: Runtime, region: str) -> bool:
+    """Between requests every decode-only region is resident but those the pending
+    startup loan defers."""
+    return rt.prefilled or region not in rt.plan_options.deferred
+
+def _request_geometry(rt: Runtime, kind: str | None, resident: list, flags: LoanFlags,
+                  options: EngineOptions) -> PromptGeometry:
+    """The geometry `prefill` would start from: the decode-time plan, the retained startup
+    geometry, or the loan's re-plan with the memory free between requests and what the
+    loan releases of the `resident` regions it lends."""
+    plan, opts = rt.plan, rt.plan_options
+    if options.prefill != rt.options.prefill:
+        plan = replace(plan, prompt=rt._prompt_plan(options.prefill))
+        opts = replace(opts, prefill=options.prefill)
+    if kind is None:
+        return plan.prompt
+    if kind == REPEAT and flags.retain_startup_chunk and rt.retained_geometry is not None:
+        return rt.retained_geometry
+    seg = plan.segment_bytes
+    restored = sum(r.n_segments for r in plan.deferred) * seg if rt.prefilled else 0
+    freed = sum(ceil_div(r.n_bytes, seg) * seg for r in resident)
+    return plan_loan(plan, plan.free_bytes - restored + freed, rt.costs, opts)
