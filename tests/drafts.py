@@ -25,6 +25,9 @@ class TargetDraft:
     def truncate(self, n: int) -> None:
         pass
 
+    def check_integrity(self) -> None:
+        pass  # no state of its own
+
     def observe(self, session: Session, pos0: int, hidden: Any, next_ids: list[int]) -> None:
         pass
 

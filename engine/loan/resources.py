@@ -24,9 +24,18 @@ LABELS = {
 
 
 class Releasable(Protocol):
+    """What uses a decode-only region: it drops its arrays and makes them again."""
+
+    @property
+    def resident(self) -> bool: ...
+
     def release(self) -> int: ...
 
     def restore(self) -> int: ...
+
+    def check_integrity(self) -> None:
+        """Its arrays agree with what it was made from (while resident)."""
+        ...
 
 
 class NativeHead:
@@ -47,6 +56,11 @@ class NativeHead:
         if self.transformer.head is None:
             self.transformer.load_head(self.arena.to_device)
         return self.arena.n_bytes
+
+    def check_integrity(self) -> None:
+        head = self.transformer.head
+        if head is not None and int(head.nbytes) > self.arena.n_bytes:
+            raise AssertionError(f"head of {head.nbytes} bytes in a {self.arena.n_bytes}-byte region")
 
 
 @dataclass
@@ -111,10 +125,9 @@ class ResourceSet:
 
     def check_integrity(self) -> None:
         for r in self.items:
-            resident_obj = getattr(r.obj, "resident", r.arena.resident)
-            assert resident_obj == r.arena.resident, (
-                f"{r.region}: object resident={resident_obj} but region resident={r.arena.resident}"
+            assert r.obj.resident == r.arena.resident, (
+                f"{r.region}: object resident={r.obj.resident} but region "
+                f"resident={r.arena.resident}"
             )
-            check = getattr(r.obj, "check_integrity", None)
-            if check is not None and r.arena.resident:
-                check()
+            if r.arena.resident:
+                r.obj.check_integrity()

@@ -144,9 +144,7 @@ class SpecDecoder:
     def check_integrity(self) -> None:
         for r in self.resources():
             r.check_integrity()
-        check = getattr(self.draft, "check_integrity", None)
-        if check is not None:
-            check()
+        self.draft.check_integrity()
 
     # -- the runtime's three calls ---------------------------------------------------------
     def begin(self, session: Session, prompt_ids: list[int], reuse: int) -> int:

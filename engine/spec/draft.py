@@ -39,6 +39,10 @@ class DraftSource(Protocol):
 
     def resources(self) -> list[Any]: ...
 
+    def check_integrity(self) -> None:
+        """Its own state agrees with itself (the draft's KV, its tokens)."""
+        ...
+
     def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
         """How many of the session's `reuse` matching tokens the source can continue from."""
         ...
