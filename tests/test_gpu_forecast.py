@@ -4,38 +4,20 @@ events measure every part, the verdict plans what the request runs, and the fore
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_gpu_engine import LOAN, mid_path  # noqa: F401 - the fixture, and skips without a GPU
 
 from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.events import EventBus, PlanChosen
 from engine.serve import ServeLoop
-from engine.synth.model import PRESETS, write_model
 
 pytestmark = pytest.mark.gpu
-cupy = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001 - no driver
-    HAVE_GPU = False
-if not HAVE_GPU:
-    pytest.skip("no CUDA device", allow_module_level=True)
-
-LOAN = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
-                      retain_startup_chunk=True, repeat_loan=True, repeat_min_tokens=256)
 
 
-@pytest.fixture(scope="module")
-def mid_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3-30B-A3B shapes, 2 blocks + MTP."""
-    spec = replace(PRESETS["qwen3-30b-a3b"], n_layer=2, n_ctx=8192)
-    return write_model(tmp_path_factory.mktemp("gpu-forecast") / "mid.gguf", spec)
-
-
-def test_the_forecast_measures_and_learns_on_cuda(mid_path: Path, tmp_path: Path,
+def test_the_forecast_measures_and_learns_on_cuda(mid_path: Path, tmp_path: Path,  # noqa: F811
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))  # rates of this test's own
     bus = EventBus()

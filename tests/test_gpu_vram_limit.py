@@ -10,35 +10,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_gpu_engine import LOAN, cupy, mid_path  # noqa: F401 - the fixture, and skips without a GPU
 
-from engine.config import EngineOptions, LoanFlags
+from engine.config import EngineOptions
 from engine.conversation import Conversation
 from engine.events import EventBus, LedgerChanged, LoanStep
 from engine.memory.budget import GROWTH_MARGIN_BYTES
 from engine.memory.sizes import GiB, MiB
 from engine.process_memory import PROCESS, PeakSampler, ProcessMemory
 from engine.serve import ServeLoop
-from engine.synth.model import PRESETS, write_model
 
 pytestmark = pytest.mark.gpu
-cupy = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001 - no driver
-    HAVE_GPU = False
-if not HAVE_GPU:
-    pytest.skip("no CUDA device", allow_module_level=True)
 
 LIMIT = 4 * GiB
-LOAN = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
-                      retain_startup_chunk=True, repeat_loan=True, repeat_min_tokens=256)
-
-
-@pytest.fixture(scope="module")
-def mid_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3-30B-A3B shapes, 2 blocks + MTP (as tests/test_gpu_engine.py's)."""
-    spec = replace(PRESETS["qwen3-30b-a3b"], n_layer=2, n_ctx=8192)
-    return write_model(tmp_path_factory.mktemp("vram") / "mid.gguf", spec)
 
 
 def options(path: Path, **kw: object) -> EngineOptions:
@@ -79,7 +63,7 @@ def test_the_budget_leaves_room_for_what_lies_outside_the_ledger() -> None:
         memory.close()
 
 
-def test_the_process_stays_under_the_limit_through_a_loan_and_decoding(mid_path: Path) -> None:
+def test_the_process_stays_under_the_limit_through_a_loan_and_decoding(mid_path: Path) -> None:  # noqa: F811
     """A startup loan on a 3,000-token prompt, a repeat loan on another, 64 tokens decoded
     after each (token graph, MTP drafts): NVML's peak for this process, polled every 2 ms from
     before the engine starts to its close, stays under --vram-limit 4GiB."""
@@ -114,7 +98,7 @@ def test_the_process_stays_under_the_limit_through_a_loan_and_decoding(mid_path:
         f"{(peak.n_bytes - LIMIT) / MiB:,.0f} MiB; {line}")
 
 
-def test_close_gives_the_memory_back_and_bench_runs_do_not_pile_up(mid_path: Path) -> None:
+def test_close_gives_the_memory_back_and_bench_runs_do_not_pile_up(mid_path: Path) -> None:  # noqa: F811
     """Each bench run closes its engine: NVML's bytes after a run are back where they were
     before it (what stays is what a process loads once: kernels of the model's shapes, within
     the margin the budget keeps for them), however many runs."""
@@ -136,7 +120,7 @@ def test_close_gives_the_memory_back_and_bench_runs_do_not_pile_up(mid_path: Pat
     assert max(after) - min(after) <= 32 * MiB, after  # nothing piles up run after run
 
 
-def test_strata_run_prints_the_peak(mid_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_strata_run_prints_the_peak(mid_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
     from tests.test_cli import run
 
     settle().close()
