@@ -134,7 +134,8 @@ async def paste_loan(pilot: Pilot) -> None:
 
 
 async def answer(pilot: Pilot) -> None:
-    """Two dictionary questions answered with MTP drafts (the app's loan-ready defaults)."""
+    """Two dictionary questions answered with MTP drafts on every step (`--spec-always`: on
+    the CPU the drafting policy would soon decode plain, drafted steps cost 2.5x here)."""
     await wait_ready(pilot)
     app = pilot.app
     assert isinstance(app, StrataApp)
@@ -167,9 +168,14 @@ def loan_ready(model: str) -> EngineOptions:
     return EngineOptions(model=model, serve=True, vram_elastic=True, mtp=True, spec=2)
 
 
+def drafting_always(model: str) -> EngineOptions:
+    """The app's defaults, drafting on every step (`--spec-always`)."""
+    return loan_ready(model).with_changes(spec_always=True)
+
+
 SCENES = {
     "idle": Scene("idle", idle, lambda model: EngineOptions(model=model)),
-    "answer": Scene("answer", answer, loan_ready, LOAN_FLAGS),
+    "answer": Scene("answer", answer, drafting_always, LOAN_FLAGS),
     "paste-loan": Scene(
         "paste-loan",
         paste_loan,

@@ -70,7 +70,8 @@ class LoanTimeline(EventView):
             self._begin()
             self.loan = event.loan
             self._prefill_t0 = event.t
-            detail = f"{event.n_chunks} chunks of {event.chunk_tokens:,}"
+            chunks = "1 chunk" if event.n_chunks == 1 else f"{event.n_chunks} chunks"
+            detail = f"{chunks} of {event.chunk_tokens:,}"
             self._add(Phase("prefill", 0.0, detail, running=True))
         elif isinstance(event, PrefillProgress):
             self._set_prefill(ms=(event.t - self._prefill_t0) * 1e3, running=True)
