@@ -40,7 +40,7 @@ import numpy as np
 
 from engine.costs import Shapes, attention_flops, moe_flops
 from engine.experts.profile import ExpertProfile
-from engine.memory.plan_types import PromptGeometry
+from engine.memory.plan_types import PromptGeometry, chunk_count
 
 FORMAT = "strata-prefill-rates"
 VERSION = 1
@@ -143,7 +143,7 @@ def workload(kind: str | None, n_fresh: int, pos0: int, g: PromptGeometry, shape
     (at most the `n_lendable_slots` the cache may lend; the rest a loan grows are empty) are
     not resident, and the refill uploads them back."""
     hp, blob = shapes.hp, shapes.blob_bytes
-    n_chunks = -(-n_fresh // g.chunk_tokens) if g.chunk_tokens else 0
+    n_chunks = chunk_count(n_fresh, g.chunk_tokens) if g.chunk_tokens else 0
     lent_resident = min(g.n_lent_slots, n_lendable_slots) if g.borrowed else 0
     n_resident = max(0, n_cache_slots - lent_resident)
     streamed = expected_streamed(odds, n_resident, max(g.chunk_tokens, 1), n_fresh, g.ring_slots)

@@ -25,12 +25,18 @@ from engine.loan.guards import validate
 from engine.loan.resources import ResourceSet
 from engine.loan.transaction import STARTUP, LoanTransaction, admit, loan_regions
 from engine.memory.ledger import Ledger
-from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
+from engine.memory.plan_types import (
+    ModelCosts,
+    PlanOptions,
+    PromptGeometry,
+    StartupPlan,
+    chunk_count,
+)
 from engine.memory.planner import plan_prompt
 from engine.memory.sizes import format_mib
 from engine.model.loader import Model
 from engine.phases import PhaseClock
-from engine.prompt.path import PromptPath, n_chunks
+from engine.prompt.path import PromptPath
 from engine.report import Reporter
 from engine.request import Progress, Request, decode_tokens
 from engine.sampler import Sampler
@@ -252,7 +258,7 @@ class Runtime:
     def _prefill(self, req: Request, geometry: PromptGeometry, progress: Progress) -> None:
         """The prompt path with `geometry` cut to this prompt; progress per chunk."""
         req.geometry = g = self.prompt.fit(geometry, len(req.fresh))
-        req.n_chunks = n_chunks(len(req.fresh), g.chunk_tokens)
+        req.n_chunks = chunk_count(len(req.fresh), g.chunk_tokens)
         progress.planned(req)
 
         def on_chunk(index: int, n: int, seconds: float) -> None:

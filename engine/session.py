@@ -17,6 +17,7 @@ from engine.backend.base import ExpertProvider
 from engine.errors import StrataError
 from engine.experts.provider import DirectExperts
 from engine.kv import KVCache
+from engine.memory.plan_types import chunk_count
 from engine.model.loader import Model
 from engine.model.transformer import ForwardResult, PromptChunk
 from engine.sampler import Sampler
@@ -141,7 +142,7 @@ class Session:
         the final position's, 'all': every position's, 'none': none — the caller computes
         them from `last_hidden`, e.g. after a loan restored the head)."""
         assert ids, "prefill needs at least one token"
-        n_chunks = -(-len(ids) // chunk_tokens)
+        n_chunks = chunk_count(len(ids), chunk_tokens)
         res = None
         all_logits = []
         for c in range(n_chunks):

@@ -111,6 +111,11 @@ class PlanOptions:
         return max(0, min(n_cache - self.kept_slots(costs), share))
 
 
+def chunk_count(n_tokens: int, chunk_tokens: int) -> int:
+    """How many chunks a prompt of `n_tokens` takes (the one place this is counted)."""
+    return -(-n_tokens // chunk_tokens)
+
+
 @dataclass(frozen=True)
 class PromptGeometry:
     """The prompt plan `chunk_tokens / ring_slots`, its bytes, and where they come from."""

@@ -19,17 +19,12 @@ from engine.faults import Faults
 from engine.memory.arena import Arena
 from engine.memory.compute_arena import ArenaStats
 from engine.memory.ledger import Ledger
-from engine.memory.plan_types import ModelCosts, PromptGeometry
+from engine.memory.plan_types import ModelCosts, PromptGeometry, chunk_count
 from engine.memory.ring import StagingRing, split_prompt_buffer
 from engine.model.transformer import PromptChunk
 from engine.phases import PhaseClock
 from engine.report import Reporter
 from engine.session import Session
-
-
-def n_chunks(n_tokens: int, chunk_tokens: int) -> int:
-    """How many chunks a prompt of `n_tokens` takes (the one place this is counted)."""
-    return -(-n_tokens // chunk_tokens)
 
 
 @dataclass(frozen=True)
@@ -128,7 +123,7 @@ class PromptPath:
         if self.lent is not None:
             self.faults.hit("refill")
             refill_trace = self.refill_pending()
-        return PrefillResult(n_chunks(len(fresh), g.chunk_tokens), self.provider.counters,
+        return PrefillResult(chunk_count(len(fresh), g.chunk_tokens), self.provider.counters,
                              refill_trace, lend_trace)
 
     def refill_pending(self) -> str:
