@@ -73,6 +73,7 @@ class Sample:
     decode_misses: int = 0  # ... and read from host memory
     spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
     drafted_steps: int = 0
+    generated: int = 0  # tokens the run generated (TG at depth wants TG_MIN_TOKENS)
     peak_mib: float = 0.0  # the process's device memory at its highest (see the module docstring)
     peak_source: str = ""  # PROCESS or DEVICE (NVML), SIMULATED; "" when unknown
     limit_mib: float = 0.0  # --vram-limit of the run (0: none)
@@ -188,7 +189,8 @@ def _measure(loop: ServeLoop, cfg: Config, n_tokens: int, max_new: int, hw: Hard
                   t.bytes_streamed / (1 << 20), p.loan,
                   arena.peak_bytes / (1 << 20) if arena else 0.0,
                   arena.spilled_bytes / (1 << 20) if arena else 0.0, ratio,
-                  t.decode_hits, t.decode_misses, t.spec_steps, t.drafted_steps)
+                  t.decode_hits, t.decode_misses, t.spec_steps, t.drafted_steps,
+                  generated=t.generated)
 
 
 def _peak(sampler: PeakSampler | None, loop: ServeLoop) -> MemoryReading | None:
@@ -266,7 +268,27 @@ def markdown(rows: list[Row], title: str) -> str:
             + "".join(f" {row.cell(key, fmt)} |" for _, key, fmt, _ in extra)
         )
     notes = [over_limit_line(row) for row in rows if any(s.over_limit for s in row.samples)]
+    short = tg_note(rows)
+    notes += [short] if short else []
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+TG_MIN_TOKENS, TG_MIN_RUNS = 128, 3
+
+
+def tg_note(rows: list[Row]) -> str | None:
+    """A line under the table when its TG is not a TG-at-depth figure: decoding after the
+    prompt wants at least TG_MIN_TOKENS tokens and the median of TG_MIN_RUNS runs."""
+    samples = [s for r in rows for s in r.samples if s.tg > 0]
+    if not samples:
+        return None
+    fewest = min(s.generated for s in samples)
+    runs = min(len(r.samples) for r in rows)
+    if fewest >= TG_MIN_TOKENS and runs >= TG_MIN_RUNS:
+        return None
+    return (f"TG: {fewest} tokens, {runs} run{'s' if runs != 1 else ''} per configuration; TG at "
+            f"depth wants at least {TG_MIN_TOKENS} tokens and {TG_MIN_RUNS} runs "
+            f"(--max-new {TG_MIN_TOKENS} --runs {TG_MIN_RUNS}).")
 
 
 def over_limit_line(row: Row) -> str:

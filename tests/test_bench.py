@@ -36,6 +36,20 @@ def test_markdown_adds_columns_only_when_there_is_data() -> None:
     assert "| Drafted steps (%) |" in markdown([spec], "t") and "| 25 |" in markdown([spec], "t")
 
 
+def test_a_tg_that_is_not_at_depth_says_so() -> None:
+    """TG at depth: at least 128 tokens, the median of at least 3 runs; a table short of
+    either says what it had under the table."""
+    def row(n_runs: int, generated: int) -> Row:
+        return Row("on", [Sample("512 / 8", 200.0, 30.0, 0.5, 5.0, True, generated=generated)
+                          for _ in range(n_runs)])
+
+    assert "TG at depth" not in markdown([row(3, 128)], "t")
+    assert "TG: 32 tokens, 3 runs per configuration" in markdown([row(3, 32)], "t")
+    assert "TG: 200 tokens, 1 run per configuration" in markdown([row(1, 200)], "t")
+    no_tg = Row("off", [Sample("512 / 8", 200.0, 0.0, 0.5, 5.0, False, generated=1)])
+    assert "TG at depth" not in markdown([no_tg], "t")
+
+
 def test_a_reply_counts_the_experts_its_decode_steps_read(tiny_nomtp_path: Path) -> None:
     """Every decode step routes each layer's row to k experts: each is a cache hit or a miss."""
     from engine.serve import ServeLoop
@@ -109,9 +123,9 @@ def test_the_peak_column_names_its_source_and_marks_a_run_past_the_limit() -> No
     table = markdown([inside, past], "t")
     assert "| Streamed (MiB) | GPU peak (MiB) |" in table
     assert "| 7950 (7900-8000) |" in table and "| 8345 (8100-8777) * |" in table
-    assert table.splitlines()[-1] == (
+    assert (
         "Marked *: on: the GPU peak passed --vram-limit 8,192 MiB in 2 of 3 runs (highest "
-        "8,777 MiB, 585 MiB over; NVML, this process)")
+        "8,777 MiB, 585 MiB over; NVML, this process)") in table.splitlines()
     assert "Marked" not in markdown([inside], "t") and " * |" not in markdown([inside], "t")
     sim = markdown([Row("off", [run(40.0, SIMULATED, 0.0)])], "t")
     assert "| Sim device peak (MiB) |" in sim and "| 40 |" in sim and "Marked" not in sim
