@@ -43,7 +43,7 @@ from engine.sampler import Sampler
 from engine.session import Session
 from engine.spec.decoder import SpecDecoder
 from engine.timing import Timing
-from engine.token_graph import make_token_graph
+from engine.token_graph import make_token_graph, token_graph_wanted
 
 RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profile",
                   "vram_segment_mib", "vram_reserve_mib", "vram_limit", "mtp", "draft_vocab",
@@ -83,7 +83,7 @@ class Runtime:
     @property
     def token_graph_wanted(self) -> bool:
         """Decode steps are captured as a CUDA graph unless --no-token-graph (CUDA only)."""
-        return self.backend.device_index is not None and not self.options.no_token_graph
+        return token_graph_wanted(self.backend, self.options.no_token_graph)
 
     # -- questions ---------------------------------------------------------------------------
     def ready(self) -> Ready:

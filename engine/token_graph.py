@@ -315,6 +315,11 @@ def _end_quietly(stream: Any) -> None:
         pass
 
 
+def token_graph_wanted(backend: Backend, no_token_graph: bool) -> bool:
+    """Decode steps are captured as a CUDA graph on CUDA unless --no-token-graph."""
+    return backend.device_index is not None and not no_token_graph
+
+
 def make_token_graph(tr: Transformer, kv: KVCache, experts: CachedExperts,
                      cache: ExpertCache | None, backend: Backend,
                      warn: Callable[[str], None]) -> TokenGraph | None:

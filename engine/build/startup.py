@@ -30,7 +30,7 @@ from engine.report import Reporter
 from engine.runtime import Runtime
 from engine.session import Session
 from engine.synth.demo import resolve_model
-from engine.token_graph import make_token_graph
+from engine.token_graph import make_token_graph, token_graph_wanted
 
 
 def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None = None,
@@ -71,7 +71,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
     if cuda is not None:
         report.say(f"strata serve: {cuda.budget.line()}")  # type: ignore[attr-defined]
         pin_model_file(cuda, model.mf.data, report.trace, report.warn)
-    token_graph = cuda is not None and not options.no_token_graph
+    token_graph = token_graph_wanted(backend, options.no_token_graph)
     cache, plan, plan_options = make_cache(
         ledger, model.experts, planned.plan, costs, planned.plan_options,
         profile=lambda: startup_profile(options.expert_profile, model, backend),
