@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -77,6 +78,7 @@ class Sample:
     peak_mib: float = 0.0  # the process's device memory at its highest (see the module docstring)
     peak_source: str = ""  # PROCESS or DEVICE (NVML), SIMULATED; "" when unknown
     limit_mib: float = 0.0  # --vram-limit of the run (0: none)
+    reply_crc: str = ""  # CRC-32 of the reply's text (greedy runs of two configurations agree)
 
     @property
     def over_limit(self) -> bool:
@@ -190,7 +192,7 @@ def _measure(loop: ServeLoop, cfg: Config, n_tokens: int, max_new: int, hw: Hard
                   arena.peak_bytes / (1 << 20) if arena else 0.0,
                   arena.spilled_bytes / (1 << 20) if arena else 0.0, ratio,
                   t.decode_hits, t.decode_misses, t.spec_steps, t.drafted_steps,
-                  generated=t.generated)
+                  generated=t.generated, reply_crc=f"{zlib.crc32(reply.text.encode()):08x}")
 
 
 def _peak(sampler: PeakSampler | None, loop: ServeLoop) -> MemoryReading | None:

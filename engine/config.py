@@ -132,6 +132,9 @@ class LoanFlags:
         return AUTO if self.repeat_auto else str(self.repeat_min_tokens)
 
 
+DENSE_FORMATS = ("auto", "quant", "float")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Command-line options of the engine (`strata run/chat/bench/plan`)."""
@@ -153,6 +156,7 @@ class EngineOptions:
     spec_always: bool = False  # draft every step (else only while drafting is measured faster)
     draft_vocab: int = 0  # 0: every row of the head
     no_token_graph: bool = False
+    dense: str = "auto"  # dense linear weights: quant, float, or auto (quant on CUDA)
     no_borrow: bool = False
     batch_slots: int = 1
     prefill_head_alias: bool = False
@@ -167,6 +171,8 @@ class EngineOptions:
             errors.append(f"--expert-cache {self.expert_cache} must be 'auto' or >= 0")
         if self.spec and not 2 <= self.spec <= 8:
             errors.append(f"--spec {self.spec} must be 0 (off) or 2..8")
+        if self.dense not in DENSE_FORMATS:
+            errors.append(f"--dense {self.dense} must be one of {', '.join(DENSE_FORMATS)}")
         if self.draft_vocab < 0:
             errors.append(f"--draft-vocab {self.draft_vocab} must be >= 0")
         if self.batch_slots < 1:

@@ -1,7 +1,9 @@
 """Device bytes of every item the planner places, computed from the model's shapes.
 
-Dense weights, heads and buffers are float32 on the device (what the kernels read); experts
-are their quantized GGUF blobs. Each carved array is padded to the arena's alignment.
+Dense weights, heads and buffers are floats on the device (`wb` bytes per element: float32
+on the simulated device, float16 on CUDA), except the linear weights and the head kept in
+their quantized blocks with `--dense quant`; experts are their quantized GGUF blobs. Each
+carved array is padded to the arena's alignment.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from engine.config import EngineOptions
 from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.kernels.attention import DEFAULT_SCORE_BYTES as SCORE_BYTES
+from engine.kernels.dequant import DECODE_SLICE_BYTES
 from engine.kernels.flash import supported as flash_supported
 from engine.kernels.moe import DEFAULT_SCRATCH_BYTES as MOE_SCRATCH_BYTES
 from engine.kv import kv_bytes_per_cell
 from engine.memory.arena import padded
 from engine.memory.plan_types import ModelCosts
+from engine.quant import matrix_bytes
 
 F32 = 4
 
@@ -32,16 +36,23 @@ class Shapes:
     blob_bytes: int
     mtp_blob_bytes: int
     qtypes: tuple[GGMLQuantizationType, ...] = ()  # experts' (main, MTP) and the embedding's
+    # (tensor name, its quant type in the file) of every tensor; none known: all decoded
+    tensor_qtypes: tuple[tuple[str, GGMLQuantizationType], ...] = ()
 
     @property
     def has_mtp(self) -> bool:
         return self.hp.n_nextn > 0
 
+    def qtype(self, name: str) -> GGMLQuantizationType:
+        """The file's type of tensor `name` (F32, i.e. decoded, where unknown)."""
+        return dict(self.tensor_qtypes).get(name, GGMLQuantizationType.F32)
+
     @classmethod
     def of_spec(cls, spec) -> Shapes:  # type: ignore[no-untyped-def]
         """From a synthetic preset's `SynthSpec` (no file needed)."""
         blob = spec.expert_blob_bytes()
-        return cls(spec.hparams(), blob, blob if spec.n_nextn else 0)
+        return cls(spec.hparams(), blob, blob if spec.n_nextn else 0,
+                   tensor_qtypes=tuple(spec.tensor_qtypes().items()))
 
     @classmethod
     def of(cls, model) -> Shapes:  # type: ignore[no-untyped-def]
@@ -49,33 +60,60 @@ class Shapes:
         qtypes = (*model.experts.layout.qtypes, *(mtp.layout.qtypes if mtp is not None else ()),
                   model.mf.tensor(names.TOKEN_EMBD).qtype)
         return cls(model.hp, model.experts.blob_bytes, mtp.blob_bytes if mtp is not None else 0,
-                   tuple(dict.fromkeys(qtypes)))
+                   tuple(dict.fromkeys(qtypes)),
+                   tuple((name, t.qtype) for name, t in model.mf.tensors.items()))
 
 
-def block_dense_bytes(d: int, q: int, kv: int, head_dim: int, n_expert: int, wb: int) -> int:
-    """One block's attention + norms + router, `wb` bytes per element, padded per array."""
-    arrays = [d, q * d, kv * d, kv * d, d * q, head_dim, head_dim, d, n_expert * d]
-    return sum(padded(wb * n) for n in arrays)
+def stacked_bytes(model: Shapes, tensors: tuple[str, ...], shape: tuple[int, int], wb: int,
+                  quant: bool) -> int:
+    """Device bytes of one linear weight [n_out, n_in] made of `tensors` stacked by rows
+    (`engine.model.weights.WeightLoader.matrix`): their quantized blocks when they share a
+    type kept quantized, else `wb` per element; padded."""
+    kinds = {model.qtype(n) for n in tensors}
+    qtype = kinds.pop() if len(kinds) == 1 else GGMLQuantizationType.F32
+    return padded(matrix_bytes(qtype, shape, wb, quant))
 
 
-def dense_bytes(model: Shapes, with_mtp: bool, wb: int = F32) -> int:
-    """Main blocks, the final norm and (with MTP) the nextn block's dense weights."""
+def block_dense_bytes(model: Shapes, i: int, wb: int, quant: bool = False) -> int:
+    """Block `i`'s attention (stacked q/k/v and output weights), norms and router, padded per
+    array."""
     hp = model.hp
-    one = block_dense_bytes(hp.n_embd, hp.q_dim, hp.kv_dim, hp.head_dim, hp.n_expert, wb)
-    total = hp.n_layer * one + padded(wb * hp.n_embd)
+    d = hp.n_embd
+    vectors = [d, hp.head_dim, hp.head_dim, d, hp.n_expert * d]  # norms, router [E, d]
+    qkv = tuple(names.block(k, i) for k in ("attn_q", "attn_k", "attn_v"))
+    return (sum(padded(wb * n) for n in vectors)
+            + stacked_bytes(model, qkv, (hp.q_dim + 2 * hp.kv_dim, d), wb, quant)
+            + stacked_bytes(model, (names.block("attn_output", i),), (d, hp.q_dim), wb, quant))
+
+
+def dense_bytes(model: Shapes, with_mtp: bool, wb: int = F32, quant: bool = False) -> int:
+    """Main blocks, the final norm and (with MTP) the nextn block's dense weights; `quant`:
+    linear weights kept in their blocks (`--dense quant`)."""
+    hp = model.hp
+    total = sum(block_dense_bytes(model, i, wb, quant) for i in range(hp.n_layer)) + padded(wb * hp.n_embd)
     if with_mtp:
-        d = hp.n_embd
-        total += one + padded(wb * d * 2 * d) + 3 * padded(wb * d)  # eh_proj, 3 norms
+        d, i = hp.n_embd, hp.n_layer
+        total += block_dense_bytes(model, i, wb, quant) + 3 * padded(wb * d)  # + 3 norms
+        total += stacked_bytes(model, (names.nextn("eh_proj", i),), (d, 2 * d), wb, quant)
     return total
 
 
-def head_bytes(model: Shapes, wb: int = F32) -> int:
-    return padded(wb * model.hp.n_vocab * model.hp.n_embd)
+def head_bytes(model: Shapes, wb: int = F32, quant: bool = False) -> int:
+    hp = model.hp
+    name = names.OUTPUT if hp.has_output else names.TOKEN_EMBD
+    return stacked_bytes(model, (name,), (hp.n_vocab, hp.n_embd), wb, quant)
 
 
-def draft_head_bytes(model: Shapes, draft_vocab: int, wb: int = F32) -> int:
-    n = draft_vocab or model.hp.n_vocab
-    return padded(wb * min(n, model.hp.n_vocab) * model.hp.n_embd)
+def draft_head_bytes(model: Shapes, draft_vocab: int, wb: int = F32, quant: bool = False) -> int:
+    """The draft head's rows (`engine.spec.draft_head`): the MTP block's own head, else the
+    output head, else the tied embedding; `draft_vocab` rows (0: all)."""
+    hp = model.hp
+    own = names.nextn("shared_head_head", hp.n_layer)
+    known = dict(model.tensor_qtypes)
+    source = next((n for n in (own, names.OUTPUT) if n in known),
+                  names.OUTPUT if hp.has_output else names.TOKEN_EMBD)
+    n = min(draft_vocab or hp.n_vocab, hp.n_vocab)
+    return stacked_bytes(model, (source,), (n, hp.n_embd), wb, quant)
 
 
 def mtp_expert_bytes(model: Shapes) -> int:
@@ -136,32 +174,36 @@ def prefill_flops(model: Shapes, n_tokens: int, pos0: int = 0) -> int:
     return attention_flops(model, n_tokens, pos0) + moe_flops(model, n_tokens)
 
 
-def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int) -> int:
+def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int, quant: bool = False) -> int:
     """Prompt-chunk bytes on CUDA that do not grow with the chunk: the MoE kernels' fp16
     expert scratch, the attention score block (none for the flash kernel, which keeps scores
-    in registers; the cuBLAS path's for other head sizes), and the keys and values read back
-    from the cache for the whole context (float32 and their fp16 copies). (The MoE kernels'
-    gathered rows and GEMM outputs grow with the chunk: `act_bytes_per_token` counts them.)"""
+    in registers; the cuBLAS path's for other head sizes), the keys and values read back
+    from the cache for the whole context (float32 and their fp16 copies), and (`quant`) the
+    largest linear weight decoded to fp16 for a GEMM. (The MoE kernels' gathered rows and GEMM
+    outputs grow with the chunk: `act_bytes_per_token` counts them.)"""
     hp = model.hp
+    d = hp.n_embd
+    decoded = min(DECODE_SLICE_BYTES, 2 * d * max(hp.q_dim, 2 * d)) if quant else 0
     kv_read = 2 * n_ctx * hp.kv_dim * (F32 + 2)
     expert_fp16 = 3 * hp.n_embd * hp.n_ff_exp * 2
     moe = min(MOE_SCRATCH_BYTES, hp.n_expert * expert_fp16)
     # cuBLAS path: 1,024-query score blocks at most
     scores = 0 if flash_supported(hp.head_dim) else min(SCORE_BYTES, 2 * hp.n_head * n_ctx * 1024)
-    return moe + scores + kv_read
+    return moe + scores + kv_read + decoded
 
 
 def model_costs(model: Shapes, options: EngineOptions, wb: int = F32,
-                gpu: bool = False) -> ModelCosts:
+                gpu: bool = False, quant: bool = False) -> ModelCosts:
     """What each planner item costs for `model` (a Shapes or a loaded Model) under `options`,
-    with dense weights and heads at `wb` bytes per element; `gpu`: the prompt chunk also
-    holds the CUDA kernels' fixed scratch (`gpu_chunk_fixed_bytes`)."""
+    with dense weights and heads at `wb` bytes per element (`quant`: linear weights and the
+    head in their quantized blocks); `gpu`: the prompt chunk also holds the CUDA kernels'
+    fixed scratch (`gpu_chunk_fixed_bytes`)."""
     if not isinstance(model, Shapes):
         model = Shapes.of(model)
-    fixed = gpu_chunk_fixed_bytes(model, options.ctx) if gpu else 0
+    fixed = gpu_chunk_fixed_bytes(model, options.ctx, quant) if gpu else 0
     use_mtp = options.mtp and model.has_mtp
     return ModelCosts(
-        dense_bytes=dense_bytes(model, use_mtp, wb),
+        dense_bytes=dense_bytes(model, use_mtp, wb, quant),
         kv_bytes=kv_bytes(model, options.ctx, options.kv)
         + (mtp_kv_bytes(model, options.ctx, options.kv) if use_mtp else 0),
         expert_blob_bytes=model.blob_bytes,
@@ -171,7 +213,7 @@ def model_costs(model: Shapes, options: EngineOptions, wb: int = F32,
         act_bytes_per_token=act_bytes_per_token(model),
         act_bytes_fixed=2 * padded(1) + fixed,
         verifier_bytes=verifier_bytes(model, options.spec) if use_mtp else 0,
-        head_bytes=head_bytes(model, wb),
+        head_bytes=head_bytes(model, wb, quant),
         mtp_expert_bytes=mtp_expert_bytes(model) if use_mtp else 0,
-        draft_head_bytes=draft_head_bytes(model, options.draft_vocab, wb) if use_mtp else 0,
+        draft_head_bytes=draft_head_bytes(model, options.draft_vocab, wb, quant) if use_mtp else 0,
     )

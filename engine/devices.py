@@ -113,6 +113,15 @@ def weight_bytes(device: str) -> int:
     return 2 if device.startswith("cuda") else 4
 
 
+def dense_quantized(device: str, options: EngineOptions) -> bool:
+    """Whether dense linear weights stay in their quantized blocks (`--dense`): 'auto' keeps
+    them so on CUDA, whose kernels read blocks as fast as floats, and decodes them on the
+    simulated device, whose array code would decode them at every use."""
+    if options.dense == "auto":
+        return device.startswith("cuda")
+    return options.dense == "quant"
+
+
 def deferred_regions(flags: LoanFlags, options: EngineOptions) -> frozenset[str]:
     """Decode-only regions a loan releases: the master switch lends the verifier; the MTP
     loan adds the MTP experts and the draft head; the head loan adds the native head."""

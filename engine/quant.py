@@ -1,5 +1,6 @@
 """Dequantization on the CPU through `gguf.quants`; block sizes from `gguf.GGML_QUANT_SIZES`;
-`ExpertLayout`, the byte layout of one expert blob (the record the MoE kernels take).
+`ExpertLayout`, the byte layout of one expert blob (the record the MoE kernels take);
+`QuantMatrix`, a dense weight kept in its file's blocks on the device.
 
 Our own decoders exist only where the library cannot serve (the CUDA kernels), and are tested
 against these. Large tensors (the output head, a model's dense weights) are decoded in row
@@ -13,6 +14,7 @@ import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -61,6 +63,67 @@ def _pool() -> ThreadPoolExecutor:
 def dequantize(t: TensorView) -> np.ndarray:
     """Decode a whole GGUF tensor into float32 with its numpy-order shape."""
     return dequantize_bytes(t.raw, t.qtype, t.shape)
+
+
+# block-quantized types a dense weight is kept in on the device (`keeps_quantized`): every one
+# the CUDA kernels decode; float types are decoded to the device's float type instead
+KEPT_QUANTIZED = frozenset({
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ3_XXS,
+    GGMLQuantizationType.IQ4_XS,
+})
+
+
+def keeps_quantized(qtype: GGMLQuantizationType) -> bool:
+    """Whether a dense weight stored as `qtype` stays in its blocks on a device that computes
+    from quantized bytes (`--dense quant`)."""
+    return qtype in KEPT_QUANTIZED
+
+
+def matrix_bytes(qtype: GGMLQuantizationType, shape: tuple[int, int], float_bytes: int,
+                 quantized: bool) -> int:
+    """Device bytes of a dense weight [n_out, n_in] stored as `qtype` in the file: its blocks
+    when `quantized` and the type is kept so, else `float_bytes` per element."""
+    if quantized and keeps_quantized(qtype):
+        return shape[0] * row_bytes(qtype, shape[1])
+    return float_bytes * shape[0] * shape[1]
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """A dense weight [n_out, n_in] kept in its file's quantized blocks on the device.
+
+    `raw`: uint8 [n_out * row_bytes] device bytes, rows in the file's order. The backend's
+    `linear` reads it: the fused dequantize-GEMV for a few rows, else a decode to fp16 and a
+    GEMM. Rows are independent, so `rows(a, b)` is a view of rows a..b-1.
+    """
+
+    raw: Any
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    @property
+    def row_bytes(self) -> int:
+        return row_bytes(self.qtype, self.shape[1])
+
+    def rows(self, start: int, stop: int) -> QuantMatrix:
+        """Rows start..stop-1 (a view of the same bytes)."""
+        rb = self.row_bytes
+        return QuantMatrix(self.raw[start * rb : stop * rb], self.qtype, (stop - start, self.shape[1]))
+
+    def decode(self) -> np.ndarray:
+        """float32 [n_out, n_in] on the host (the array backends compute from this)."""
+        return dequantize_bytes(np.asarray(self.raw), self.qtype, self.shape)
+
+
+def matrix_rows(w: Any, start: int, stop: int) -> Any:
+    """Rows start..stop-1 of a dense weight, an array [n_out, n_in] or a `QuantMatrix` (a view)."""
+    return w.rows(start, stop) if isinstance(w, QuantMatrix) else w[start:stop]
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,9 @@ from engine.kernels.decode import (
 from engine.kernels.dequant import GEMV_MAX_ROWS, decoder_align
 from engine.kernels.fused import rope_neox_, route_topk
 from engine.kv import KVCache
+from engine.model.attention import project_qkv
 from engine.model.transformer import ForwardResult, Transformer
+from engine.quant import QuantMatrix
 
 
 @dataclass
@@ -235,11 +237,12 @@ class TokenGraph:
 
     def _qkv(self, w: Any, x: Any, layer: int) -> Any:
         """Norm, q/k/v projections, RoPE and the KV write of rows x [T, d] -> q [T, H, D]."""
-        cp, be, hp, t = self._cp, self.backend, self.tr.hp, x.shape[0]
+        cp, be, hp = self._cp, self.backend, self.tr.hp
         h = be.rms_norm(x, w.norm, hp.rms_eps)
-        q = be.rms_norm(_gemv(be, h, w.wq).reshape(t, hp.n_head, hp.head_dim), w.q_norm, hp.rms_eps)
-        k = be.rms_norm(_gemv(be, h, w.wk).reshape(t, hp.n_head_kv, hp.head_dim), w.k_norm, hp.rms_eps)
-        v = _gemv(be, h, w.wv).reshape(t, hp.n_head_kv, hp.head_dim)
+        _check_gemv(h, w.wqkv)
+        q, k, v = project_qkv(be, hp, w.wqkv, h)  # one GEMV launch for the three
+        q = be.rms_norm(q, w.q_norm, hp.rms_eps)
+        k = be.rms_norm(k, w.k_norm, hp.rms_eps)
         rope_neox_(q, 0, hp.rope_base, pos=self.pos)
         rope_neox_(k, 0, hp.rope_base, pos=self.pos)
         kv_write_at(layer_cells(self.kv, layer), k, cp.ascontiguousarray(v), self.pos)
@@ -288,7 +291,8 @@ class TokenGraph:
         """The addresses a captured graph baked in besides its own buffers."""
         head = self.tr.head
         cache = (self.cache.table_view().data.ptr, self.cache.slots_address) if self.cache else ()
-        return (0 if head is None else head.data.ptr, self.kv.data.data.ptr, *cache)
+        head_ptr = 0 if head is None else (head.raw if isinstance(head, QuantMatrix) else head).data.ptr
+        return (head_ptr, self.kv.data.data.ptr, *cache)
 
 
 def layer_cells(kv: KVCache, layer: int) -> KVCells:
@@ -298,12 +302,19 @@ def layer_cells(kv: KVCache, layer: int) -> KVCells:
                    kv.data[layer, 1], None if scale is None else scale[layer, 1])
 
 
+def _check_gemv(x: Any, w: Any) -> None:
+    """Raise where `linear(x, w)` would not take the GEMV kernel (a cuBLAS call would end the
+    capture): the weight must be quantized blocks or contiguous fp16, x a few rows."""
+    quant = isinstance(w, QuantMatrix)
+    if not ((quant or (w.dtype == np.float16 and w.flags.c_contiguous))
+            and x.ndim == 2 and x.shape[0] <= GEMV_MAX_ROWS):
+        kind = w.qtype.name if quant else w.dtype
+        raise TokenGraphError(f"token graph: a {kind} [{w.shape}] weight would need cuBLAS")
+
+
 def _gemv(be: Backend, x: Any, w: Any) -> Any:
-    """The backend's `linear` where it must take the fp16 GEMV kernel (a cuBLAS call would end
-    the capture)."""
-    if not (w.dtype == np.float16 and w.flags.c_contiguous and x.ndim == 2
-            and x.shape[0] <= GEMV_MAX_ROWS):
-        raise TokenGraphError(f"token graph: a {w.dtype} [{w.shape}] weight would need cuBLAS")
+    """The backend's `linear` where it must take the GEMV kernel (`_check_gemv`)."""
+    _check_gemv(x, w)
     return be.linear(x, w)
 
 

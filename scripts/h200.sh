@@ -31,6 +31,11 @@
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
 #             ONLY=auto or ONLY=ab runs one of the two tables (a call is at most 10 minutes)
+#   lever     one lever against its absence on the 48-layer file at 8 GiB, 31,258 tokens (or
+#             LEVER_TOKENS): LEVER_A / LEVER_B flag sets (default --dense float / --dense
+#             quant), the automatic planner loan off and on, MAX_NEW tokens (default 128 here),
+#             ROUNDS rounds (default 1) of one process per side, sides interleaved; the reply
+#             CRCs of every run (greedy: all equal) -> $OUT/lever.md
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
@@ -82,6 +87,23 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           for side in base new; do
             echo "== $side, pooled"; strata bench --merge "$OUT"/cmp-$side-*.json
           done 2>&1 | tee -a "$OUT/cmp31.md" ;;
+    lever) n=${LEVER_TOKENS:-31258}
+          for r in $(seq "${ROUNDS:-1}"); do
+            for side in A B; do
+              flags=$([ "$side" = A ] && echo "${LEVER_A:---dense float}" || echo "${LEVER_B:---dense quant}")
+              echo "-- round $r side $side: $flags" | tee -a "$OUT/lever.md"
+              STRATA_TRACE=1 strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB \
+                --mtp --spec 2 --kv q4_0 --scenario auto --runs 1 --prompt-tokens "$n" \
+                --max-new "${MAX_NEW_LEVER:-128}" --ctx $((n + 256)) $flags \
+                --json "$OUT/lever-$side-$r.json" > "$OUT/lever-$side-$r.log" 2>&1 || true
+              grep -E "^\||token graph|error|Error" "$OUT/lever-$side-$r.log" | cut -c1-400 \
+                | tee -a "$OUT/lever.md" || true
+            done
+          done
+          python3 scripts/reply_crcs.py "$OUT"/lever-*.json 2>&1 | tee -a "$OUT/lever.md" || true
+          for side in A B; do
+            echo "== $side, pooled"; strata bench --merge "$OUT"/lever-$side-*.json
+          done 2>&1 | tee -a "$OUT/lever.md" ;;
     katt) python3 -m engine.kernels.bench --only attention 2>&1 | tee "$OUT/katt.md" ;;
     kmoe) python3 -m engine.kernels.bench --only moe 2>&1 | tee "$OUT/kmoe.md" ;;
     m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;

@@ -49,10 +49,11 @@ def test_block_forward_matches_a_hand_computed_first_cell(model: Model) -> None:
     e = model.transformer.embd.rows(tok)
     x = np.concatenate([rms_norm(np, e, en, eps), rms_norm(np, h_prev, hn, eps)], -1) @ eh.T
     a = block.block.attn
-    v = (rms_norm(np, x, a.norm, eps) @ a.wv.T).reshape(hp.n_head_kv, hp.head_dim)
+    wv, wo = (dequantize(model.mf.tensor(names.block(k, hp.n_layer))) for k in ("attn_v", "attn_output"))
+    v = (rms_norm(np, x, a.norm, eps) @ wv.T).reshape(hp.n_head_kv, hp.head_dim)
     v = v.astype(np.float16).astype(np.float32)  # the KV cache stores f16
     heads = np.repeat(v, hp.n_head // hp.n_head_kv, axis=0)  # softmax over one key is 1
-    x = x + heads.reshape(1, -1) @ a.wo.T
+    x = x + heads.reshape(1, -1) @ wo.T
     be = model.transformer.backend
     ffn, _, _ = moe_block(
         be, hp, block.block.ffn_norm, block.block.router, x, 0, DirectExperts(model.mtp_experts, be)

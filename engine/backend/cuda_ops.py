@@ -1,8 +1,10 @@
 """The model's ops on CUDA: the kernels (engine/kernels/) where one applies, the array ops on
 CuPy (engine/backend/array_ops.py) where none does.
 
-- `linear`: up to `GEMV_MAX_ROWS` rows (decode steps) against a contiguous fp16 weight take the
-  fused fp16 GEMV (weights read once, float32 products, one launch); more rows go to cuBLAS;
+- `linear`: up to `GEMV_MAX_ROWS` rows (decode steps) against a contiguous fp16 weight or a
+  `QuantMatrix` take the fused GEMV (weights read once in their format, float32 products, one
+  launch); more rows go to cuBLAS (a `QuantMatrix` decoded to fp16 first, in row slices of at
+  most `DECODE_SLICE_BYTES`);
 - `rms_norm`, `rope`, `route`, the q4_0 KV codec: one fused launch each (kernels/fused.py);
 - `attention`: a prompt chunk (T > 1) takes the flash kernel where it handles the head size,
   else cuBLAS GEMMs with a fused softmax; a decode row takes the array code;
@@ -27,11 +29,11 @@ from engine.backend.array_ops import ArrayOps
 from engine.backend.base import DECODE_ROWS, ExpertProvider
 from engine.kernels import fused
 from engine.kernels.attention import causal_attention
-from engine.kernels.dequant import GEMV_MAX_ROWS, SUPPORTED, dequantize, gemv
+from engine.kernels.dequant import DECODE_SLICE_BYTES, GEMV_MAX_ROWS, SUPPORTED, dequantize, gemv
 from engine.kernels.flash import flash_attention
 from engine.kernels.flash import supported as flash_supported
 from engine.kernels.moe import moe_decode, moe_prefill
-from engine.quant import ExpertLayout
+from engine.quant import ExpertLayout, QuantMatrix
 
 EMBED_ON_HOST_ROWS = 8  # longer token runs decode their embedding rows on the device
 
@@ -40,10 +42,28 @@ class CudaOps(ArrayOps):
     """The `Backend` protocol's ops through the CUDA kernels (see the module docstring)."""
 
     def linear(self, x: Any, w: Any) -> Any:
-        if (x.ndim == 2 and x.shape[0] <= GEMV_MAX_ROWS and w.dtype == cupy.float16
-                and w.flags.c_contiguous):
+        few = x.ndim == 2 and x.shape[0] <= GEMV_MAX_ROWS
+        if isinstance(w, QuantMatrix):
+            if few:
+                return gemv(w.raw, w.qtype, w.shape, x)
+            return self._linear_decoded(x, w)
+        if few and w.dtype == cupy.float16 and w.flags.c_contiguous:
             return gemv(w.reshape(-1).view(cupy.uint8), GGMLQuantizationType.F16, w.shape, x)
         return super().linear(x, w)
+
+    def _linear_decoded(self, x: Any, w: QuantMatrix) -> Any:
+        """x [.., n_in] @ w^T through cuBLAS on w decoded to fp16, a row slice at a time (the
+        decoded slice is a temporary: a chunk arena's bytes during a prompt chunk)."""
+        n_out, n_in = w.shape
+        step = max(1, DECODE_SLICE_BYTES // (2 * n_in))  # weight rows per slice
+        if step >= n_out:
+            return super().linear(x, dequantize(w.raw, w.qtype, w.shape, np.float16))
+        out = cupy.empty((*x.shape[:-1], n_out), dtype=cupy.float32)
+        for a in range(0, n_out, step):
+            part = w.rows(a, min(n_out, a + step))
+            out[..., a : a + part.shape[0]] = super().linear(
+                x, dequantize(part.raw, part.qtype, part.shape, np.float16))
+        return out
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         if x.dtype == cupy.float32:

@@ -13,6 +13,7 @@ from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes, model_costs
 from engine.devices import (
     deferred_regions,
+    dense_quantized,
     resolve_device,
     segment_bytes,
     sim_device,
@@ -29,12 +30,14 @@ from engine.memory.sizes import MiB
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """The device, what each planned item costs, the planner's options and the plan."""
+    """The device, what each planned item costs, the planner's options and the plan;
+    `quantized`: the dense linear weights stay in their blocks (`--dense`)."""
 
     backend: Backend
     costs: ModelCosts
     plan_options: PlanOptions
     plan: StartupPlan
+    quantized: bool = False
 
 
 def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes,
@@ -44,7 +47,9 @@ def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes,
     raised before anything is allocated or deferred. `backend`: a device opened by an earlier
     call with the same options (`strata plan` plans it again with other flags)."""
     device = resolve_device(options.device)
-    costs = model_costs(shapes, options, weight_bytes(device), gpu=device.startswith("cuda"))
+    quantized = dense_quantized(device, options)
+    costs = model_costs(shapes, options, weight_bytes(device), gpu=device.startswith("cuda"),
+                        quant=quantized)
     reserve = options.vram_reserve_mib * MiB
     limit = vram_limit_bytes(options)
     if backend is None:
@@ -58,7 +63,8 @@ def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes,
     if violations:
         raise FlagError(violations)
     plan_options = plan_options_for(options, flags, reserve, seg, device)
-    return DevicePlan(backend, costs, plan_options, plan_startup(capacity, costs, plan_options))
+    return DevicePlan(backend, costs, plan_options, plan_startup(capacity, costs, plan_options),
+                      quantized)
 
 
 def plan_options_for(options: EngineOptions, flags: LoanFlags, reserve_bytes: int,

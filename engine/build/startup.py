@@ -62,7 +62,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
     wdt = np.float16 if weight_bytes(backend.name) == 2 else np.float32
     dense = Arena(ledger, "weights.dense", costs.dense_bytes, float_dtype=wdt)
     head = Arena(ledger, "head.native", costs.head_bytes, float_dtype=wdt)
-    model.build(backend, dense.to_device, head.to_device)
+    model.build(backend, dense.to_device, head.to_device, quantized=planned.quantized)
     publish(Loading("decoding weights", 1, 3))
     kv = Arena(ledger, "kv", costs.kv_bytes)
     if planned.plan_options.reserve_bytes:

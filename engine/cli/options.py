@@ -6,7 +6,7 @@ import argparse
 from dataclasses import fields
 
 from engine.backend.array_ops import KV_KINDS
-from engine.config import EngineOptions, LoanFlags, parse_auto_int
+from engine.config import DENSE_FORMATS, EngineOptions, LoanFlags, parse_auto_int
 from engine.sampler import SamplingParams
 
 
@@ -33,6 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-borrow", action="store_true",
                    help="never borrow cache slots for the prompt path (own its buffers)")
     g.add_argument("--no-token-graph", action="store_true", help="run decode steps eagerly")
+    g.add_argument("--dense", choices=DENSE_FORMATS, default="auto",
+                   help="dense linear weights on the device: 'quant' keeps the file's blocks "
+                        "(read by the dequantizing kernels), 'float' decodes them; 'auto': "
+                        "quant on CUDA, float on the simulated device")
     s = p.add_argument_group("speculative decoding and serving")
     s.add_argument("--mtp", action="store_true", help="use the model's MTP (nextn) layer")
     s.add_argument("--spec", type=int, default=0, help="speculative window T (2..8; 0 off)")
@@ -56,7 +60,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         vram_reserve_mib=args.vram_reserve_mib, vram_elastic=args.vram_elastic,
         vram_limit=args.vram_limit, serve=args.serve, mtp=args.mtp, spec=args.spec,
         spec_always=args.spec_always,
-        draft_vocab=args.draft_vocab, no_token_graph=args.no_token_graph,
+        draft_vocab=args.draft_vocab, no_token_graph=args.no_token_graph, dense=args.dense,
         no_borrow=args.no_borrow, batch_slots=args.batch_slots,
         prefill_head_alias=args.prefill_head_alias,
     )

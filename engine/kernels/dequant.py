@@ -30,6 +30,7 @@ from engine.kernels.lifetime import process_lifetime
 _DIR = Path(__file__).parent
 _THREADS = 128  # 4 warps; must match WARPS in quant_kernels.cu
 GEMV_MAX_ROWS = 8  # vectors one gemv launch takes at most
+DECODE_SLICE_BYTES = 64 << 20  # a quantized weight decoded for a GEMM: fp16 bytes at a time
 
 # quant type -> decoder struct in quant_blocks.cu
 DECODERS: dict[Q, str] = {

@@ -105,6 +105,11 @@ class Region:
         self._carved_bytes = start + n_bytes
         return view
 
+    @property
+    def carved_bytes(self) -> int:
+        """Bytes carved so far (the last view's end)."""
+        return self._carved_bytes
+
     def reset_carve(self) -> None:
         """Start carving from offset 0 again (the views carved before are reused memory)."""
         self._carved_bytes = 0

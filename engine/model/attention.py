@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.backend.base import Backend
+from engine.backend.base import DECODE_ROWS, Backend
 from engine.gguf.hparams import HParams
 from engine.kv import KVCache
+from engine.quant import matrix_rows
 
 
 @dataclass
@@ -15,12 +16,25 @@ class AttentionWeights:
     """Dense attention weights of one block, on the backend."""
 
     norm: Any  # [d]
-    wq: Any  # [H*D, d]
-    wk: Any  # [Hkv*D, d]
-    wv: Any  # [Hkv*D, d]
+    wqkv: Any  # [H*D + 2*Hkv*D, d]: q, k and v stacked by rows (array or QuantMatrix)
     wo: Any  # [d, H*D]
     q_norm: Any  # [D]
     k_norm: Any  # [D]
+
+
+def project_qkv(be: Backend, hp: HParams, wqkv: Any, h: Any) -> tuple[Any, Any, Any]:
+    """h [T, d] -> q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], contiguous. A decode step's few
+    rows take the stacked weight in one launch; a prompt chunk takes one GEMM per projection
+    on its rows of the weight (no strided copy of a chunk-sized q)."""
+    t, q_dim, kv_dim = h.shape[0], hp.q_dim, hp.kv_dim
+    cuts = ((0, q_dim, hp.n_head), (q_dim, q_dim + kv_dim, hp.n_head_kv),
+            (q_dim + kv_dim, q_dim + 2 * kv_dim, hp.n_head_kv))
+    if t <= DECODE_ROWS:
+        qkv = be.linear(h, wqkv)  # [T, H*D + 2*Hkv*D]
+        return tuple(be.xp.ascontiguousarray(qkv[:, a:b]).reshape(t, n, hp.head_dim)  # type: ignore[return-value]
+                     for a, b, n in cuts)
+    return tuple(be.linear(h, matrix_rows(wqkv, a, b)).reshape(t, n, hp.head_dim)  # type: ignore[return-value]
+                 for a, b, n in cuts)
 
 
 def attention_block(
@@ -29,9 +43,7 @@ def attention_block(
     """x: [T, d] residual stream -> [T, d] attention output; writes this chunk's K/V at pos0."""
     t = x.shape[0]
     h = be.rms_norm(x, w.norm, hp.rms_eps)  # [T, d]
-    q = be.linear(h, w.wq).reshape(t, hp.n_head, hp.head_dim)  # [T, H, D]
-    k = be.linear(h, w.wk).reshape(t, hp.n_head_kv, hp.head_dim)  # [T, Hkv, D]
-    v = be.linear(h, w.wv).reshape(t, hp.n_head_kv, hp.head_dim)  # [T, Hkv, D]
+    q, k, v = project_qkv(be, hp, w.wqkv, h)  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
     q = be.rms_norm(q, w.q_norm, hp.rms_eps)
     k = be.rms_norm(k, w.k_norm, hp.rms_eps)
     q = be.rope(q, pos0, hp.rope_base)  # q, k: fresh arrays from rms_norm

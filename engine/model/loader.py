@@ -35,11 +35,12 @@ class Model:
         return self.hp.n_nextn > 0
 
     def build(self, backend: Backend, to_device: Callable | None = None,
-              head_to_device: Callable | None = None) -> None:
-        """Decode the dense weights onto `backend` (into ledger regions via `to_device`; by
-        default new device arrays)."""
+              head_to_device: Callable | None = None, quantized: bool = False) -> None:
+        """Put the dense weights on `backend` (into ledger regions via `to_device`; by default
+        new device arrays); `quantized`: linear weights stay in their blocks (`--dense quant`)."""
         to_device = to_device or backend.to_device
-        self.transformer = Transformer(self.mf, self.hp, backend, to_device, head_to_device)
+        self.transformer = Transformer(self.mf, self.hp, backend, to_device, head_to_device,
+                                       quantized=quantized)
 
 
 def load_model(path: str | Path, backend: Backend | None = None, build: bool = True) -> Model:

@@ -32,8 +32,7 @@ from engine.kv import KVCache
 from engine.model.attention import attention_block
 from engine.model.loader import Model
 from engine.model.moe import moe_block
-from engine.model.weights import BlockWeights, TokenEmbedding, load_block
-from engine.quant import dequantize
+from engine.model.weights import BlockWeights, TokenEmbedding, WeightLoader, load_block
 
 NO_MTP = "model has no MTP (nextn) layer; drop --mtp"
 
@@ -164,12 +163,13 @@ class MTPBlock:
         to_device = to_device or be.to_device
         self.model, self.hp, self.xp = model, hp, be.xp
         i = hp.n_layer  # the nextn block follows the main blocks
-        get = lambda kind: to_device(dequantize(mf.tensor(names.nextn(kind, i))))
-        self.eh_proj = get("eh_proj")  # [d, 2d]
+        load = WeightLoader(to_device, model.transformer.quantized)
+        get = lambda kind: load.vector(mf.tensor(names.nextn(kind, i)))
+        self.eh_proj = load.matrix(mf.tensor(names.nextn("eh_proj", i)))  # [d, 2d]
         self.enorm = get("enorm")  # [d]
         self.hnorm = get("hnorm")  # [d]
         self.shared_head_norm = get("shared_head_norm")  # [d]
-        self.block: BlockWeights = load_block(mf, i, to_device)
+        self.block: BlockWeights = load_block(mf, i, load)
         own_embd = mf.tensors.get(names.nextn("embed_tokens", i))
         self.embd = TokenEmbedding(
             own_embd if own_embd is not None else mf.tensor(names.TOKEN_EMBD)

@@ -17,9 +17,9 @@ from engine.kv import KVCache
 from engine.memory.compute_arena import ArenaStats
 from engine.model.attention import attention_block
 from engine.model.moe import moe_block
-from engine.model.weights import BlockWeights, TokenEmbedding, load_block
+from engine.model.weights import BlockWeights, TokenEmbedding, WeightLoader, load_block
 from engine.phases import PhaseClock
-from engine.quant import dequantize
+from engine.quant import dequantize, keeps_quantized
 
 
 @dataclass
@@ -48,14 +48,17 @@ class Transformer:
 
     def __init__(
         self, mf: ModelFile, hp: HParams, backend: Backend, to_device: Any,
-        head_to_device: Any = None,
+        head_to_device: Any = None, quantized: bool = False,
     ):
+        """`to_device` / `head_to_device`: where the dense weights and the head go (ledger
+        regions' arenas); `quantized`: linear weights stay in their blocks (`--dense quant`)."""
         self.hp, self.backend, self.xp, self.mf = hp, backend, backend.xp, mf
+        self.quantized = quantized
         self.embd = TokenEmbedding(mf.tensor(names.TOKEN_EMBD))  # stays in host memory
-        self._to_device = to_device
-        self.blocks: list[BlockWeights] = [load_block(mf, i, to_device) for i in range(hp.n_layer)]
-        self.output_norm = to_device(dequantize(mf.tensor(names.OUTPUT_NORM)))
-        self.head: Any = None  # [V, d] the output head; `release_head` / `load_head`
+        load = WeightLoader(to_device, quantized)
+        self.blocks: list[BlockWeights] = [load_block(mf, i, load) for i in range(hp.n_layer)]
+        self.output_norm = load.vector(mf.tensor(names.OUTPUT_NORM))
+        self.head: Any = None  # [V, d] the output head (array or QuantMatrix); `load_head`
         self._head_host: np.ndarray | None = None
         self.load_head(head_to_device or to_device)
 
@@ -63,12 +66,19 @@ class Transformer:
         """[V, d] float32 output head from the file (tied models reuse the embedding table),
         decoded once and kept in host memory so a loan's restore is one upload."""
         if self._head_host is None:
-            out = self.mf.tensors.get(names.OUTPUT)
-            self._head_host = dequantize(out) if out is not None else self.embd.full()
+            self._head_host = dequantize(self.head_tensor())
         return self._head_host
 
+    def head_tensor(self) -> Any:
+        """The file's output head tensor (tied models: the token embedding's)."""
+        return self.mf.tensors.get(names.OUTPUT) or self.mf.tensor(names.TOKEN_EMBD)
+
     def load_head(self, to_device: Any) -> None:
-        self.head = to_device(self.head_host())
+        """Upload the head: in its quantized blocks straight from the (page-locked) file map
+        when quantized, else the decoded host copy (`head_host`)."""
+        load = WeightLoader(to_device, self.quantized)
+        t = self.head_tensor()
+        self.head = load.matrix(t) if self.quantized and keeps_quantized(t.qtype) else to_device(self.head_host())
 
     def release_head(self) -> None:
         self.head = None

@@ -1,6 +1,6 @@
-"""Model weights: dense tensors decoded once onto the device, the token embedding decoded on
-demand from host memory. The routed experts stay quantized in the memory-mapped file
-(engine/experts/host.py)."""
+"""Model weights: dense tensors put on the device once (the linear weights in their quantized
+blocks with `--dense quant`, else decoded), the token embedding decoded on demand from host
+memory. The routed experts stay quantized in the memory-mapped file (engine/experts/host.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import ModelFile, TensorView
 from engine.model.attention import AttentionWeights
-from engine.quant import dequantize, dequantize_bytes, row_bytes
+from engine.quant import QuantMatrix, dequantize, dequantize_bytes, keeps_quantized, row_bytes
 
 
 @dataclass
@@ -23,24 +23,46 @@ class BlockWeights:
     router: Any  # [E, d]
 
 
-def load_attention(mf: ModelFile, i: int, dev: Any) -> AttentionWeights:
-    get = lambda kind: dev(dequantize(mf.tensor(names.block(kind, i))))
+@dataclass(frozen=True)
+class WeightLoader:
+    """Puts a model file's dense tensors on the device: `to_device` uploads a host array (a
+    ledger region's arena); with `quantized`, a linear weight whose type the kernels decode
+    stays in its blocks (a `QuantMatrix`), else it is decoded (to the arena's float type)."""
+
+    to_device: Any
+    quantized: bool = False
+
+    def vector(self, t: TensorView) -> Any:
+        return self.to_device(dequantize(t))
+
+    def matrix(self, *ts: TensorView) -> Any:
+        """One weight [sum of rows, n_in] from tensors stacked by rows (q, k and v: one
+        projection, one launch)."""
+        q = ts[0].qtype
+        if self.quantized and keeps_quantized(q) and all(t.qtype == q for t in ts):
+            parts = [np.ascontiguousarray(t.raw).reshape(-1).view(np.uint8) for t in ts]
+            raw = parts[0] if len(parts) == 1 else np.concatenate(parts)  # one: the file map
+            shape = (sum(t.shape[0] for t in ts), ts[0].shape[1])
+            return QuantMatrix(self.to_device(raw), q, shape)
+        return self.to_device(np.concatenate([dequantize(t) for t in ts]) if len(ts) > 1 else dequantize(ts[0]))
+
+
+def load_attention(mf: ModelFile, i: int, load: WeightLoader) -> AttentionWeights:
+    get = lambda kind: mf.tensor(names.block(kind, i))
     return AttentionWeights(
-        norm=get("attn_norm"),
-        wq=get("attn_q"),
-        wk=get("attn_k"),
-        wv=get("attn_v"),
-        wo=get("attn_output"),
-        q_norm=get("attn_q_norm"),
-        k_norm=get("attn_k_norm"),
+        norm=load.vector(get("attn_norm")),
+        wqkv=load.matrix(get("attn_q"), get("attn_k"), get("attn_v")),
+        wo=load.matrix(get("attn_output")),
+        q_norm=load.vector(get("attn_q_norm")),
+        k_norm=load.vector(get("attn_k_norm")),
     )
 
 
-def load_block(mf: ModelFile, i: int, dev: Any) -> BlockWeights:
+def load_block(mf: ModelFile, i: int, load: WeightLoader) -> BlockWeights:
     return BlockWeights(
-        attn=load_attention(mf, i, dev),
-        ffn_norm=dev(dequantize(mf.tensor(names.block("ffn_norm", i)))),
-        router=dev(dequantize(mf.tensor(names.block("ffn_gate_inp", i)))),
+        attn=load_attention(mf, i, load),
+        ffn_norm=load.vector(mf.tensor(names.block("ffn_norm", i))),
+        router=load.vector(mf.tensor(names.block("ffn_gate_inp", i))),
     )
 
 

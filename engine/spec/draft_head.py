@@ -26,7 +26,7 @@ from engine.gguf import names
 from engine.gguf.reader import TensorView
 from engine.gguf.tokenizer import Tokenizer, TokenType
 from engine.model.loader import Model
-from engine.quant import dequantize_bytes
+from engine.quant import QuantMatrix, dequantize_bytes, keeps_quantized
 
 REGULAR_TYPES = (TokenType.NORMAL, TokenType.BYTE, TokenType.USER_DEFINED)
 
@@ -66,7 +66,8 @@ def head_tensor(model: Model) -> TensorView:
 
 
 class DraftHead:
-    """Rows `ids` of an output head as float32 [N, d] on the device; releasable."""
+    """Rows `ids` of an output head on the device, [N, d]: floats, or (`quantized`) the file's
+    blocks as a `QuantMatrix`; releasable."""
 
     name = "mtp.draft_head"
 
@@ -77,11 +78,15 @@ class DraftHead:
         backend: Backend,
         to_device: Callable[[np.ndarray], Any] | None = None,
         decoded: np.ndarray | None = None,
+        quantized: bool = False,
     ):
         """`to_device`: where the rows go (a ledger region's arena; by default a new device
         array). `decoded`: the whole `source` already decoded (float32 [V, d], the native
-        head's host copy), so the rows are taken from it instead of decoding the file again."""
+        head's host copy), so the rows are taken from it instead of decoding the file again.
+        `quantized`: keep the rows in the file's blocks (`--dense quant`, a type the kernels
+        decode)."""
         self.source, self.backend = source, backend
+        self.quantized = quantized and keeps_quantized(source.qtype)
         self._to_device = to_device or backend.to_device
         self._decoded = decoded
         self.ids = np.asarray(ids, dtype=np.int64)  # [N] full-vocabulary id of each row
@@ -92,8 +97,8 @@ class DraftHead:
         self._host_rows: np.ndarray | None = None
         host = self._host_rows = self._read()
         self._crc = zlib.crc32(np.ascontiguousarray(host))  # no copy of a contiguous array
-        self.rows: Any = self._to_device(host)  # [N, d]
-        self.nbytes = int(self.rows.nbytes)  # the device dtype's bytes (fp16 on CUDA)
+        self.rows: Any = self._upload(host)  # [N, d]
+        self.nbytes = int(self.rows.nbytes)  # the device bytes (fp16 on CUDA, or blocks)
 
     @classmethod
     def from_model(
@@ -108,8 +113,10 @@ class DraftHead:
         source = head_tensor(model)
         tr = model.transformer
         assert tr is not None, "build the model's weights first"
-        shared = source is model.mf.tensors.get(names.OUTPUT)
-        return cls(source, ids, tr.backend, to_device, tr.head_host() if shared else None)
+        quantized = tr.quantized and keeps_quantized(source.qtype)
+        shared = source is model.mf.tensors.get(names.OUTPUT) and not quantized
+        return cls(source, ids, tr.backend, to_device, tr.head_host() if shared else None,
+                   quantized=quantized)
 
     @property
     def n_rows(self) -> int:
@@ -147,7 +154,7 @@ class DraftHead:
     def restore(self) -> int:
         """Re-read the rows from the GGUF file; returns the bytes now resident."""
         if self.rows is None:
-            self.rows = self._to_device(self._read())
+            self.rows = self._upload(self._read())
         return self.nbytes
 
     def check_integrity(self, deep: bool = False) -> None:
@@ -161,13 +168,26 @@ class DraftHead:
                 f"{(self.n_rows, self.n_embd)} ({self.nbytes} bytes)"
             )
         if deep:
-            crc = zlib.crc32(np.ascontiguousarray(self.backend.download(self.rows)))
+            rows = self.rows.raw if isinstance(self.rows, QuantMatrix) else self.rows
+            crc = zlib.crc32(np.ascontiguousarray(self.backend.download(rows)))
             if crc != self._crc:
                 raise AssertionError(f"draft head checksum {crc:08x} != file rows {self._crc:08x}")
 
+    def _upload(self, host: np.ndarray) -> Any:
+        """Host rows (`_read`) -> the device rows [N, d]."""
+        if self.quantized:
+            return QuantMatrix(self._to_device(host.reshape(-1)), self.source.qtype,
+                               (self.n_rows, self.n_embd))
+        return self._to_device(host)
+
     def _read(self) -> np.ndarray:
-        if self._host_rows is not None:  # decoded once; a restore is one upload
+        """The rows on the host: float32 [N, d], or uint8 [N, row_bytes] blocks when quantized
+        (the file map itself for the whole vocabulary)."""
+        if self._host_rows is not None:  # read once; a restore is one upload
             return self._host_rows
+        if self.quantized:
+            raw = self.source.raw.reshape(self.n_vocab, -1).view(np.uint8)  # [V, row_bytes]
+            return raw if self.full else raw[self.ids]
         if self._decoded is not None:  # the native head's rows: the same bytes, decoded once
             rows = self._decoded[self.ids] if not self.full else self._decoded
             self._decoded = None  # the rows are kept from here on, not the whole head

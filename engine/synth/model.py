@@ -86,6 +86,10 @@ class SynthSpec:
             return replace(self, qtypes={g: qtype for g in GROUPS})
         return replace(self, qtypes={**self.qtypes, group: qtype})
 
+    def tensor_qtypes(self) -> dict[str, Q]:
+        """Every tensor's quant type as the file would store it: name -> type."""
+        return {name: qtype for name, (_, qtype) in synth_tensors(self).items()}
+
     def expert_blob_bytes(self) -> int:
         """Bytes of one (layer, expert) gate+up+down blob as this spec quantizes experts."""
         block, type_bytes = GGML_QUANT_SIZES[Q[self.qtypes["experts"]]]
