@@ -328,6 +328,7 @@ TITLES = {
     "ab": "Fixed-planner A/B (same plan)",
     "auto": "Automatic planner",
     "repeat": "Repeat prefill (second message)",
+    "plain": "No MTP (plain decoding)",
     "chunks": "Chunk size sweep",
 }
 SCENARIOS = tuple(TITLES)
@@ -352,6 +353,10 @@ def scenario(name: str, base: EngineOptions, n_tokens: int) -> tuple[str, list[C
         return TITLES[name], [
             Config("Loan flags off", auto, LoanFlags(), warmup_tokens=64),
             Config("Repeat loan on", auto, repeat, warmup_tokens=64)]
+    if name == "plain":  # the automatic planner without the MTP block: what --mtp is held to
+        # (without it the loan has nothing to lend: the head loan needs --mtp --spec)
+        plain = replace(base, serve=True, vram_elastic=True, mtp=False, spec=0, prefill="auto")
+        return TITLES[name], [Config("No MTP, automatic planner", plain)]
     if name == "chunks":
         return TITLES[name], [
             Config(f"--prefill {p}", replace(base, prefill=p))

@@ -19,12 +19,14 @@ from engine.kernels.attention import DEFAULT_SCORE_BYTES as SCORE_BYTES
 from engine.kernels.dequant import DECODE_SLICE_BYTES
 from engine.kernels.flash import supported as flash_supported
 from engine.kernels.moe import DEFAULT_SCRATCH_BYTES as MOE_SCRATCH_BYTES
+from engine.kernels.moe import ROW_ALIGN
 from engine.kv import kv_bytes_per_cell
 from engine.memory.arena import padded
 from engine.memory.plan_types import ModelCosts
 from engine.quant import matrix_bytes
 
 F32 = 4
+KV_READ_BYTES = {"q4_0": 2, "f16": 0, "int8": F32 + 2}  # a prompt chunk's K/V read, per value
 
 
 @dataclass(frozen=True)
@@ -106,14 +108,17 @@ def head_bytes(model: Shapes, wb: int = F32, quant: bool = False) -> int:
 
 def draft_head_bytes(model: Shapes, draft_vocab: int, wb: int = F32, quant: bool = False) -> int:
     """The draft head's rows (`engine.spec.draft_head`): the MTP block's own head, else the
-    output head, else the tied embedding; `draft_vocab` rows (0: all)."""
+    output head, else the tied embedding; `draft_vocab` rows (0: all). 0 where it is every row
+    of the native head (`shares_native_head`: the native head itself, no region)."""
     hp = model.hp
     own = names.nextn("shared_head_head", hp.n_layer)
-    known = dict(model.tensor_qtypes)
-    source = next((n for n in (own, names.OUTPUT) if n in known),
-                  names.OUTPUT if hp.has_output else names.TOKEN_EMBD)
+    native = names.OUTPUT if hp.has_output else names.TOKEN_EMBD
     n = min(draft_vocab or hp.n_vocab, hp.n_vocab)
-    return stacked_bytes(model, (source,), (n, hp.n_embd), wb, quant)
+    if own not in dict(model.tensor_qtypes):
+        if n == hp.n_vocab:
+            return 0
+        return stacked_bytes(model, (native,), (n, hp.n_embd), wb, quant)
+    return stacked_bytes(model, (own,), (n, hp.n_embd), wb, quant)
 
 
 def mtp_expert_bytes(model: Shapes) -> int:
@@ -174,19 +179,21 @@ def prefill_flops(model: Shapes, n_tokens: int, pos0: int = 0) -> int:
     return attention_flops(model, n_tokens, pos0) + moe_flops(model, n_tokens)
 
 
-def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int, quant: bool = False) -> int:
+def gpu_chunk_fixed_bytes(model: Shapes, n_ctx: int, quant: bool = False, kv_kind: str = "f16") -> int:
     """Prompt-chunk bytes on CUDA that do not grow with the chunk: the MoE kernels' fp16
     expert scratch, the attention score block (none for the flash kernel, which keeps scores
     in registers; the cuBLAS path's for other head sizes), the keys and values read back
-    from the cache for the whole context (float32 and their fp16 copies), and (`quant`) the
-    largest linear weight decoded to fp16 for a GEMM. (The MoE kernels' gathered rows and GEMM
-    outputs grow with the chunk: `act_bytes_per_token` counts them.)"""
+    from the cache for the whole context (`KV_READ_BYTES` per value of `kv_kind`: fp16 decoded
+    from q4_0, f16 cells read in place, int8 as float32 and an fp16 copy), and (`quant`) the
+    largest linear weight decoded to fp16 for a GEMM, and the MoE's rows rounded up to
+    `ROW_ALIGN` per expert (fp16 outputs). (The MoE kernels' gathered rows and GEMM outputs
+    grow with the chunk: `act_bytes_per_token` counts them.)"""
     hp = model.hp
     d = hp.n_embd
     decoded = min(DECODE_SLICE_BYTES, 2 * d * max(hp.q_dim, 2 * d)) if quant else 0
-    kv_read = 2 * n_ctx * hp.kv_dim * (F32 + 2)
+    kv_read = 2 * n_ctx * hp.kv_dim * KV_READ_BYTES[kv_kind]
     expert_fp16 = 3 * hp.n_embd * hp.n_ff_exp * 2
-    moe = min(MOE_SCRATCH_BYTES, hp.n_expert * expert_fp16)
+    moe = min(MOE_SCRATCH_BYTES, hp.n_expert * expert_fp16) + hp.n_expert * (ROW_ALIGN - 1) * 2 * d
     # cuBLAS path: 1,024-query score blocks at most
     scores = 0 if flash_supported(hp.head_dim) else min(SCORE_BYTES, 2 * hp.n_head * n_ctx * 1024)
     return moe + scores + kv_read + decoded
@@ -200,7 +207,7 @@ def model_costs(model: Shapes, options: EngineOptions, wb: int = F32,
     fixed scratch (`gpu_chunk_fixed_bytes`)."""
     if not isinstance(model, Shapes):
         model = Shapes.of(model)
-    fixed = gpu_chunk_fixed_bytes(model, options.ctx, quant) if gpu else 0
+    fixed = gpu_chunk_fixed_bytes(model, options.ctx, quant, options.kv) if gpu else 0
     use_mtp = options.mtp and model.has_mtp
     return ModelCosts(
         dense_bytes=dense_bytes(model, use_mtp, wb, quant),

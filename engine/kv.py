@@ -72,9 +72,10 @@ class KVCache:
             scales = self.scale[layer, j, pos0 : pos0 + t] if self.scale is not None else None
             self.backend.kv_store(self.kind, x, self.data[layer, j, pos0 : pos0 + t], scales)
 
-    def read(self, layer: int, n: int) -> tuple[Any, Any]:
-        """K, V of cells 0..n-1 as float32 [n, n_head_kv, head_dim]."""
-        return self._load(layer, 0, n), self._load(layer, 1, n)
+    def read(self, layer: int, n: int, chunk: bool = False) -> tuple[Any, Any]:
+        """K, V of cells 0..n-1 as float32 [n, n_head_kv, head_dim]; for a prompt chunk's
+        attention (`chunk`) in the dtype the backend's kernel reads (`Backend.kv_load`)."""
+        return self._load(layer, 0, n, chunk), self._load(layer, 1, n, chunk)
 
     def truncate(self, n: int) -> None:
         assert 0 <= n <= self.n_tokens, (n, self.n_tokens)
@@ -83,6 +84,6 @@ class KVCache:
     def check_integrity(self) -> None:
         assert 0 <= self.n_tokens <= self.n_ctx, f"KV n_tokens {self.n_tokens} outside 0..{self.n_ctx}"
 
-    def _load(self, layer: int, j: int, n: int) -> Any:
+    def _load(self, layer: int, j: int, n: int, chunk: bool = False) -> Any:
         scales = self.scale[layer, j, :n] if self.scale is not None else None
-        return self.backend.kv_load(self.kind, self.data[layer, j, :n], scales)
+        return self.backend.kv_load(self.kind, self.data[layer, j, :n], scales, chunk)

@@ -144,3 +144,18 @@ def test_strata_run_says_the_peak_against_the_limit() -> None:
         "strata run: GPU peak 8,345 MiB (NVML, this process), 153 MiB over --vram-limit 8,192 MiB")
     assert peak_line(MemoryReading(600 * MiB, PROCESS), None) == (
         "strata run: GPU peak 600 MiB (NVML, this process)")
+
+
+def test_the_plain_scenario_decodes_without_the_mtp_block(tiny_path: Path) -> None:
+    """`--scenario plain`: the automatic planner with no MTP block and no drafts (what `--mtp
+    --spec` is held to), the same greedy reply as the MTP configurations give."""
+    from engine.bench import scenario
+
+    base = EngineOptions(model=str(tiny_path), ctx=1024, mtp=True, spec=2)
+    title, configs = scenario("plain", base, 300)
+    assert title == "No MTP (plain decoding)" and len(configs) == 1
+    assert not configs[0].options.mtp and configs[0].options.spec == 0
+    _, spec_configs = scenario("auto", base, 300)
+    plain, spec = (run_bench(c, 300, 8, 1, warmup=False)[0].samples[0] for c in (configs, spec_configs[:1]))
+    assert plain.spec_steps == 0 and spec.spec_steps > 0 and plain.generated == spec.generated == 8
+    assert plain.reply_crc == spec.reply_crc

@@ -12,7 +12,7 @@ from engine_helpers import prefill_request
 from engine.backend import SimBackend
 from engine.config import EngineOptions
 from engine.costs import Shapes, gpu_chunk_fixed_bytes, model_costs
-from engine.kernels.moe import _groups
+from engine.kernels.moe import ROW_ALIGN, _groups
 from engine.memory.compute_arena import ArenaStats
 from engine.memory.planner import PlanOptions, plan_startup
 from engine.memory.sizes import MiB
@@ -63,16 +63,24 @@ def test_a_two_layer_ring_takes_what_is_left() -> None:
 
 def test_gpu_fixed_chunk_bytes_scale_with_the_model() -> None:
     qwen = _shapes("qwen3-30b-a3b")
-    fixed = gpu_chunk_fixed_bytes(qwen, 32768)
-    kv_read = 2 * 32768 * qwen.hp.kv_dim * 6  # float32 + fp16 copy of K and V
-    assert fixed == 256 * MiB + kv_read  # expert scratch; the flash kernel keeps no scores
+    fixed = gpu_chunk_fixed_bytes(qwen, 32768, kv_kind="int8")
+    kv_read = 2 * 32768 * qwen.hp.kv_dim * 6  # int8 K and V: float32 + an fp16 copy
+    q4 = gpu_chunk_fixed_bytes(qwen, 32768, kv_kind="q4_0")
+    assert fixed - q4 == 2 * 32768 * qwen.hp.kv_dim * 4  # q4_0: decoded straight to fp16
+    assert q4 - gpu_chunk_fixed_bytes(qwen, 32768) == 2 * 32768 * qwen.hp.kv_dim * 2  # f16: in place
+    aligned = qwen.hp.n_expert * (ROW_ALIGN - 1) * 2 * qwen.hp.n_embd  # MoE rows rounded up
+    # expert scratch; the flash kernel keeps no scores
+    assert fixed == 256 * MiB + aligned + kv_read
+    decoded = 2 * qwen.hp.q_dim * qwen.hp.n_embd  # --dense quant: the largest weight in fp16
+    assert gpu_chunk_fixed_bytes(qwen, 32768, quant=True, kv_kind="int8") == fixed + decoded
     odd = replace(qwen, hp=replace(qwen.hp, head_dim=72))  # no flash kernel: a score block
-    assert gpu_chunk_fixed_bytes(odd, 32768) == 512 * MiB + 2 * 32768 * odd.hp.kv_dim * 6
+    assert gpu_chunk_fixed_bytes(odd, 32768, kv_kind="int8") == (512 * MiB + aligned
+                                                                 + 2 * 32768 * odd.hp.kv_dim * 6)
     tiny = _shapes("tiny")
     assert gpu_chunk_fixed_bytes(tiny, 2048) < 64 * MiB  # a tiny model asks for little
     gpu = model_costs(tiny, EngineOptions(ctx=2048), 2, gpu=True)
     cpu = model_costs(tiny, EngineOptions(ctx=2048), 4)
-    assert gpu.act_bytes_fixed - cpu.act_bytes_fixed == gpu_chunk_fixed_bytes(tiny, 2048)
+    assert gpu.act_bytes_fixed - cpu.act_bytes_fixed == gpu_chunk_fixed_bytes(tiny, 2048, kv_kind="f16")
 
 
 def _shapes(preset: str) -> Shapes:
@@ -234,6 +242,23 @@ def test_row_plan_places_every_row_once_inside_its_group() -> None:
             rows = plan.source[base + i * m : base + (i + 1) * m]
             assert rows[: n_per[u]].tolist() == mine.tolist()
             assert (rows[n_per[u] :] == sum(n_per)).all()  # padding
+
+
+def test_row_plan_rounds_each_groups_rows_up() -> None:
+    """Rows per member rounded to a multiple of `row_align` (cuBLAS meets few shapes); every
+    row still lands once, in its member's rows, the rest padding."""
+    from engine.kernels.moe import plan_rows
+
+    n_per = [3, 9, 1, 4, 4, 2]
+    plan = plan_rows(n_per, group=2, row_align=8)
+    assert plan.m == [16, 8, 8, 8] and len(plan.source) == 16 + 16 + 16 + 8
+    starts = np.concatenate([[0], np.cumsum(n_per)])
+    for gi, members in enumerate(plan.groups):
+        for i, u in enumerate(members):
+            rows = plan.source[plan.base[gi] + i * plan.m[gi] : plan.base[gi] + (i + 1) * plan.m[gi]]
+            assert rows[: n_per[u]].tolist() == list(range(starts[u], starts[u + 1]))
+            assert (rows[n_per[u] :] == sum(n_per)).all()
+    assert sorted(plan.padded.tolist()) == sorted(set(plan.padded.tolist()))
 
 
 def test_row_plan_counts_only_staged_experts_against_the_ring() -> None:

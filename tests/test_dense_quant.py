@@ -14,30 +14,38 @@ from engine.conversation import Conversation
 from engine.costs import Shapes, dense_bytes, head_bytes
 from engine.errors import FlagError
 from engine.gguf import names
+from engine.memory.arena import padded
 from engine.model.loader import load_model
 from engine.quant import QuantMatrix, keeps_quantized, row_bytes
 from engine.sampler import SamplingParams
 from engine.serve import ServeLoop
+from engine.spec.draft_head import NativeDraftHead
 
 
-def loop_for(path: Path, dense: str) -> ServeLoop:
+def loop_for(path: Path, dense: str, draft_vocab: int = 0) -> ServeLoop:
     return ServeLoop.create(EngineOptions(model=str(path), ctx=1024, dense=dense, mtp=True, spec=2,
-                                          spec_always=True))
+                                          spec_always=True, draft_vocab=draft_vocab))
 
 
-def test_quantized_weights_compute_what_decoded_weights_do(demo_path: Path) -> None:
+@pytest.mark.parametrize("draft_vocab", [0, 3000])
+def test_quantized_weights_compute_what_decoded_weights_do(demo_path: Path, draft_vocab: int) -> None:
     """The trained demo (Q8_0 attention, head and eh_proj) on the simulated device: the same
     first-token logits (float32 sums in another order) and the same greedy reply, drafts
-    included, with the weights in their blocks and decoded."""
+    included, with the weights in their blocks and decoded; the draft head is the native head
+    itself, or (a draft vocabulary) its own rows, quantized like the head."""
     out = {}
     for dense in ("quant", "float"):
-        loop = loop_for(demo_path, dense)
+        loop = loop_for(demo_path, dense, draft_vocab)
         tr = loop.rt.model.transformer
         kept = isinstance(tr.blocks[0].attn.wqkv, QuantMatrix)
         assert kept == (dense == "quant") and isinstance(tr.head, QuantMatrix) == kept
         block = loop.rt.spec.draft.block
         assert isinstance(block.eh_proj, QuantMatrix) == kept
-        assert isinstance(block.head.rows, QuantMatrix) == kept
+        if draft_vocab:
+            assert isinstance(block.head.rows, QuantMatrix) == kept
+        else:
+            assert isinstance(block.head, NativeDraftHead)
+            assert "mtp.draft_head" not in {r.name for r in loop.rt.ledger.snapshot().regions}
         ids = loop.rt.model.tokenizer.encode("what is the meaning of the word harbor?")
         logits, _ = prefill_request(loop.rt, ids)
         loop.rt.session.truncate(0)
@@ -52,11 +60,12 @@ def test_quantized_weights_compute_what_decoded_weights_do(demo_path: Path) -> N
 @pytest.mark.parametrize("dense", ["quant", "float"])
 def test_dense_and_head_regions_hold_what_the_costs_say(demo_path: Path, dense: str) -> None:
     """The planner's dense and head bytes are exactly what loading carves from the regions."""
-    loop = loop_for(demo_path, dense)
+    loop = loop_for(demo_path, dense, draft_vocab=3000)
     ledger = loop.rt.ledger
-    assert ledger.region("weights.dense").carved_bytes == loop.rt.costs.dense_bytes
-    assert ledger.region("head.native").carved_bytes == loop.rt.costs.head_bytes
-    assert ledger.region("mtp.draft_head").carved_bytes == loop.rt.costs.draft_head_bytes
+    costs = loop.rt.costs
+    for region, want in (("weights.dense", costs.dense_bytes), ("head.native", costs.head_bytes),
+                         ("mtp.draft_head", costs.draft_head_bytes)):
+        assert padded(ledger.region(region).carved_bytes) == want, region
     loop.rt.check_integrity()
 
 

@@ -415,7 +415,7 @@ def test_plan_prints_the_forecast_loan_off_and_on(demo_path: Path, fresh_cache: 
     the rates of earlier requests once there are some; the loan columns follow the geometry
     an engine would run."""
     args = ("plan", "--model", str(demo_path), "--serve", "--vram-elastic", "--mtp", "--spec",
-            "4", "--prompt-tokens", "2048")
+            "4", "--ctx", str(OPTS["ctx"]), "--prompt-tokens", "2048")  # the engine `make` runs
     rc, out, _ = _run(capsys, *args)
     assert rc == 0 and "forecast of a 2,048-token prompt" in out
     assert "defaults (no request measured yet)" in out

@@ -45,7 +45,7 @@ def test_linear_reads_blocks(cp, cuda, monkeypatch, qtype: Q, rows: int, tol: fl
     assert float(np.abs(got - want).max() / np.abs(want).max()) <= tol
 
 
-def test_engine_on_blocks_matches_decoded_weights(demo_path: Path) -> None:
+def test_engine_on_blocks_matches_decoded_weights(cp, demo_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The demo on CUDA (token graph on): quantized and decoded dense weights give the same
     greedy reply with MTP drafting, and first-token logits within fp16 rounding."""
     out = {}

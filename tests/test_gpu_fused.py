@@ -75,6 +75,20 @@ def test_kv_q4_codec_matches_the_numpy_codec_exactly(cp, cuda) -> None:  # type:
     k_ref, v_ref = host.read(0, 12)
     k, v = dev.read(0, 12)
     assert np.array_equal(cp.asnumpy(k), k_ref) and np.array_equal(cp.asnumpy(v), v_ref)
+    # a prompt chunk's read: the same values rounded once to fp16, what the flash kernel reads
+    k16, v16 = dev.read(0, 12, chunk=True)
+    assert k16.dtype == cp.float16 and np.array_equal(cp.asnumpy(k16), k_ref.astype(np.float16))
+    assert np.array_equal(cp.asnumpy(v16), v_ref.astype(np.float16))
+
+
+@pytest.mark.gpu
+def test_f16_cells_are_read_in_place_for_a_chunk(cp, cuda) -> None:  # type: ignore[no-untyped-def]
+    dev = KVCache(cuda, 2, 16, 4, 128, "f16")
+    x = RNG.standard_normal((5, 4, 128)).astype(np.float32)
+    dev.write(1, 0, cp.asarray(x), cp.asarray(x))
+    k, _ = dev.read(1, 5, chunk=True)
+    assert k.dtype == cp.float16 and k.data.ptr == dev.data[1, 0].data.ptr  # no copy
+    assert np.array_equal(cp.asnumpy(k), x.astype(np.float16))
 
 
 @pytest.mark.gpu
@@ -90,6 +104,16 @@ def test_route_topk(cp, cuda, n_expert: int, k: int) -> None:  # type: ignore[no
     ids, w, m = (cp.asnumpy(a) for a in cuda.route(logits, k))
     assert ids.dtype == np.int64 and np.array_equal(ids, ids_r)
     assert np.abs(w - w_r).max() < 1e-6 and np.abs(m - m_r).max() < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_rows", [0, 1, 9, 2_049, 131_072])
+def test_expert_counts_are_bincount(cp, cuda, n_rows: int) -> None:  # type: ignore[no-untyped-def]
+    """Rows per expert from ids on the device, every size one kernel: numpy's bincount."""
+    ids = RNG.integers(0, 128, size=(n_rows, 8)).astype(np.int64)
+    ids[: n_rows // 2] = 7  # a hot expert: many atomics on one counter
+    got = cuda.expert_counts(cp.asarray(ids), 128)
+    assert np.array_equal(got, np.bincount(ids.reshape(-1), minlength=128))
 
 
 @pytest.mark.gpu

@@ -179,6 +179,10 @@ class ArrayOps(ABC):
         """Router logits [T, E] -> (ids [T, k], weights [T, k] summing to 1, margin [T])."""
         return route_topk(self.xp, logits, k)
 
+    def expert_counts(self, ids: Any, n_expert: int) -> np.ndarray:
+        """Routed ids [T, k] -> host int [E]: rows per expert."""
+        return np.asarray(self.download(self.xp.bincount(ids.reshape(-1), minlength=n_expert)))
+
     def moe(self, h: Any, ids: Any, w: Any, used: list[int], counts: np.ndarray,
             experts: ExpertProvider, layer: int) -> Any:
         """The routed FFN of one layer: h [T, d] (normed), ids / w [T, k] -> [T, d].
@@ -202,8 +206,9 @@ class ArrayOps(ABC):
         if s is not None:
             scales[...] = s
 
-    def kv_load(self, kind: str, cells: Any, scales: Any) -> Any:
-        """KV cells [n, Hkv, ..] and scales of kind `kind` -> float32 [n, Hkv, D]."""
+    def kv_load(self, kind: str, cells: Any, scales: Any, chunk: bool = False) -> Any:
+        """KV cells [n, Hkv, ..] and scales of kind `kind` -> float32 [n, Hkv, D] (a prompt
+        chunk's too: array code computes in float32)."""
         return kv_decode(self.xp, kind, cells, scales)
 
     def embed(self, rows: np.ndarray, qtype: GGMLQuantizationType, n_embd: int) -> DeviceArray:
@@ -214,3 +219,7 @@ class ArrayOps(ABC):
     @abstractmethod
     def to_device(self, host: np.ndarray) -> DeviceArray:
         """A new device array holding a copy of `host` (the backend's counted upload)."""
+
+    @abstractmethod
+    def download(self, dev: DeviceArray) -> np.ndarray:
+        """A host copy of a device array."""

@@ -297,6 +297,10 @@ class Backend(Protocol):
         """Router logits [T, E] -> (ids [T, k], weights [T, k] summing to 1, margin [T])."""
         ...
 
+    def expert_counts(self, ids: DeviceArray, n_expert: int) -> np.ndarray:
+        """Routed ids [T, k] on the device -> host int [E]: rows per expert."""
+        ...
+
     def moe(self, h: DeviceArray, ids: Any, w: DeviceArray, used: list[int], counts: np.ndarray,
             experts: ExpertProvider, layer: int) -> DeviceArray:
         """The routed FFN of one layer: h [T, d] normed, ids [T, k] (on the host for a decode
@@ -314,8 +318,9 @@ class Backend(Protocol):
         """Encode x [T, Hkv, D] float32 into KV cells of kind `kind` and their scales."""
         ...
 
-    def kv_load(self, kind: str, cells: DeviceArray, scales: Any) -> DeviceArray:
-        """KV cells [n, Hkv, ..] of kind `kind` and their scales -> float32 [n, Hkv, D]."""
+    def kv_load(self, kind: str, cells: DeviceArray, scales: Any, chunk: bool = False) -> DeviceArray:
+        """KV cells [n, Hkv, ..] of kind `kind` and their scales -> float32 [n, Hkv, D]; for
+        a prompt chunk's attention (`chunk`) in the dtype its kernel reads (fp16 on CUDA)."""
         ...
 
     def embed(self, rows: np.ndarray, qtype: GGMLQuantizationType, n_embd: int) -> DeviceArray:

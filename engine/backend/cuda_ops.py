@@ -5,7 +5,8 @@ CuPy (engine/backend/array_ops.py) where none does.
   `QuantMatrix` take the fused GEMV (weights read once in their format, float32 products, one
   launch); more rows go to cuBLAS (a `QuantMatrix` decoded to fp16 first, in row slices of at
   most `DECODE_SLICE_BYTES`);
-- `rms_norm`, `rope`, `route`, the q4_0 KV codec: one fused launch each (kernels/fused.py);
+- `rms_norm`, `rope`, `route`, `expert_counts`, the q4_0 KV codec: one fused launch each
+  (kernels/fused.py);
 - `attention`: a prompt chunk (T > 1) takes the flash kernel where it handles the head size,
   else cuBLAS GEMMs with a fused softmax; a decode row takes the array code;
 - `moe`: fused GEMVs on the quantized expert bytes for a decode step without a ring, else
@@ -82,6 +83,9 @@ class CudaOps(ArrayOps):
     def route(self, logits: Any, k: int) -> tuple[Any, Any, Any]:
         return fused.route_topk(logits, k)
 
+    def expert_counts(self, ids: Any, n_expert: int) -> np.ndarray:
+        return self.download(fused.count_ids(ids, n_expert))
+
     def moe(self, h: Any, ids: Any, w: Any, used: list[int], counts: np.ndarray,
             experts: ExpertProvider, layer: int) -> Any:
         layout, ring_slots = experts.layout, experts.ring_slots
@@ -110,9 +114,13 @@ class CudaOps(ArrayOps):
             return
         super().kv_store(kind, x, cells, scales)
 
-    def kv_load(self, kind: str, cells: Any, scales: Any) -> Any:
+    def kv_load(self, kind: str, cells: Any, scales: Any, chunk: bool = False) -> Any:
+        """A prompt chunk's keys and values in fp16, what the attention kernels read: q4_0
+        decoded straight to fp16, f16 cells as they are (no copy); else float32."""
+        if chunk and kind == "f16" and cells.flags.c_contiguous:
+            return cells
         if kind == "q4_0":
-            return fused.kv_q4_decode(cells, scales)
+            return fused.kv_q4_decode(cells, scales, f16=chunk)
         return super().kv_load(kind, cells, scales)
 
     def embed(self, rows: np.ndarray, qtype: GGMLQuantizationType, n_embd: int) -> Any:

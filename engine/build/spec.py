@@ -1,6 +1,7 @@
 """Wiring MTP speculative decoding into a runtime: the verifier, MTP experts and draft head
-each in their own ledger region (the decode-only resources a loan releases), the MTP block's
-dense weights with the dense weights and its KV with the KV."""
+each in their own ledger region (the decode-only resources a loan releases; a draft head that
+is the whole native head is that head, with no region of its own), the MTP block's dense
+weights with the dense weights and its KV with the KV."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from engine.model.loader import Model
 from engine.model.mtp import MTPBlock, MTPExperts, require_mtp
 from engine.spec.decoder import SpecDecoder
 from engine.spec.draft import MTPDraft
-from engine.spec.draft_head import DraftHead
+from engine.spec.draft_head import DraftHead, NativeDraftHead, shares_native_head
 from engine.spec.verifier import Verifier
 
 
@@ -29,10 +30,15 @@ def build_spec(
     assert m.mtp_experts is not None and m.transformer is not None
     be = m.transformer.backend
     exa = Arena(ledger, "mtp.experts", costs.mtp_expert_bytes)
-    hda = Arena(ledger, "mtp.draft_head", costs.draft_head_bytes, float_dtype=weight_dtype)
-    head = DraftHead.from_model(m, o.draft_vocab, None, hda.to_device)
     experts = MTPExperts(m.mtp_experts, be, exa.to_device)
-    items = [DecodeResource("mtp.experts", exa, experts), DecodeResource("mtp.draft_head", hda, head)]
+    items = [DecodeResource("mtp.experts", exa, experts)]
+    head: NativeDraftHead | DraftHead
+    if shares_native_head(m, o.draft_vocab):  # the native head itself: no region of its own
+        head = NativeDraftHead(m.transformer)
+    else:
+        hda = Arena(ledger, "mtp.draft_head", costs.draft_head_bytes, float_dtype=weight_dtype)
+        head = DraftHead.from_model(m, o.draft_vocab, None, hda.to_device)
+        items.append(DecodeResource("mtp.draft_head", hda, head))
     block = MTPBlock(m, head=head, experts=experts, to_device=dense.to_device)
     if o.spec < 2:
         return None, items

@@ -92,18 +92,43 @@ extern "C" __global__ void kv_q4_encode(const float* __restrict__ x, unsigned ch
   }
 }
 
-// q4_0 KV decoding: one thread per packed byte -> two floats (value i and i + 16 of its block).
-extern "C" __global__ void kv_q4_decode(const unsigned char* __restrict__ q,
-                                        const u16* __restrict__ scale,
-                                        float* __restrict__ out, long long n_bytes) {
+// q4_0 KV decoding: one thread per packed byte -> two values (value i and i + 16 of its block),
+// float32 or (the prompt attention's operands) rounded once to fp16.
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void put(u16* p, float v) { *p = f2h(v); }
+
+template <typename T>
+__device__ __forceinline__ void kv_q4_decode_to(const unsigned char* __restrict__ q,
+                                                const u16* __restrict__ scale,
+                                                T* __restrict__ out, long long n_bytes) {
   const long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (k >= n_bytes) return;
   const long long b = k / 16;
   const int i = (int)(k % 16);
   const float s = h2f(scale[b]);
   const unsigned char byte = q[k];
-  out[b * 32 + i] = (float)((int)(byte & 0x0F) - 8) * s;
-  out[b * 32 + i + 16] = (float)((int)(byte >> 4) - 8) * s;
+  put(out + b * 32 + i, (float)((int)(byte & 0x0F) - 8) * s);
+  put(out + b * 32 + i + 16, (float)((int)(byte >> 4) - 8) * s);
+}
+
+extern "C" __global__ void kv_q4_decode(const unsigned char* __restrict__ q,
+                                        const u16* __restrict__ scale,
+                                        float* __restrict__ out, long long n_bytes) {
+  kv_q4_decode_to<float>(q, scale, out, n_bytes);
+}
+
+extern "C" __global__ void kv_q4_decode_f16(const unsigned char* __restrict__ q,
+                                            const u16* __restrict__ scale,
+                                            u16* __restrict__ out, long long n_bytes) {
+  kv_q4_decode_to<u16>(q, scale, out, n_bytes);
+}
+
+// Rows per expert: counts[ids[i]] += 1 for i < n (counts zeroed by the caller). One launch of
+// any size: CuPy's bincount checks its input with a reduction compiled per block size, which
+// stalled a request on NVRTC the first time a routing of a new size came.
+extern "C" __global__ void count_ids(const long long* __restrict__ ids, int n, int* __restrict__ counts) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) atomicAdd(&counts[ids[i]], 1);
 }
 
 // Router: probs = softmax(logits[t, :E]); the k largest (ties: lower index first) -> ids[t, :k]

@@ -5,9 +5,11 @@ and CuPy's per-launch cost (~10-20 us of Python and driver time each) is the ste
 - `rms_norm(x [.., n], w [n], eps)` -> float32, one block per row;
 - `rope_neox_(x [T, H, D], pos0, base)`: NEOX rotary embedding in place, positions pos0..;
 - `kv_q4_encode(x [T, H, D]) -> (packed [T, H, D/2] uint8, scale [T, H, D/32] fp16)` and
-  `kv_q4_decode(packed, scale) -> float32 [n, H, D]`: the q4_0 KV codec;
+  `kv_q4_decode(packed, scale, f16=False) -> float32 (or float16) [n, H, D]`: the q4_0 KV
+  codec;
 - `route_topk(logits [T, E], k) -> (ids [T, k] int64, w [T, k], margin [T])`: softmax, top-k
-  (ties: lower index first, as a stable argsort), renormalised weights and the tie margin.
+  (ties: lower index first, as a stable argsort), renormalised weights and the tie margin;
+- `count_ids(ids int64, n) -> int32 [n]`: rows per expert (`bincount`), one launch of any size.
 
 Each matches its array-code reference in engine/backend/array_ops.py (`rms_norm`, `rope_neox`,
 `kv_encode`/`kv_decode`, `route_topk`) to float32 rounding (tests/test_gpu_fused.py); the q4
@@ -121,16 +123,29 @@ def kv_q4_encode(x: Any, q_out: Any = None, s_out: Any = None, pos: Any = None) 
     return q, s
 
 
-def kv_q4_decode(q: Any, s: Any) -> Any:
-    """packed uint8 [n, H, D/2] and scale float16 [n, H, D/32] -> float32 [n, H, D]."""
+def kv_q4_decode(q: Any, s: Any, f16: bool = False) -> Any:
+    """packed uint8 [n, H, D/2] and scale float16 [n, H, D/32] -> float32 [n, H, D], or
+    (`f16`) float16: each value computed in float32 and rounded once."""
     import cupy
 
     n, h, half = q.shape
-    out = cupy.empty((n, h, 2 * half), dtype=cupy.float32)
+    out = cupy.empty((n, h, 2 * half), dtype=cupy.float16 if f16 else cupy.float32)
     assert q.flags.c_contiguous and s.flags.c_contiguous
     if q.size:
-        _fn("kv_q4_decode")(_blocks(q.size), (_THREADS,), (q, s, out, np.int64(q.size)))
+        name = "kv_q4_decode_f16" if f16 else "kv_q4_decode"
+        _fn(name)(_blocks(q.size), (_THREADS,), (q, s, out, np.int64(q.size)))
     return out
+
+
+def count_ids(ids: Any, n: int) -> Any:
+    """ids: int64 values in [0, n) -> int32 [n], how many times each occurs."""
+    import cupy
+
+    flat = cupy.ascontiguousarray(ids, dtype=cupy.int64).reshape(-1)
+    counts = cupy.zeros(n, dtype=cupy.int32)
+    if flat.size:
+        _fn("count_ids")(_blocks(flat.size), (_THREADS,), (flat, np.int32(flat.size), counts))
+    return counts
 
 
 def route_topk(logits: Any, k: int) -> tuple[Any, Any, Any]:

@@ -6,7 +6,8 @@ Prefill (`moe_prefill`), for a chunk of T tokens routed to k experts each:
    the caller read, `plan_rows` places every row);
 2. order the used experts by row count and take them in groups that fit the scratch: decode the
    gate|up|down parts of a group in one launch per quant type (`dequantize_many`), gather the
-   group's token rows padded to its largest expert straight from the fp16 activations, and run
+   group's token rows padded to its largest expert (rounded up to `ROW_ALIGN` rows) straight
+   from the fp16 activations, and run
    two strided-batched cuBLAS GEMMs per group ([m, d] @ [d, 2f] for gate|up, [m, f] @ [f, d]
    for down; fp16 operands, fp32 accumulation) with one `silu(gate) * up` launch in between,
    the down GEMM writing into the group's rows of one padded output buffer;
@@ -34,6 +35,9 @@ from engine.kernels.source import cuda_source
 from engine.quant import ExpertLayout
 
 DEFAULT_SCRATCH_BYTES = 256 << 20
+# a group's GEMM rows are a multiple of this: a routing of a new size reuses the GEMM shapes
+# cuBLAS has already chosen an algorithm for (a new shape costs a heuristic query on the host)
+ROW_ALIGN = 64
 _ONE, _ZERO = np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.float32)  # cuBLAS alpha, beta
 
 
@@ -164,15 +168,16 @@ class RowPlan:
 
 
 def plan_rows(n_per: list[int], group: int, staged: list[bool] | None = None,
-              max_staged: int = 0) -> RowPlan:
+              max_staged: int = 0, row_align: int = 1) -> RowPlan:
     """The `RowPlan` of experts with row counts `n_per` in groups of at most `group` (and at
-    most `max_staged` experts that need a ring slot, when `staged` says which do);
-    vectorised: this runs for every layer of every prompt chunk."""
+    most `max_staged` experts that need a ring slot, when `staged` says which do), each
+    group's rows per member rounded up to a multiple of `row_align`; vectorised: this runs
+    for every layer of every prompt chunk."""
     counts = np.asarray(n_per, dtype=np.int64)  # [n_used]
     n_rows = int(counts.sum())
     by_count = sorted(range(len(n_per)), key=lambda i: (-n_per[i], i))
     groups = _groups(by_count, n_per, group, max(n_rows // 2, 1), staged, max_staged)
-    ms = [n_per[g[0]] for g in groups]
+    ms = [-(-n_per[g[0]] // row_align) * row_align for g in groups]
     bases = np.concatenate([[0], np.cumsum([len(g) * m for g, m in zip(groups, ms)])])
     first = np.empty(len(n_per), dtype=np.int64)  # [n_used] padded row of each expert's row 0
     for g, m, b in zip(groups, ms, bases):
@@ -240,10 +245,10 @@ def moe_prefill(
     fetch = (lambda es: [blobs[e] for e in es]) if isinstance(blobs, Mapping) else blobs
     group = min(max(1, scratch_bytes // expert_fp16_bytes(layout)), len(used))
     if staged is not None and max_group is not None:  # resident experts take no ring slot
-        plan = plan_rows(n_per, group, [staged(e) for e in used], max_group)
+        plan = plan_rows(n_per, group, [staged(e) for e in used], max_group, ROW_ALIGN)
     else:
         group = min(group, max_group or group)
-        plan = plan_rows(n_per, group)
+        plan = plan_rows(n_per, group, row_align=ROW_ALIGN)
     tok = cp.empty(n_rows + 1, dtype=cp.int32)  # [T*k + 1] token of each sorted row
     tok[:n_rows] = order // k
     tok[n_rows] = n_tok  # padding rows read the zero row

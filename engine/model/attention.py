@@ -49,6 +49,6 @@ def attention_block(
     q = be.rope(q, pos0, hp.rope_base)  # q, k: fresh arrays from rms_norm
     k = be.rope(k, pos0, hp.rope_base)
     kv.write(layer, pos0, k, v)
-    k_all, v_all = kv.read(layer, pos0 + t)  # [S, Hkv, D] with S = pos0 + T
+    k_all, v_all = kv.read(layer, pos0 + t, chunk=t > 1)  # [S, Hkv, D] with S = pos0 + T
     out = be.attention(q, k_all, v_all, pos0)  # [T, H, D]
     return be.linear(out.reshape(t, hp.q_dim), w.wo)  # [T, d]

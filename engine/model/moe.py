@@ -29,7 +29,7 @@ def moe_block(
         counts = np.bincount(routed.reshape(-1), minlength=hp.n_expert)  # [E]
     else:
         routed = ids
-        counts = be.download(be.xp.bincount(ids.reshape(-1), minlength=hp.n_expert))  # [E]
+        counts = be.expert_counts(ids, hp.n_expert)  # [E]
     used = [int(e) for e in np.flatnonzero(counts)]
     experts.prepare(layer, used)
     return be.moe(h, routed, w, used, counts, experts, layer), ids, margin

@@ -39,7 +39,7 @@ from engine.model.mtp import MTPBlock
 from engine.sampler import Sampler, SamplingParams, distribution
 from engine.session import Session
 from engine.spec.draft import Draft, DraftSource, MTPDraft
-from engine.spec.draft_head import DraftHead
+from engine.spec.draft_head import draft_head_of
 from engine.spec.policy import DraftPolicy
 from engine.spec.verifier import Verifier
 from engine.timing import Timing
@@ -133,7 +133,7 @@ class SpecDecoder:
         """MTP drafts through a `draft_vocab`-row head, on the built model's backend;
         `ModelError` without a nextn block."""
         check_spec(n_window)
-        head = DraftHead.from_model(model, draft_vocab, None, to_device)
+        head = draft_head_of(model, draft_vocab, to_device)
         block = MTPBlock(model, head=head, to_device=to_device)
         return cls(n_window, MTPDraft(block), Verifier.for_model(model, n_window, block.xp))
 

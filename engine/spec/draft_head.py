@@ -55,6 +55,24 @@ def select_draft_ids(tokenizer: Tokenizer, n: int, counts: np.ndarray | None = N
     return np.asarray(sorted(rest + eog), dtype=np.int64)
 
 
+def shares_native_head(model: Model, draft_vocab: int) -> bool:
+    """Whether the draft head would be every row of the native head's own tensor (no MTP head
+    of its own, no draft vocabulary): then it is the native head itself (`NativeDraftHead`)."""
+    hp = model.hp
+    native = names.OUTPUT if hp.has_output else names.TOKEN_EMBD
+    full = draft_vocab == 0 or draft_vocab >= hp.n_vocab
+    return full and head_tensor(model) is model.mf.tensors[native]
+
+
+def draft_head_of(model: Model, draft_vocab: int = 0,
+                  to_device: Callable[[np.ndarray], Any] | None = None) -> NativeDraftHead | DraftHead:
+    """The draft head of the built `model`: the native head itself where it shares its rows
+    (`shares_native_head`), else a copy of the draft vocabulary's rows (`to_device`: where)."""
+    if shares_native_head(model, draft_vocab):
+        return NativeDraftHead(model.transformer)
+    return DraftHead.from_model(model, draft_vocab, None, to_device)
+
+
 def head_tensor(model: Model) -> TensorView:
     """The rows the MTP block predicts with: its own shared head, else the main output head
     (else the tied token embedding)."""
@@ -63,6 +81,27 @@ def head_tensor(model: Model) -> TensorView:
         if name in model.mf.tensors:
             return model.mf.tensors[name]
     raise AssertionError("token_embd is always present")  # read_hparams checked it
+
+
+class NativeDraftHead:
+    """The draft head when it is the whole native output head (every row of the same tensor):
+    the transformer's own head, read in place. No copy and no region of its own: the native
+    head's loan releases and restores it, before any draft runs."""
+
+    def __init__(self, transformer: Any):
+        self.transformer = transformer
+        self.n_vocab = self.n_rows = int(transformer.hp.n_vocab)
+        self.ids = np.arange(self.n_rows, dtype=np.int64)
+        self.full = True
+
+    def logits(self, normed: Any) -> Any:
+        """normed: [T, d] (after shared_head_norm) -> draft logits [T, V]."""
+        head = self.transformer.head
+        assert head is not None, "output head is released (on loan); restore it first"
+        return self.transformer.backend.linear(normed, head)
+
+    def full_logits(self, draft_logits: np.ndarray) -> np.ndarray:
+        return draft_logits
 
 
 class DraftHead:
@@ -108,7 +147,8 @@ class DraftHead:
         counts: np.ndarray | None = None,
         to_device: Callable[[np.ndarray], Any] | None = None,
     ) -> DraftHead:
-        """The draft head of the built `model`, on its backend."""
+        """The draft head of the built `model`, on its backend (a copy of rows; see
+        `draft_head_of` for the head shared with the native one)."""
         ids = select_draft_ids(model.tokenizer, draft_vocab, counts)
         source = head_tensor(model)
         tr = model.transformer

@@ -8,7 +8,9 @@ than one row) and acceptance depends on the text, so the policy measures instead
     home mode (start: draft) for `span` steps -> the other mode for `probe` steps -> the mode
     with fewer seconds per emitted token becomes home; `span` grows when home stays home (x4
     when it won by more than a quarter, else x2; up to `max_span`) and falls back to
-    `first_span` when it changes.
+    `first_span` when it changes, or to `CLEAR_WIN_SPAN` x `first_span` when the new home won
+    by more than a quarter: each probe of a mode that loses clearly costs its steps and (for
+    drafts) the draft model's catch-up over the plain rows since, so it comes rarely.
 
 A request's policy goes on from the previous request's (`prior`): its home, span and measured
 rates, so drafts that do not pay are probed rarely from the second request on (a few steps in
@@ -27,6 +29,7 @@ from __future__ import annotations
 from collections import deque
 
 DRAFT, PLAIN = "draft", "plain"
+CLEAR_WIN_SPAN = 64  # x first_span: the first span of a home that won by more than a quarter
 
 
 class DraftPolicy:
@@ -83,7 +86,7 @@ class DraftPolicy:
             self.span = min(growth * self.span, self.max_span)
         else:  # a clear win starts long: probing the loser costs a step at its price
             self.home = best
-            self.span = min(self.first_span * (16 if growth == 4 else 1), self.max_span)
+            self.span = min(self.first_span * (CLEAR_WIN_SPAN if growth == 4 else 1), self.max_span)
         self._switch(best, self.span)
 
     def rates(self) -> str:
