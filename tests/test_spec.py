@@ -303,3 +303,14 @@ def test_bench_spec_table(tiny_path: Path) -> None:
     assert table[2].startswith("| 0 |") and table[3].endswith("| yes |")
     with pytest.raises(FlagError):
         parse_specs("0,1")
+
+
+def test_host_rows_slice_across_their_blocks() -> None:
+    """The prompt's hidden stays in its prefill chunks' blocks; slices span them as one array."""
+    from engine.spec.decoder import HostRows
+
+    whole = np.arange(2 * 23, dtype=np.float32).reshape(23, 2)
+    rows = HostRows([whole[:10], whole[10:11], whole[11:]])
+    assert rows.shape == (23, 2)
+    for a, b in ((0, 23), (3, 9), (8, 15), (10, 11), (9, 12), (20, 23), (0, 5)):
+        np.testing.assert_array_equal(rows[a:b], whole[a:b])

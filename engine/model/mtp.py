@@ -190,7 +190,8 @@ class MTPBlock:
         be, xp, hp = self.backend, self.xp, self.hp
         ids = np.asarray(tokens, dtype=np.int64)
         assert h_prev.shape == (len(ids), hp.n_embd), (h_prev.shape, len(ids))
-        e = be.to_device(self.embd.rows(ids))  # [T, d] activations, not a weight upload
+        e = be.embed(self.embd.raw_rows(ids), self.embd.t.qtype, hp.n_embd)  # [T, d] (a long
+        # catch-up decodes its rows on the device, as the main model's prompt chunks do)
         u = xp.concatenate(
             [be.rms_norm(e, self.enorm, hp.rms_eps), be.rms_norm(h_prev, self.hnorm, hp.rms_eps)],
             axis=-1,

@@ -107,6 +107,24 @@ def speculative_accept(
     return len(drafts), sampler.draw(distribution(logits[len(drafts)], params))
 
 
+class HostRows:
+    """Host rows [n, d] kept as the blocks they arrived in (the prefill chunks' hidden): a
+    slice is copied from the blocks it spans, so a long prompt's rows (31k x 2048 float32 =
+    256 MB) are never joined into one array."""
+
+    def __init__(self, blocks: list[np.ndarray]):
+        self.blocks = blocks
+        self.starts = np.cumsum([0, *(len(b) for b in blocks)])  # [n_blocks + 1]
+        self.shape = (int(self.starts[-1]), *blocks[0].shape[1:])
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        a, b, step = rows.indices(self.shape[0])
+        assert step == 1, "HostRows takes contiguous slices"
+        parts = [blk[max(a - s, 0) : b - s] for blk, s in zip(self.blocks, self.starts)
+                 if s < b and s + len(blk) > a]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 class SpecDecoder:
     """`--spec T`: the decode loop with drafts checked by the verifier."""
 
@@ -247,8 +265,8 @@ class SpecDecoder:
         pos0, parts = self._pos0, self._hidden
         self._pos0, self._hidden = None, []
         assert pos0 is not None, "SpecDecoder.begin() must come before prefill and decode"
-        hidden = np.concatenate(parts) if parts else None  # [n_start - pos0, d] host
-        n = 0 if hidden is None else len(hidden)
+        hidden = HostRows(parts) if parts else None  # [n_start - pos0, d] host, not joined
+        n = 0 if hidden is None else hidden.shape[0]
         assert pos0 + n == n_start and n > 0, (
             f"the draft needs the prefill's hidden for positions {pos0}..{n_start - 1}, got {n} "
             "rows; route every prefill chunk's hidden to SpecDecoder.collect"
