@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from engine import runtime_flags
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes
 from engine.forecast import Workload, workload
@@ -53,7 +54,7 @@ def _request_geometry(rt: Runtime, kind: str | None, resident: list, flags: Loan
     loan releases of the `resident` regions it lends."""
     plan, opts = rt.plan, rt.plan_options
     if options.prefill != rt.options.prefill:
-        plan = replace(plan, prompt=rt._prompt_plan(options.prefill))
+        plan = replace(plan, prompt=runtime_flags.prompt_plan(rt, options.prefill))
         opts = replace(opts, prefill=options.prefill)
     if kind is None:
         return plan.prompt

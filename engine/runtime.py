@@ -1,6 +1,6 @@
 """Runtime: one loaded engine running requests — prefill (with the loan when it is admitted)
-and decode, and the flag changes that apply between requests. `engine.build.startup` makes
-it; the serve loop drives it; it holds no conversation logic.
+and decode. `engine.build.startup` makes it; the serve loop drives it; flag changes between
+requests are `engine.runtime_flags`; it holds no conversation logic.
 """
 
 from __future__ import annotations
@@ -9,19 +9,15 @@ import gc
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 from engine.backend.base import Backend
 from engine.config import EngineOptions, LoanFlags
-from engine.devices import deferred_regions
-from engine.errors import StrataError
 from engine.events import Ready
 from engine.experts.cache import ExpertCache
 from engine.experts.provider import CachedExperts
 from engine.faults import Faults
-from engine.loan.deferral import deferral_line, follow_deferral, plan_deferred
-from engine.loan.guards import validate
 from engine.loan.resources import ResourceSet
 from engine.loan.transaction import STARTUP, LoanTransaction, admit, loan_regions
 from engine.memory.ledger import Ledger
@@ -32,7 +28,6 @@ from engine.memory.plan_types import (
     StartupPlan,
     chunk_count,
 )
-from engine.memory.planner import plan_prompt
 from engine.memory.sizes import format_mib
 from engine.model.loader import Model
 from engine.phases import PhaseClock
@@ -44,10 +39,6 @@ from engine.session import Session
 from engine.spec.decoder import SpecDecoder
 from engine.timing import Timing
 from engine.token_graph import make_token_graph, token_graph_wanted
-
-RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profile",
-                  "vram_segment_mib", "vram_reserve_mib", "vram_limit", "mtp", "draft_vocab",
-                  "no_borrow", "batch_slots", "prefill_head_alias", "vram_elastic", "serve")
 
 
 @dataclass(eq=False)
@@ -74,7 +65,8 @@ class Runtime:
     prefilled: bool = False  # a request's prefill has completed (the startup loan is over)
     retained_geometry: PromptGeometry | None = None
     closed: bool = False  # `close` gave every device byte back; nothing runs any more
-    _replanned: tuple[int | str, PromptGeometry] | None = field(default=None, repr=False)
+    # a --prefill change planned by `runtime_flags.validate`, kept for its `apply`
+    replanned: tuple[int | str, PromptGeometry] | None = field(default=None, repr=False)
 
     @property
     def xp(self) -> Any:
@@ -107,36 +99,6 @@ class Runtime:
             + (", token graph" if self.session.graph is not None else "")
         )
 
-    def validate(self, options: EngineOptions, flags: LoanFlags) -> list[str]:
-        """The guards, plus what cannot change without a restart (a runtime change)."""
-        v = validate(options, flags, self.backend.name, self.model.has_mtp,
-                     self.model.hp.has_output, segment_bytes=self.ledger.segment_bytes,
-                     capacity_bytes=self.backend.capacity_bytes)
-        for name in RESTART_FIELDS:
-            if getattr(options, name) != getattr(self.options, name) and not v:
-                v.append(f"--{name.replace('_', '-')} cannot change while running; restart strata")
-        built = self.spec.verifier.n_window if self.spec is not None else 0
-        if options.spec > built:
-            v.append(f"--spec {options.spec} needs a verifier for {options.spec} tokens, this "
-                     f"engine built {built or 'none'}; restart with --spec {options.spec}")
-        if options.prefill != self.options.prefill:
-            try:
-                self._replanned = options.prefill, self._prompt_plan(options.prefill)
-            except StrataError as e:
-                v.append(f"--prefill {options.prefill}: {e}")
-        return v
-
-    def _prompt_plan(self, prefill: int | str) -> PromptGeometry:
-        """The decode-time geometry for another `--prefill`, on the memory this engine has
-        (planned once: `validate` keeps it for `apply`)."""
-        if self._replanned is not None and self._replanned[0] == prefill:
-            return self._replanned[1]
-        opts = replace(self.plan_options, prefill=prefill)
-        n_slots = self.cache.n_slots if self.cache else 0
-        if self.plan.prompt.borrowed and self.cache is not None:
-            return plan_prompt(n_slots * self.cache.blob_bytes, self.costs, opts, n_slots)
-        return plan_prompt(self.prompt.owned_bytes, self.costs, opts, n_slots)
-
     def check_integrity(self) -> None:
         """Ledger, cache, KV and resources agree; 0 slots lent between requests."""
         self.ledger.check_integrity()
@@ -145,43 +107,6 @@ class Runtime:
             assert self.cache.n_lent == 0, f"{self.cache.n_lent} slots still lent"
         self.session.kv.check_integrity()
         self.resources.check_integrity()
-
-    # -- flag changes (between requests) -----------------------------------------------------
-    def apply(self, options: EngineOptions, flags: LoanFlags) -> None:
-        """Flags/options accepted by `validate` take effect from the next request.
-
-        Until a request has been prefilled, what the startup loan defers follows the new flags;
-        afterwards every decode-only region is resident between requests and a loan releases
-        only what the flags of its own request say. If a region cannot be restored, this
-        raises with the engine and its flags as they were.
-        """
-        if not self.prefilled:
-            self.follow_deferral(deferred_regions(flags, options), armed=flags.elastic_loan)
-        if options.prefill != self.options.prefill:
-            self.plan_options = replace(self.plan_options, prefill=options.prefill)
-            self.plan = replace(self.plan, prompt=self._prompt_plan(options.prefill))
-            self.retained_geometry = self._replanned = None
-        if not self.prefilled:
-            self.plan = plan_deferred(self.plan, self.costs, self.plan_options)
-        if self.spec is not None:
-            self.spec.n_window = max(options.spec, 1)
-            self.spec.always = options.spec_always
-        graph_changed = options.no_token_graph != self.options.no_token_graph
-        self.options, self.flags = options, flags
-        if graph_changed:  # --no-token-graph toggled: decode steps eager / captured from now on
-            self.detach_token_graph()
-            self.attach_token_graph()
-
-    def follow_deferral(self, deferred: frozenset[str], armed: bool) -> None:
-        """Before the first request: hold the decode-only regions as an engine started with
-        other flags would (engine.loan.deferral), and arm the startup loan or not."""
-        assert not self.prefilled, "after the first request every region stays resident"
-        restored, released = follow_deferral(self.resources, deferred, self.faults)
-        self.plan_options = replace(self.plan_options, deferred=deferred)
-        self.startup_loan_pending = armed
-        line = deferral_line(restored, released)
-        if line:
-            self.report.trace(line)
 
     def attach_token_graph(self) -> None:
         """Decode steps replay captured CUDA graphs from now on (unless --no-token-graph)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from engine import runtime_flags
 from engine.build.cache import startup_profile
 from engine.build.startup import build_runtime
 from engine.config import EngineOptions, LoanFlags
@@ -179,7 +180,7 @@ class ServeLoop:
     def what_if(self, flags: LoanFlags, options: EngineOptions, n_fresh: int) -> LoanVerdict:
         """`verdict` of an `n_fresh`-token message under flags and options not yet applied;
         FlagError with every violation when the guards would refuse them."""
-        violations = self.rt.validate(options, flags)
+        violations = runtime_flags.validate(self.rt, options, flags)
         if violations:
             raise FlagError(violations)
         return self.verdict(n_fresh, 0, flags, options)
@@ -210,7 +211,7 @@ class ServeLoop:
         """
         with self._flags_lock:
             options = options or self.options
-            violations = self.rt.validate(options, flags)
+            violations = runtime_flags.validate(self.rt, options, flags)
             if violations:
                 self.bus.publish(FlagsRefused(tuple(violations)))
                 return violations
@@ -252,7 +253,7 @@ class ServeLoop:
     def _apply_pending(self) -> None:
         with self._flags_lock:
             if self._pending_flags or self._pending_options:
-                self.rt.apply(self._pending_options or self.rt.options,
+                runtime_flags.apply(self.rt, self._pending_options or self.rt.options,
                               self._pending_flags or self.rt.flags)
                 self._pending_flags = self._pending_options = None
 

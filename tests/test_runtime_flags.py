@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import runtime_flags
 from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
@@ -43,6 +44,8 @@ def test_changes_that_need_a_restart_are_refused(demo_path: Path) -> None:
     assert refused and loop.options.spec == 2
     v = loop.set_flags(loop.flags, loop.options.with_changes(prefill=8192))
     assert v and "--prefill 8192" in v[0]
+    v = loop.set_flags(loop.flags, loop.options.with_changes(dense="quant"))  # weights as loaded
+    assert v == ["--dense cannot change while running; restart strata"]
 
 
 def test_no_token_graph_is_a_runtime_flag(demo_path: Path) -> None:
@@ -154,7 +157,7 @@ def test_flags_before_the_first_request_hold_regions_as_a_fresh_engine(
     """Applied before any request, the new flags leave the decode-only regions, the startup
     loan and the startup plan as an engine started with them has them."""
     rt = _make(demo_path, old).rt
-    rt.apply(rt.options, new)
+    runtime_flags.apply(rt, rt.options, new)
     fresh = _make(demo_path, new).rt
     deferred = deferred_regions(new, rt.options)
     for r in rt.resources.items:
