@@ -158,6 +158,7 @@ class EngineOptions:
     no_token_graph: bool = False
     dense: str = "auto"  # dense linear weights: quant, float, or auto (quant on CUDA)
     no_borrow: bool = False
+    no_cache_lend: bool = False  # keep the MTP regions resident over plain spans (cache_lend)
     batch_slots: int = 1
     prefill_head_alias: bool = False
 

@@ -18,7 +18,7 @@ from engine.runtime import Runtime
 RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profile",
                   "vram_segment_mib", "vram_reserve_mib", "vram_limit", "mtp", "draft_vocab",
                   "no_borrow", "batch_slots", "prefill_head_alias", "vram_elastic", "serve",
-                  "dense")
+                  "dense", "no_cache_lend")
 
 
 def validate(rt: Runtime, options: EngineOptions, flags: LoanFlags) -> list[str]:

@@ -21,6 +21,7 @@ from engine.events import EventBus, LedgerChanged, Loading
 from engine.experts.decoded import DecodedLRU
 from engine.experts.provider import CachedExperts
 from engine.faults import Faults
+from engine.loan.cache_lend import CacheLend
 from engine.loan.resources import DecodeResource, NativeHead, ResourceSet
 from engine.memory.arena import Arena
 from engine.memory.ledger import Ledger
@@ -94,6 +95,8 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
         if spec is not None:
             session.on_hidden = spec.collect
     resources = ResourceSet(items)
+    if spec is not None and cache is not None and not options.no_cache_lend:
+        spec.lender = CacheLend(resources, cache, ledger, faults, report)
     rt = Runtime(options=options, flags=flags, model=model, backend=backend, ledger=ledger,
                  plan=plan, costs=costs, plan_options=plan_options, cache=cache,
                  experts=experts, session=session, prompt=prompt, resources=resources,

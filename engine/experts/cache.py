@@ -5,7 +5,10 @@ table (int32 [L, E], 256-byte aligned), then `n_slots` slots of `blob_bytes` eac
 `lend_tail(n)` hands the last n slots' bytes to the prompt path as one contiguous view and sets
 their residency rows to -1; `refill(lent)` uploads every lent slot's previous expert back into
 the same slot and restores its row. A loan may first `grow` the cache into memory freed by
-decode-only regions; the new slots are empty, so lending them costs no refill.
+decode-only regions; the new slots are empty, so lending them costs no refill. While decoding
+plain, the MTP block's regions can be lent to the cache itself (engine/loan/cache_lend.py):
+it grows, `fill_tail` uploads the next experts of the fill order into the new slots, and
+`evict_tail` empties them before it shrinks back.
 
 Trace lines (DESIGN §8) are returned on the results and passed to `on_trace`; the caller prints
 them when STRATA_TRACE=1.
@@ -94,6 +97,7 @@ class ExpertCache:
         self._borrow_ok = False
         self.n_hits = 0
         self.n_misses = 0
+        self.order: list[tuple[int, int]] = []  # the fill order (most used first)
 
     # -- questions ------------------------------------------------------------------------------
 
@@ -145,6 +149,7 @@ class ExpertCache:
         """Upload experts into slots 0, 1, ... in `order` (most used first); returns how many."""
         assert self.n_lent == 0, f"fill() with {self.n_lent} slots lent"
         assert len(set(order)) == len(order), "fill order names an expert twice"
+        self.order = list(order)
         self.table.clear()
         self._states.fill(EMPTY)
         for slot, (layer, expert) in enumerate(order[: self.n_slots]):
@@ -153,6 +158,30 @@ class ExpertCache:
             self._states[slot] = RESIDENT
         self._sync_table()
         return min(len(order), self.n_slots)
+
+    def fill_tail(self, n: int) -> int:
+        """Upload the first experts of the fill order that no slot holds into the last `n`
+        slots (empty ones, as `grow` adds); returns how many were filled."""
+        first = self.n_slots - n
+        assert 0 <= first and (self._states[first:] == EMPTY).all(), "fill_tail of slots in use"
+        wanted = (o for o in self.order if self.table.lookup(*o) < 0)
+        done = 0
+        for slot, (layer, expert) in zip(range(first, self.n_slots), wanted):
+            self.backend.upload(self.host.pieces(layer, expert), self._slots[slot])
+            self.table.assign(slot, layer, expert)
+            self._states[slot] = RESIDENT
+            done += 1
+        self._sync_table()
+        return done
+
+    def evict_tail(self, n: int) -> None:
+        """Empty the last `n` slots (none lent): their experts become misses again."""
+        first = self.n_slots - n
+        assert 0 <= first and not (self._states[first:] == LENT).any(), "evict_tail of lent slots"
+        for slot in range(first, self.n_slots):
+            self.table.evict(slot)
+        self._states[first:] = EMPTY
+        self._sync_table()
 
     def stage_residency(self, readers: ResidencyReaders) -> str | None:
         """Copy the table to the device for its readers (seed 003).

@@ -33,14 +33,14 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from engine.backend.base import Backend
-from engine.errors import FlagError
+from engine.errors import FlagError, StrataError
 from engine.model.loader import Model
 from engine.model.mtp import MTPBlock
 from engine.sampler import Sampler, SamplingParams, distribution
 from engine.session import Session
 from engine.spec.draft import Draft, DraftSource, MTPDraft
 from engine.spec.draft_head import draft_head_of
-from engine.spec.policy import DraftPolicy
+from engine.spec.policy import LEND_MIN_STEPS, DraftPolicy
 from engine.spec.verifier import Verifier
 from engine.timing import Timing
 
@@ -107,6 +107,14 @@ def speculative_accept(
     return len(drafts), sampler.draw(distribution(logits[len(drafts)], params))
 
 
+class Lender(Protocol):
+    """Lends the draft model's memory over plain spans (engine/loan/cache_lend.py)."""
+
+    def lend(self) -> None: ...
+
+    def repay(self) -> None: ...
+
+
 class HostRows:
     """Host rows [n, d] kept as the blocks they arrived in (the prefill chunks' hidden): a
     slice is copied from the blocks it spans, so a long prompt's rows (31k x 2048 float32 =
@@ -133,6 +141,9 @@ class SpecDecoder:
         assert verifier.n_window >= n_window, (verifier.n_window, n_window)
         self.n_window, self.draft, self.verifier = n_window, draft, verifier
         self.always = False  # --spec-always: draft every step (else `DraftPolicy` decides)
+        # the draft model's memory lent to the expert cache over long plain spans (the
+        # runtime's `engine.loan.cache_lend.CacheLend`), or None
+        self.lender: Lender | None = None
         self.policy = DraftPolicy()  # the last request's (its measured rates, for traces)
         # rows of plain steps the draft has not seen: (first position, hidden [1, d]s, ids)
         self._unseen: tuple[int, list[Any], list[int]] | None = None
@@ -220,6 +231,7 @@ class SpecDecoder:
                 if hidden is not None:  # first token known: the draft catches up on the prompt
                     self.draft.observe(session, pos0, hidden, [*session.tokens[pos0 + 1 :], tok])
                     hidden = None
+                self._lend_or_repay(policy)
                 n_draft = min(
                     self.n_window - 1,
                     max_new - len(emitted) - 1,
@@ -229,6 +241,7 @@ class SpecDecoder:
                 out = self._step(session, out[-1], n_draft, sampler, timing)
                 policy.measured(time.perf_counter() - t0, len(out))
         finally:
+            self._repay(quiet=sys.exc_info()[1] is not None)  # resident between requests
             n_keep = n_start + max(len(emitted) - 1, 0)
             if len(session.tokens) > n_keep:
                 session.truncate(n_keep)
@@ -242,6 +255,27 @@ class SpecDecoder:
                 self._catch_up(session)  # the next request continues from every kept position
             else:  # an error: no more device work; the next request re-reads what the draft lacks
                 self._unseen = None
+
+    def _lend_or_repay(self, policy: DraftPolicy) -> None:
+        """Before a step: the draft model's memory back if the step drafts, lent to the expert
+        cache if a long plain span starts."""
+        if self.lender is None:
+            return
+        if policy.drafting():
+            self.lender.repay()
+        elif policy.plain_ahead() >= LEND_MIN_STEPS:
+            self.lender.lend()
+
+    def _repay(self, quiet: bool) -> None:
+        """The lent memory back at the end of a request; `quiet`: another error is on its way
+        (that one is reported; the next loan restores what is still released)."""
+        if self.lender is None:
+            return
+        try:
+            self.lender.repay()
+        except StrataError:
+            if not quiet:
+                raise
 
     def new_policy(self, greedy: bool) -> DraftPolicy:
         """A request's drafting policy: measured for greedy decoding, going on from the last

@@ -30,6 +30,7 @@ from collections import deque
 
 DRAFT, PLAIN = "draft", "plain"
 CLEAR_WIN_SPAN = 64  # x first_span: the first span of a home that won by more than a quarter
+LEND_MIN_STEPS = 32  # plain steps ahead worth lending the draft model's memory for
 
 
 class DraftPolicy:
@@ -61,6 +62,11 @@ class DraftPolicy:
     def drafting(self) -> bool:
         """Whether the next step drafts."""
         return self.always or self.mode == DRAFT
+
+    def plain_ahead(self) -> int:
+        """Plain steps before the policy next drafts (0 while it drafts): a span this long
+        is worth lending the draft model's memory to the expert cache for (`LEND_MIN_STEPS`)."""
+        return 0 if self.drafting() else self.left
 
     def seconds_per_token(self, mode: str) -> float | None:
         """The mode's measured seconds per emitted token (None before a measured step)."""

@@ -1,0 +1,125 @@
+"""The MTP block's memory lent to the expert cache over plain spans (engine/loan/cache_lend.py):
+the cache grows into it and fills it in profile order, everything is back before a draft and at
+the end of a request, and the tokens are those of an engine that never lends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.bench import prompt_tokens
+from engine.config import EngineOptions
+from engine.serve import ServeLoop
+from engine.spec.policy import PLAIN, DraftPolicy
+
+REGIONS = ("mtp.experts", "mtp.draft_head")
+
+
+def make(path: Path, lend: bool, lines: list[str] | None = None) -> ServeLoop:
+    # random weights: drafts are never accepted; 40 of the 128 experts cached
+    opts = EngineOptions(model=str(path), device="sim:40MiB", ctx=2048, mtp=True, spec=2,
+                         draft_vocab=3000, expert_cache=40, no_cache_lend=not lend)
+    return ServeLoop.create(opts, on_trace=None if lines is None else lines.append)
+
+
+def settled_plain(loop: ServeLoop, span: int = 128) -> None:
+    """The policy as a request that found drafts do not pay leaves it: plain for `span`."""
+    p = DraftPolicy()
+    p.home = p.mode = PLAIN
+    p.span = p.left = span
+    loop.rt.spec.policy = p
+
+
+def regions(loop: ServeLoop) -> set[str]:
+    return {r.name for r in loop.rt.ledger.snapshot().regions}
+
+
+def test_lend_grows_the_cache_in_profile_order_and_repay_restores(random_demo_path: Path) -> None:
+    loop = make(random_demo_path, lend=True)
+    rt = loop.rt
+    lender, cache = rt.spec.lender, rt.cache
+    assert lender is not None and cache is not None
+    n0, resident0 = cache.n_slots, {cache.table.owner(s) for s in range(cache.n_slots)}
+    lender.lend()
+    assert not set(REGIONS) & regions(loop)  # the MTP experts and draft head are lent
+    grown = cache.n_slots - n0
+    assert grown == lender.grown > 0
+    new = [cache.table.owner(s) for s in range(n0, cache.n_slots)]
+    # the next experts of the fill order that were not resident, in that order
+    assert new == [o for o in cache.order if o not in resident0][:grown]
+    cache.check_integrity()
+    lender.repay()
+    assert cache.n_slots == n0 and set(REGIONS) <= regions(loop)
+    rt.check_integrity()
+    rt.spec.check_integrity()
+    assert {cache.table.owner(s) for s in range(n0)} == resident0
+
+
+@pytest.mark.parametrize("max_new", [6, 40])
+def test_a_plain_span_lends_and_the_tokens_stay(random_demo_path: Path, max_new: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request on a policy settled on plain steps lends at its first step and repays at its
+    end; the reply is the reply of an engine that keeps the memory, with more cache hits."""
+    monkeypatch.setenv("STRATA_TRACE", "1")
+    lines: list[str] = []
+    out = {}
+    for lend in (True, False):
+        loop = make(random_demo_path, lend, lines if lend else None)
+        ids = prompt_tokens(loop, 300)
+        settled_plain(loop)
+        reply = loop.complete(ids, max_new=max_new)
+        loop.rt.check_integrity()
+        loop.rt.spec.check_integrity()
+        assert set(REGIONS) <= regions(loop)  # resident between requests
+        assert reply.timing.drafted_steps == 0
+        out[lend] = reply
+    assert out[True].text == out[False].text and out[True].timing.generated == max_new
+    assert out[True].timing.decode_hits > out[False].timing.decode_hits
+    assert any("decoding plain: lent mtp experts" in ln for ln in lines)
+    assert any("drafting again: mtp experts, draft head restored" in ln for ln in lines)
+
+
+def test_drafts_get_the_memory_back_before_they_run(random_demo_path: Path) -> None:
+    """A short plain span (a probe) lends nothing; after a long one, the draft probe finds the
+    MTP regions resident (the draft model runs on them) and the reply is unchanged."""
+    loop = make(random_demo_path, lend=True)
+    ids = prompt_tokens(loop, 300)
+    settled_plain(loop, span=LEND_SPAN)
+    reply = loop.complete(ids, max_new=LEND_SPAN + 6)
+    # the probe after the span drafted on the restored MTP regions (a released one fails the
+    # draft), lost again, and the next plain span lent again
+    assert reply.timing.drafted_steps > 0
+    assert loop.rt.spec.lender.n_lends == 2
+    plain = make(random_demo_path, lend=False)
+    settled_plain(plain, span=LEND_SPAN)
+    assert plain.complete(ids, max_new=LEND_SPAN + 6).text == reply.text
+    short = make(random_demo_path, lend=True)
+    settled_plain(short, span=8)  # below the lend threshold
+    short.complete(ids, max_new=12)
+    assert short.rt.spec.lender.n_lends == 0
+
+
+LEND_SPAN = 40
+
+
+def test_a_failed_lend_is_undone_and_decoding_goes_on(random_demo_path: Path) -> None:
+    """A fault while lending (the draft head's release, after the experts'): the experts come
+    back, a warning says so, no more lends; the request completes with the same tokens."""
+    from engine.faults import Faults
+
+    faults = Faults()
+    faults.arm("cache-lend:mtp.draft_head")
+    warnings: list[str] = []
+    opts = make(random_demo_path, lend=True).options
+    loop = ServeLoop.create(opts, on_trace=warnings.append, faults=faults)
+    ids = prompt_tokens(loop, 300)
+    settled_plain(loop)
+    reply = loop.complete(ids, max_new=20)
+    assert any("lending the MTP regions to the expert cache failed" in w for w in warnings)
+    lender = loop.rt.spec.lender
+    assert lender.off and lender.n_lends == 0 and set(REGIONS) <= regions(loop)
+    loop.rt.check_integrity()
+    plain = make(random_demo_path, lend=False)
+    settled_plain(plain)
+    assert plain.complete(ids, max_new=20).text == reply.text
