@@ -30,14 +30,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from engine.atomic_file import write_text_atomic
 from engine.costs import Shapes, attention_flops, moe_flops
 from engine.experts.profile import ExpertProfile
 from engine.memory.plan_types import PromptGeometry, chunk_count
@@ -425,16 +424,7 @@ def save_rates(path: Path, rates: Rates) -> None:
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         devices = {}
     devices[rates.device] = [o.as_json() for o in rates.observations]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"format": FORMAT, "version": VERSION, "devices": devices}) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps({"format": FORMAT, "version": VERSION, "devices": devices}) + "\n")
 
 
 # -- the loan verdict -------------------------------------------------------------------------

@@ -9,6 +9,7 @@ reuse rule and the same decoders.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -121,3 +122,5 @@ def generate(
     finally:
         tokens.close()  # settles the KV now, not when the generator is collected
         timing.decode_s = time.perf_counter() - t1
+        if spec is not None:  # the draft model's deferred catch-up, after the timing
+            spec.settle(quiet=sys.exc_info()[1] is not None)

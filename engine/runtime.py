@@ -209,6 +209,13 @@ class Runtime:
         return decode_tokens(self.session, spec, logits, sampler, max_new, stop_ids, timing,
                              cancel)
 
+    def settle(self, quiet: bool = False) -> None:
+        """After a reply's timing is taken: the speculative decoder's deferred work (the memory
+        it lent to the expert cache back, the draft model over the rows it has not seen);
+        `quiet` after a failed request. Every decode-only region is resident afterwards."""
+        if self.spec is not None:
+            self.spec.settle(quiet)
+
     def trace_decode(self, timing: Timing) -> None:
         """After a request: on CUDA the device memory measured again (`publish_gpu`: decode's
         kernels and captured graphs lie outside the ledger); with STRATA_TRACE=1 what the

@@ -52,6 +52,7 @@ from engine.request_workload import request_workload
 from engine.runtime import Runtime
 from engine.sampler import Sampler, SamplingParams
 from engine.session import reusable
+from engine.spec import policy as draft_policy
 from engine.stops import StopStrings
 from engine.synth.demo import cache_dir
 from engine.timing import Timing
@@ -103,6 +104,13 @@ class ServeLoop:
             runtime.report.warn(f"strata: warning: {e}; the forecast starts from its defaults")
             self.rates = Rates.fresh(device)
         self._rates_saved = True
+        # the drafting policy goes on from the last engine's on this model and machine
+        self.policy_file = draft_policy.policy_path(self.rates_file)
+        self._device = device
+        if runtime.spec is not None:
+            prior = draft_policy.load(self.policy_file, device)
+            if prior is not None:
+                runtime.spec.policy = prior
         self.last_observation: Observation | None = None  # what the last prefill measured
         self._prefills = 0  # prefills this loop ran
         self._running: list[int] | None = None  # the prompt of the request in flight
@@ -334,16 +342,33 @@ class ServeLoop:
             after = _expert_reads(rt.experts.counters)
             timing.decode_hits, timing.decode_misses = (a - b for a, b in zip(after, before))
             rt.trace_decode(timing)
+            rt.settle()  # after the reply's timing: the draft model's deferred catch-up
+            self._keep_policy()
             if self._cancel.is_set():
                 raise Cancelled("cancelled")
         except BaseException as exc:
             rt.rollback(req.reused)
+            rt.settle(quiet=True)
             self._done(req, cancelled=True)
             if isinstance(exc, Cancelled):
                 return Reply("".join(pieces), timing, cancelled=True, verdict=verdict)
             raise
         self._done(req)
         return Reply("".join(pieces), timing, finish_reason=finish, verdict=verdict)
+
+    def _keep_policy(self) -> None:
+        """Save the drafting policy of a request that measured it (greedy), for the next
+        engine (beside the rates; a file that cannot be written is said once)."""
+        spec = self.rt.spec
+        if spec is None or spec.policy.always:
+            return
+        try:
+            draft_policy.save(self.policy_file, self._device, spec.policy)
+        except OSError as e:
+            if self._rates_saved:
+                self.rt.report.warn(f"strata: warning: cannot save the drafting policy to "
+                                    f"{self.policy_file} ({e.strerror})")
+            self._rates_saved = False
 
     def _learn(self, req: Request, verdict: LoanVerdict) -> None:
         """After a prefill: compare it with its forecast (a trace line, `timing.forecast_s`)

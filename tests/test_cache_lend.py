@@ -123,3 +123,35 @@ def test_a_failed_lend_is_undone_and_decoding_goes_on(random_demo_path: Path) ->
     plain = make(random_demo_path, lend=False)
     settled_plain(plain)
     assert plain.complete(ids, max_new=20).text == reply.text
+
+
+def test_a_new_engine_goes_on_from_the_last_policy(random_demo_path: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drafting policy of a greedy request is kept beside the rates: the next engine on the
+    same model and device starts where it stopped (plain, lending at its first step)."""
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    first = make(random_demo_path, lend=True)
+    ids = prompt_tokens(first, 300)
+    settled_plain(first)
+    first.complete(ids, max_new=8)
+    assert first.policy_file.exists()
+    second = make(random_demo_path, lend=True)
+    policy = second.rt.spec.policy
+    assert policy.home == PLAIN and policy.plain_ahead() >= 32
+    reply = second.complete(ids, max_new=8)
+    assert reply.timing.drafted_steps == 0 and second.rt.spec.lender.n_lends == 1
+    other = tmp_path / "x.policy.json"
+    other.write_text("not json")
+    from engine.spec import policy as draft_policy
+
+    assert draft_policy.load(other, "cpu") is None  # an unreadable file: measured from scratch
+
+
+def test_the_policy_round_trips_through_json() -> None:
+    p = DraftPolicy()
+    for seconds, tokens in ((0.03, 1), (0.02, 1), (0.014, 1), (0.015, 1), (0.013, 1)):
+        p.measured(seconds, tokens)
+    q = DraftPolicy.from_json(p.as_json())
+    assert q.as_json() == p.as_json() and q.drafting() == p.drafting()
+    with pytest.raises(ValueError):
+        DraftPolicy.from_json({**p.as_json(), "home": "sometimes"})

@@ -95,6 +95,12 @@ class Scripted(DraftPolicy):
     def measured(self, seconds: float, tokens: int) -> None:
         self.i += 1
 
+    def plain_ahead(self) -> int:
+        n = 0
+        while n < len(self.pattern) and self.pattern[(self.i + n) % len(self.pattern)] == "p":
+            n += 1
+        return n
+
 
 @pytest.fixture(scope="module")
 def model(tiny_path: Path) -> Model:
@@ -132,6 +138,28 @@ def test_plain_steps_reach_the_mtp_draft_in_one_pass(model: Model) -> None:
     more = ids + got + [5, 6, 7]
     list(generate(s, more, 5, GREEDY, 8, timing=t2, spec=dec))
     assert t2.reused_tokens == n
+
+
+def test_a_long_plain_span_defers_the_prompt_to_after_the_reply(model: Model) -> None:
+    """A policy that will not draft for a long span: the MTP block does not read the prompt
+    while the reply decodes; `settle` (after the reply's timing) catches it up on every kept
+    position, with the cells an always-drafting run has."""
+    ids = np.random.default_rng(11).integers(0, 1000, 40).tolist()
+    ref = SpecDecoder.with_mtp(model, 3)
+    ref.always = True
+    want, s_ref, _ = spec_generate(ref, model, ids, 24)
+    dec = SpecDecoder.with_mtp(model, 3)
+    dec.new_policy = lambda greedy: Scripted("p" * 40 + "d")  # type: ignore[method-assign]
+    s, cells = Session(model, n_ctx=512), []
+    for tok in generate(s, ids, 24, GREEDY, 8, spec=dec):
+        cells.append(dec.draft.n_cells)
+    assert cells[-1] == 0 and s.tokens[: len(ids)] == ids  # nothing read while decoding
+    assert [*ids, *want][: len(s.tokens)] == s.tokens
+    n = len(s.tokens)
+    assert dec.draft.n_cells == ref.draft.n_cells == n == len(s_ref.tokens)  # settled
+    for x, y in zip(dec.draft.kv.read(0, n), ref.draft.kv.read(0, n)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-3, rtol=0)
+    dec.check_integrity()
 
 
 def test_useless_drafts_are_mostly_skipped(model: Model) -> None:

@@ -116,14 +116,28 @@ class Lender(Protocol):
 
 
 class HostRows:
-    """Host rows [n, d] kept as the blocks they arrived in (the prefill chunks' hidden): a
-    slice is copied from the blocks it spans, so a long prompt's rows (31k x 2048 float32 =
-    256 MB) are never joined into one array."""
+    """Host rows [n, d] kept as the blocks they arrived in (the prefill chunks' hidden, then a
+    plain step's row at a time): a slice is copied from the blocks it spans, so a long
+    prompt's rows (31k x 2048 float32 = 256 MB) are never joined into one array."""
 
-    def __init__(self, blocks: list[np.ndarray]):
-        self.blocks = blocks
-        self.starts = np.cumsum([0, *(len(b) for b in blocks)])  # [n_blocks + 1]
-        self.shape = (int(self.starts[-1]), *blocks[0].shape[1:])
+    def __init__(self, blocks: list[np.ndarray] | None = None):
+        self.blocks: list[np.ndarray] = []
+        self.starts = [0]  # [n_blocks + 1] first row of each block, then the end
+        for b in blocks or []:
+            self.append(b)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.starts[-1], *(self.blocks[0].shape[1:] if self.blocks else ()))
+
+    def append(self, block: np.ndarray) -> None:
+        """Rows [k, d] after the last."""
+        self.blocks.append(block)
+        self.starts.append(self.starts[-1] + len(block))
+
+    def head(self, n: int) -> HostRows:
+        """The first `n` rows (views of the same blocks)."""
+        return HostRows([self[0:n]]) if n else HostRows()
 
     def __getitem__(self, rows: slice) -> np.ndarray:
         a, b, step = rows.indices(self.shape[0])
@@ -145,8 +159,10 @@ class SpecDecoder:
         # runtime's `engine.loan.cache_lend.CacheLend`), or None
         self.lender: Lender | None = None
         self.policy = DraftPolicy()  # the last request's (its measured rates, for traces)
-        # rows of plain steps the draft has not seen: (first position, hidden [1, d]s, ids)
-        self._unseen: tuple[int, list[Any], list[int]] | None = None
+        # rows the draft has not seen (a deferred prompt, plain steps' rows): (first
+        # position, their hidden in host memory, the ids after them); `_session`: whose
+        self._unseen: tuple[int, HostRows, list[int]] | None = None
+        self._session: Session | None = None
         self._pos0: int | None = None  # first prompt position whose hidden `collect` expects
         self._hidden: list[Any] = []  # [T, d] per prefill chunk since `begin`, host memory
         self._backend: Backend | None = None  # the prefilling session's (`begin`)
@@ -179,7 +195,9 @@ class SpecDecoder:
     def begin(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
         """Before prefill: of the `reuse` tokens the session shares with the prompt, how many
         to keep (the draft must continue from them too). Truncates the draft; the caller
-        truncates the session to the result and prefills the rest, calling `collect`."""
+        truncates the session to the result and prefills the rest, calling `collect`. The
+        last request is settled first (`settle`), if its caller did not."""
+        self.settle()
         keep = self.draft.reusable(session, prompt_ids, reuse)
         self.draft.truncate(keep)
         self._pos0, self._hidden, self._backend = keep, [], session.backend
@@ -228,8 +246,13 @@ class SpecDecoder:
                         or (cancel is not None and cancel.is_set())
                     ):
                         return
-                if hidden is not None:  # first token known: the draft catches up on the prompt
-                    self.draft.observe(session, pos0, hidden, [*session.tokens[pos0 + 1 :], tok])
+                if hidden is not None:  # first token known: the draft reads the prompt now,
+                    # or (no draft for a long span) when drafting resumes or after the reply
+                    after = [*session.tokens[pos0 + 1 :], tok]
+                    if policy.plain_ahead() >= LEND_MIN_STEPS:
+                        self._unseen = pos0, hidden, after
+                    else:
+                        self.draft.observe(session, pos0, hidden, after)
                     hidden = None
                 self._lend_or_repay(policy)
                 n_draft = min(
@@ -241,7 +264,6 @@ class SpecDecoder:
                 out = self._step(session, out[-1], n_draft, sampler, timing)
                 policy.measured(time.perf_counter() - t0, len(out))
         finally:
-            self._repay(quiet=sys.exc_info()[1] is not None)  # resident between requests
             n_keep = n_start + max(len(emitted) - 1, 0)
             if len(session.tokens) > n_keep:
                 session.truncate(n_keep)
@@ -249,12 +271,26 @@ class SpecDecoder:
             failure = sys.exc_info()[1]
             if failure is None or isinstance(failure, GeneratorExit):  # done, or closed early
                 if hidden is not None and emitted:  # it ended at the first token: the draft
-                    # reads the prompt now, or the next request would recompute all of it
-                    self.draft.observe(session, pos0, hidden,
-                                       [*session.tokens[pos0 + 1 : n_start], emitted[0]])
-                self._catch_up(session)  # the next request continues from every kept position
+                    # reads the prompt in `settle`, or the next request would recompute it
+                    self._unseen = pos0, hidden, [*session.tokens[pos0 + 1 : n_start], emitted[0]]
+                self._session = session  # `settle` catches the draft up on every kept position
             else:  # an error: no more device work; the next request re-reads what the draft lacks
                 self._unseen = None
+                self._session = session
+                self._repay(quiet=True)
+
+    def settle(self, quiet: bool = False) -> None:
+        """After a reply (the serve loop calls it once the reply's timing is taken; `begin`
+        calls it too): the memory lent to the expert cache back, then the draft model over the
+        rows it has not seen (those still in the session), so the next request continues
+        from every kept position as after an always-drafting request. `quiet`: after a failed
+        request, nothing raises (the next loan restores what is still released)."""
+        self._repay(quiet)
+        session, self._session = self._session, None
+        if session is not None and not quiet:
+            self._catch_up(session)
+        elif quiet:
+            self._unseen = None
 
     def _lend_or_repay(self, policy: DraftPolicy) -> None:
         """Before a step: the draft model's memory back if the step drafts, lent to the expert
@@ -290,10 +326,9 @@ class SpecDecoder:
             return
         first, rows, ids = self._unseen
         self._unseen = None
-        n = min(len(rows), len(session.tokens) - first)
+        n = min(rows.shape[0], len(session.tokens) - first)
         if n > 0:
-            hidden = session.xp.concatenate(rows[:n])  # [n, d]
-            self.draft.observe(session, first, hidden, ids[:n])
+            self.draft.observe(session, first, rows.head(n), ids[:n])
 
     def _take_hidden(self, session: Session, n_start: int) -> tuple[int, Any]:
         pos0, parts = self._pos0, self._hidden
@@ -326,8 +361,9 @@ class SpecDecoder:
         session.truncate(n0 + 1 + k)
         timing.spec_steps += 1
         if not n_draft:  # a plain step: the draft model runs once drafting resumes, over every such row
-            first, rows, ids = self._unseen or (n0, [], [])
-            self._unseen = first, [*rows, self.verifier.hidden[:1].copy()], [*ids, bonus]
+            first, rows, ids = self._unseen or (n0, HostRows(), [])
+            rows.append(be.download(self.verifier.hidden[:1]))  # [1, d]
+            self._unseen = first, rows, [*ids, bonus]
         else:
             self.draft.observe(session, n0, self.verifier.hidden[: k + 1], [*draft.tokens[:k], bonus])
             timing.drafted_steps += 1

@@ -14,7 +14,9 @@ than one row) and acceptance depends on the text, so the policy measures instead
 
 A request's policy goes on from the previous request's (`prior`): its home, span and measured
 rates, so drafts that do not pay are probed rarely from the second request on (a few steps in
-a few hundred) instead of being measured again from scratch on every message.
+a few hundred) instead of being measured again from scratch on every message. The serve loop
+keeps the last greedy request's policy per device beside the forecast's rates (`save` /
+`load`), so a new engine on the same model and machine goes on from it too.
 
 A mode's first step after a switch is not measured (it may capture a token graph for a new
 row count or bring the draft model's state up to date). Greedy output does not depend on the
@@ -26,7 +28,11 @@ step.
 
 from __future__ import annotations
 
+import json
 from collections import deque
+from pathlib import Path
+
+from engine.atomic_file import write_text_atomic
 
 DRAFT, PLAIN = "draft", "plain"
 CLEAR_WIN_SPAN = 64  # x first_span: the first span of a home that won by more than a quarter
@@ -117,8 +123,64 @@ class DraftPolicy:
             return 2
         return 4 if max(d, p) > 1.25 * min(d, p) else 2
 
+    def as_json(self) -> dict:
+        """What a later engine goes on from: home, mode, span, steps left, measured steps."""
+        return {"home": self.home, "mode": self.mode, "span": self.span, "left": self.left,
+                "steps": {m: [list(x) for x in q] for m, q in self._steps.items()}}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> DraftPolicy:
+        """A policy as `as_json` wrote it (ValueError, TypeError or KeyError when it is not)."""
+        p = cls()
+        modes = (DRAFT, PLAIN)
+        if doc["home"] not in modes or doc["mode"] not in modes:
+            raise ValueError(f"modes {doc['home']!r}, {doc['mode']!r}")
+        span, left = int(doc["span"]), int(doc["left"])
+        if not (p.first_span <= span <= p.max_span and 0 <= left <= p.max_span):
+            raise ValueError(f"span {span}, left {left}")
+        p.home, p.mode, p.span, p.left = doc["home"], doc["mode"], span, left
+        for mode in modes:
+            p._steps[mode].extend((float(s), int(n)) for s, n in doc["steps"][mode])
+        return p
+
     def _switch(self, mode: str, steps: int) -> None:
         if mode != self.mode:
             self.fresh = True
         self.mode, self.left = mode, steps
 
+
+
+POLICY_FORMAT, POLICY_VERSION = "strata-draft-policy", 1
+
+
+def policy_path(rates_file: Path) -> Path:
+    """Where the drafting policy lives: beside the forecast's rates (`X.rates.json` ->
+    `X.policy.json`)."""
+    return rates_file.with_name(rates_file.name.removesuffix(".rates.json") + ".policy.json")
+
+
+def load(path: Path, device: str) -> DraftPolicy | None:
+    """The policy saved for `device`, or None (no file, no entry, or not a policy file: the
+    engine then measures from scratch)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if doc.get("format") != POLICY_FORMAT or doc.get("version") != POLICY_VERSION:
+            return None
+        entry = doc["devices"].get(device)
+        return None if entry is None else DraftPolicy.from_json(entry)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def save(path: Path, device: str, policy: DraftPolicy) -> None:
+    """Keep `policy` as `device`'s (other devices' entries kept); OSError as the file system
+    says."""
+    try:
+        devices = json.loads(path.read_text(encoding="utf-8"))["devices"]
+    except (OSError, ValueError, TypeError, KeyError):
+        devices = {}
+    if not isinstance(devices, dict):
+        devices = {}
+    devices[device] = policy.as_json()
+    doc = {"format": POLICY_FORMAT, "version": POLICY_VERSION, "devices": devices}
+    write_text_atomic(path, json.dumps(doc) + "\n")
