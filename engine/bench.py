@@ -272,6 +272,8 @@ def markdown(rows: list[Row], title: str) -> str:
     notes = [over_limit_line(row) for row in rows if any(s.over_limit for s in row.samples)]
     short = tg_note(rows)
     notes += [short] if short else []
+    first = first_run_note(rows)
+    notes += [first] if first else []
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -291,6 +293,22 @@ def tg_note(rows: list[Row]) -> str | None:
     return (f"TG: {fewest} tokens, {runs} run{'s' if runs != 1 else ''} per configuration; TG at "
             f"depth wants at least {TG_MIN_TOKENS} tokens and {TG_MIN_RUNS} runs "
             f"(--max-new {TG_MIN_TOKENS} --runs {TG_MIN_RUNS}).")
+
+
+def first_run_note(rows: list[Row]) -> str | None:
+    """A line under the table comparing each configuration's first measured TG with the median
+    of its later runs (a first run that stalls on something later runs do not pay shows here);
+    None when no configuration has two runs with TG."""
+    parts = []
+    for row in rows:
+        tg = [s.tg for s in row.samples if s.tg > 0]
+        if len(tg) >= 2:
+            later = statistics.median(tg[1:])
+            parts.append(f"{row.label} {tg[0]:.1f} against {later:.1f} "
+                         f"({100 * (tg[0] / later - 1):+.1f}%)")
+    if not parts:
+        return None
+    return "TG, the first measured run against the median of the later ones: " + "; ".join(parts) + "."
 
 
 def over_limit_line(row: Row) -> str:

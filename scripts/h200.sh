@@ -36,6 +36,9 @@
 #             quant), the automatic planner loan off and on, MAX_NEW tokens (default 128 here),
 #             ROUNDS rounds (default 1) of one process per side, sides interleaved; the reply
 #             CRCs of every run (greedy: all equal) -> $OUT/lever.md
+#   d31       decode at depth 31k: --mtp --spec 2 loan off / on and no MTP (`--scenario auto
+#             --scenario plain`), RUNS (default 3) runs of MAX_NEW_D31 (default 256) tokens, 48
+#             layers, 8 GiB                                          -> $OUT/d31.md
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
@@ -104,6 +107,11 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           for side in A B; do
             echo "== $side, pooled"; strata bench --merge "$OUT"/lever-$side-*.json
           done 2>&1 | tee -a "$OUT/lever.md" ;;
+    d31) STRATA_TRACE=1 strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB \
+          --mtp --spec 2 --kv q4_0 --h2d-gbs 55.3 --peak-tflops 989 --scenario auto \
+          --scenario plain --runs "${RUNS_D31:-3}" --prompt-tokens 31258 \
+          --max-new "${MAX_NEW_D31:-256}" --json "$OUT/d31.json" 2>&1 \
+          | grep -vE "^  (chunk|strata serve: prompt)" | cut -c1-400 | tee "$OUT/d31.md" ;;
     katt) python3 -m engine.kernels.bench --only attention 2>&1 | tee "$OUT/katt.md" ;;
     kmoe) python3 -m engine.kernels.bench --only moe 2>&1 | tee "$OUT/kmoe.md" ;;
     m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;

@@ -36,6 +36,17 @@ def test_markdown_adds_columns_only_when_there_is_data() -> None:
     assert "| Drafted steps (%) |" in markdown([spec], "t") and "| 25 |" in markdown([spec], "t")
 
 
+def test_the_first_measured_run_is_set_against_the_later_ones() -> None:
+    """Issue 17: the first measured run within 5% of later ones; the table says how far."""
+    def row(label: str, tgs: list[float]) -> Row:
+        return Row(label, [Sample("512 / 8", 200.0, tg, 0.5, 5.0, True, generated=128) for tg in tgs])
+
+    table = markdown([row("off", [36.0, 40.0, 41.0, 39.0]), row("on", [45.0])], "t")
+    assert ("TG, the first measured run against the median of the later ones: "
+            "off 36.0 against 40.0 (-10.0%).") in table
+    assert "first measured run" not in markdown([row("on", [45.0])], "t")
+
+
 def test_a_tg_that_is_not_at_depth_says_so() -> None:
     """TG at depth: at least 128 tokens, the median of at least 3 runs; a table short of
     either says what it had under the table."""
