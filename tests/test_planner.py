@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -157,6 +158,12 @@ def test_fixed_expert_cache_and_prefill() -> None:
     with pytest.raises(PlanError, match="prompt path needs") as e:
         plan_startup(256 * MiB, COSTS, replace(OPTS, prefill=16384))
     assert "chunk (16,384 tokens)" in e.value.table
+    # a cache sized by hand leaves too little: the message counts whole segments against what
+    # the cache left (not the whole device), and names --expert-cache
+    with pytest.raises(PlanError) as e:
+        plan_startup(256 * MiB, COSTS, replace(OPTS, expert_cache=23, prefill=4096, borrow=False))
+    need, left = (float(x) for x in re.findall(r"([\d.]+) MiB", str(e.value))[:2])
+    assert need > left and "lower --expert-cache" in str(e.value) and "segments of" in str(e.value)
 
 
 def test_prefill_zero_has_no_prompt_path() -> None:

@@ -99,7 +99,7 @@ def plan_prompt(
         why = f"the prompt path owns {units} segments"
     geometry = _fit(units, unit_bytes, costs, opts, opts.max_chunk_tokens, opts.borrow, why)
     if geometry is None:
-        _raise_no_prompt(units * unit_bytes, costs, opts)
+        _raise_no_prompt(units, unit_bytes, costs, opts, borrowed=opts.borrow)
     return geometry
 
 
@@ -208,16 +208,18 @@ def _split(
             return n_cache, g
         reasons.append(f"the cache tail ({n_lend:,} lendable slots) cannot hold a prompt path")
     if opts.expert_cache != "auto":
+        room = left
         g = owned(left, opts.max_chunk_tokens)
     else:  # the owned prompt path takes memory from the cache: keep the floor, cap the chunk
         keep = cache_segments(min(n_all, opts.kept_slots(costs)))
-        g = owned(avail_segments - keep, opts.owned_chunk_tokens)
+        room = avail_segments - keep
+        g = owned(room, opts.owned_chunk_tokens)
         if g is not None:
             used = ceil_div(g.chunk_bytes, seg) + ceil_div(g.ring_bytes, seg)
             n_cache = slots_in(avail_segments - used)
             reasons.append(f"expert cache shrinks to {n_cache:,} slots for the owned prompt path")
     if g is None:
-        _raise_no_prompt(avail_segments * seg, costs, opts)
+        _raise_no_prompt(max(room, 0), seg, costs, opts)
     return n_cache, g
 
 
@@ -289,18 +291,28 @@ def _raise_short(need: list[RegionPlan], opts: PlanOptions, n_segments: int, seg
     )
 
 
-def _raise_no_prompt(budget_bytes: int, costs: ModelCosts, opts: PlanOptions) -> None:
+def _raise_no_prompt(room: int, unit_bytes: int, costs: ModelCosts, opts: PlanOptions,
+                     borrowed: bool = False) -> None:
+    """The smallest prompt path (a grid chunk or the --prefill chunk, and its minimum ring)
+    against the `room` left for it, both in its units: whole segments of `unit_bytes` for
+    owned regions, cache slots when `borrowed` (chunk and ring share the lent slots)."""
     tokens = opts.grid_tokens if opts.prefill == "auto" else opts.prefill
     _, ring = _chunk_tokens(0, 1, costs, replace(opts, prefill=tokens), tokens)
-    ring_bytes = ring * costs.expert_blob_bytes
+    chunk_bytes, ring_bytes = costs.chunk_bytes(tokens), ring * costs.expert_blob_bytes
+    units = [ceil_div(chunk_bytes, unit_bytes), ceil_div(ring_bytes, unit_bytes)]
+    if borrowed:
+        need, what = ceil_div(chunk_bytes + ring_bytes, unit_bytes), "cache slots"
+    else:
+        need, what = sum(units), f"segments of {format_mib(unit_bytes)} MiB"
     rows = [
-        [f"chunk ({tokens:,} tokens)", format_mib(costs.chunk_bytes(tokens))],
-        [f"ring ({ring} slots)", format_mib(ring_bytes)],
-        ["available", format_mib(budget_bytes)],
+        [f"chunk ({tokens:,} tokens)", format_mib(chunk_bytes), str(units[0])],
+        [f"ring ({ring} slots)", format_mib(ring_bytes), str(units[1])],
+        ["left for it", format_mib(room * unit_bytes), str(room)],
     ]
+    cache = "lower --expert-cache, " if opts.expert_cache != "auto" and not borrowed else ""
     raise PlanError(
-        f"the prompt path needs {format_mib(costs.chunk_bytes(tokens) + ring_bytes)} MiB for a "
-        f"{tokens:,}-token chunk and a {ring}-slot ring, {format_mib(budget_bytes)} MiB are "
-        f"available; lower --prefill or --ctx, or give the device more memory",
-        format_table(["item", "MiB"], rows, right=[0, 1]),
+        f"the prompt path needs {format_mib(need * unit_bytes)} MiB ({need} {what}) for a "
+        f"{tokens:,}-token chunk and a {ring}-slot ring, {format_mib(room * unit_bytes)} MiB "
+        f"are left for it; {cache}lower --prefill or --ctx, or give the device more memory",
+        format_table(["item", "MiB", what.split(" of ")[0]], rows, right=[0, 1, 1]),
     )
