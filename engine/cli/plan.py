@@ -73,8 +73,10 @@ def plan_text(options: EngineOptions, flags: LoanFlags, shapes: Shapes, name: st
         *budget_lines(planned.backend),
         f"loan    deferred at startup: {', '.join(sorted(deferred_regions(flags, options))) or 'none'}",
         f"costs   dense {format_mib(costs.dense_bytes)}, kv {format_mib(costs.kv_bytes)}, "
-        + ", ".join(f"{k} {format_mib(v)}" for k, v in costs.decode_only_bytes().items())
-        + f" MiB; {costs.act_bytes_per_token:,} B of activations per prompt token",
+        + ", ".join(f"{k} {format_mib(v)}" for k, v in costs.decode_only_bytes().items() if v)
+        + f" MiB; {costs.act_bytes_per_token:,} B of activations per prompt token"
+        + ("; the draft head is the native head" if options.mtp and not costs.draft_head_bytes
+           and costs.mtp_expert_bytes else ""),
         "",
     ]
     return "\n".join(head) + format_plan_table(plan)
