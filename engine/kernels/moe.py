@@ -121,6 +121,10 @@ def _decode_group(blobs: list[Any], layout: ExpertLayout, wgu: Any, wd: Any) -> 
     down_dst = [wd.data.ptr + i * d * f * 2 for i in range(n)]
     dev = wgu.device.id
     q_gate, q_up, q_down = layout.qtypes
+    if q_gate == q_up == q_down:  # gate, up and down hold f * d values each: one launch
+        srcs = [p[i] for i in range(3) for p in parts]
+        dequantize_ptrs(srcs, gate_dst + up_dst + down_dst, q_gate, f * d, f16=True, device_id=dev)
+        return
     if q_gate == q_up:
         srcs = [p[0] for p in parts] + [p[1] for p in parts]
         dequantize_ptrs(srcs, gate_dst + up_dst, q_gate, f * d, f16=True, device_id=dev)
