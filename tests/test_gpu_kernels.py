@@ -119,7 +119,8 @@ def _moe_reference(h, ids, wts, host_blobs, layout) -> np.ndarray:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q5_0, Q.IQ4_XS)], ids=["q4k-q6k", "mixed"]
+    "qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q5_0, Q.IQ4_XS), (Q.Q4_0, Q.Q4_0, Q.Q4_0)],
+    ids=["q4k-q6k", "mixed", "q4_0"]  # one type: gate, up and down decode in one launch
 )
 def test_moe_prefill_matches_numpy(cp, qtypes) -> None:
     from engine.kernels import expert_fp16_bytes, moe_prefill
