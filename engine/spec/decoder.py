@@ -14,12 +14,14 @@ and when every draft is accepted the bonus is drawn from p: the output distribut
 
 The MTP block needs the main model's hidden h[p] for every position it has a cell for. The
 prompt's hidden is collected during prefill (`collect`, called per chunk) and fed to the block
-in one pass once the first token is known (the loan has restored the MTP experts by then);
-after each verify the block runs over the accepted positions, whose hidden the verifier holds,
-and that same pass yields the next step's first draft.
+in one pass once the first token is known (the loan has restored the MTP experts by then), or,
+when the drafting policy will not draft for a long span, with the plain steps' rows before the
+next draft or after the reply (`settle`); after each verify the block runs over the accepted
+positions, whose hidden the verifier holds, and that same pass yields the next step's first
+draft.
 
 A request calls `begin` (engine.request.prompt_start) -> prefill with `collect` on each
-chunk -> `decode`.
+chunk -> `decode` -> `settle` once the reply's timing is taken.
 """
 
 from __future__ import annotations
