@@ -36,12 +36,8 @@ class CacheLend:
         self.report = report
         self.lent: list[DecodeResource] = []
         self.grown = 0  # slots the cache holds on loan
-        self.n_lends = 0
+        self.n_lends = 0  # lends made (traces and tests)
         self.off = False  # a lend failed: the regions stay resident from then on
-
-    @property
-    def active(self) -> bool:
-        return bool(self.lent)
 
     def lend(self) -> None:
         """Release the resident MTP regions and grow the cache by their bytes (no more: free
