@@ -39,6 +39,9 @@
 #   d31       decode at depth 31k: --mtp --spec 2 loan off / on and no MTP (`--scenario auto
 #             --scenario plain`), RUNS (default 3) runs of MAX_NEW_D31 (default 256) tokens, 48
 #             layers, 8 GiB                                          -> $OUT/d31.md
+#   ident     greedy identity on the 48-layer file (issue 18): 31,258 tokens, 64 new, the loan off
+#             and on with a 4,096-token chunk (`--scenario ab`) and with the automatic planner's
+#             chunks; every reply's CRC must be the same           -> $OUT/ident.md
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
@@ -112,6 +115,10 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           --scenario plain --runs "${RUNS_D31:-3}" --prompt-tokens 31258 \
           --max-new "${MAX_NEW_D31:-256}" --json "$OUT/d31.json" 2>&1 \
           | grep -vE "^  (chunk|strata serve: prompt)" | cut -c1-400 | tee "$OUT/d31.md" ;;
+    ident) strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB --mtp --spec 2 \
+          --kv q4_0 --scenario ab --prefill 4096 --scenario auto --runs 1 --prompt-tokens 31258 \
+          --max-new 64 --json "$OUT/ident.json" 2>&1 | grep -E "^\|" | tee "$OUT/ident.md"
+        python3 scripts/reply_crcs.py "$OUT/ident.json" 2>&1 | tee -a "$OUT/ident.md" || true ;;
     katt) python3 -m engine.kernels.bench --only attention 2>&1 | tee "$OUT/katt.md" ;;
     kmoe) python3 -m engine.kernels.bench --only moe 2>&1 | tee "$OUT/kmoe.md" ;;
     m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;
