@@ -3,6 +3,7 @@ tiny model; the figures themselves are never asserted)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,24 @@ def test_the_plain_scenario_decodes_without_the_mtp_block(tiny_path: Path) -> No
     plain, spec = (run_bench(c, 300, 8, 1, warmup=False)[0].samples[0] for c in (configs, spec_configs[:1]))
     assert plain.spec_steps == 0 and spec.spec_steps > 0 and plain.generated == spec.generated == 8
     assert plain.reply_crc == spec.reply_crc
+
+
+def test_reply_crcs_says_whether_the_greedy_replies_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """scripts/reply_crcs.py (the H200 identity stages): every run's reply CRC from bench JSON
+    files, exit 0 only when all agree."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("reply_crcs", Path(__file__).parent.parent / "scripts" / "reply_crcs.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def sample(crc: str) -> dict:
+        return {**asdict(Sample("256 / 8", 1.0, 1.0, 1.0, 1.0, False, generated=8)), "reply_crc": crc}
+
+    same, other = tmp_path / "a.json", tmp_path / "b.json"
+    same.write_text(json.dumps({"ab": [{"label": "off", "samples": [sample("aa"), sample("aa")]}]}))
+    other.write_text(json.dumps({"auto": [{"label": "on", "samples": [sample("bb")]}]}))
+    assert mod.main([str(same)]) == 0 and "replies: all equal" in capsys.readouterr().out
+    assert mod.main([str(same), str(other)]) == 1 and "replies: 2 different" in capsys.readouterr().out
