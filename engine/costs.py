@@ -8,6 +8,7 @@ carved array is padded to the arena's alignment.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
@@ -45,9 +46,13 @@ class Shapes:
     def has_mtp(self) -> bool:
         return self.hp.n_nextn > 0
 
+    @functools.cached_property
+    def qtypes_by_name(self) -> dict[str, GGMLQuantizationType]:
+        return dict(self.tensor_qtypes)
+
     def qtype(self, name: str) -> GGMLQuantizationType:
         """The file's type of tensor `name` (F32, i.e. decoded, where unknown)."""
-        return dict(self.tensor_qtypes).get(name, GGMLQuantizationType.F32)
+        return self.qtypes_by_name.get(name, GGMLQuantizationType.F32)
 
     @classmethod
     def of_spec(cls, spec) -> Shapes:  # type: ignore[no-untyped-def]
@@ -102,8 +107,7 @@ def dense_bytes(model: Shapes, with_mtp: bool, wb: int = F32, quant: bool = Fals
 
 def head_bytes(model: Shapes, wb: int = F32, quant: bool = False) -> int:
     hp = model.hp
-    name = names.OUTPUT if hp.has_output else names.TOKEN_EMBD
-    return stacked_bytes(model, (name,), (hp.n_vocab, hp.n_embd), wb, quant)
+    return stacked_bytes(model, (names.native_head(hp.has_output),), (hp.n_vocab, hp.n_embd), wb, quant)
 
 
 def draft_head_bytes(model: Shapes, draft_vocab: int, wb: int = F32, quant: bool = False) -> int:
@@ -112,12 +116,11 @@ def draft_head_bytes(model: Shapes, draft_vocab: int, wb: int = F32, quant: bool
     of the native head (`shares_native_head`: the native head itself, no region)."""
     hp = model.hp
     own = names.nextn("shared_head_head", hp.n_layer)
-    native = names.OUTPUT if hp.has_output else names.TOKEN_EMBD
     n = min(draft_vocab or hp.n_vocab, hp.n_vocab)
-    if own not in dict(model.tensor_qtypes):
+    if own not in model.qtypes_by_name:
         if n == hp.n_vocab:
             return 0
-        return stacked_bytes(model, (native,), (n, hp.n_embd), wb, quant)
+        own = names.native_head(hp.has_output)
     return stacked_bytes(model, (own,), (n, hp.n_embd), wb, quant)
 
 

@@ -122,5 +122,7 @@ def generate(
     finally:
         tokens.close()  # settles the KV now, not when the generator is collected
         timing.decode_s = time.perf_counter() - t1
-        if spec is not None:  # the draft model's deferred catch-up, after the timing
-            spec.settle(quiet=sys.exc_info()[1] is not None)
+        if spec is not None:  # the draft model's deferred catch-up, after the timing (a
+            # consumer that stopped early closed this generator: still a reply to settle)
+            failure = sys.exc_info()[1]
+            spec.settle(quiet=failure is not None and not isinstance(failure, GeneratorExit))

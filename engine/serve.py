@@ -106,7 +106,7 @@ class ServeLoop:
         self._rates_saved = True
         # the drafting policy goes on from the last engine's on this model and machine
         self.policy_file = draft_policy.policy_path(self.rates_file)
-        self._device = device
+        self._device, self._policy_saved = device, True
         if runtime.spec is not None:
             prior = draft_policy.load(self.policy_file, device)
             if prior is not None:
@@ -365,10 +365,10 @@ class ServeLoop:
         try:
             draft_policy.save(self.policy_file, self._device, spec.policy)
         except OSError as e:
-            if self._rates_saved:
+            if self._policy_saved:
                 self.rt.report.warn(f"strata: warning: cannot save the drafting policy to "
                                     f"{self.policy_file} ({e.strerror})")
-            self._rates_saved = False
+            self._policy_saved = False
 
     def _learn(self, req: Request, verdict: LoanVerdict) -> None:
         """After a prefill: compare it with its forecast (a trace line, `timing.forecast_s`)

@@ -314,3 +314,6 @@ def test_host_rows_slice_across_their_blocks() -> None:
     assert rows.shape == (23, 2)
     for a, b in ((0, 23), (3, 9), (8, 15), (10, 11), (9, 12), (20, 23), (0, 5)):
         np.testing.assert_array_equal(rows[a:b], whole[a:b])
+    head = rows.head(15)  # views of the first blocks, none joined
+    assert head.shape == (15, 2) and len(head.blocks) == 3
+    np.testing.assert_array_equal(head[0:15], whole[:15])

@@ -45,6 +45,11 @@ NEXTN_OPTIONAL = ("shared_head_head", "embed_tokens")
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
+def native_head(has_output: bool) -> str:
+    """The tensor the output head's rows are: its own, or (tied) the token embedding's."""
+    return OUTPUT if has_output else TOKEN_EMBD
+
+
 def block(kind: str, i: int) -> str:
     return BLOCK[kind].format(i=i)
 

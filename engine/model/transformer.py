@@ -19,7 +19,7 @@ from engine.model.attention import attention_block
 from engine.model.moe import moe_block
 from engine.model.weights import BlockWeights, TokenEmbedding, WeightLoader, load_block
 from engine.phases import PhaseClock
-from engine.quant import dequantize, keeps_quantized
+from engine.quant import dequantize
 
 
 @dataclass
@@ -71,14 +71,13 @@ class Transformer:
 
     def head_tensor(self) -> Any:
         """The file's output head tensor (tied models: the token embedding's)."""
-        return self.mf.tensors.get(names.OUTPUT) or self.mf.tensor(names.TOKEN_EMBD)
+        return self.mf.tensor(names.native_head(self.hp.has_output))
 
     def load_head(self, to_device: Any) -> None:
         """Upload the head: in its quantized blocks straight from the (page-locked) file map
         when quantized, else the decoded host copy (`head_host`)."""
-        load = WeightLoader(to_device, self.quantized)
-        t = self.head_tensor()
-        self.head = load.matrix(t) if self.quantized and keeps_quantized(t.qtype) else to_device(self.head_host())
+        load, t = WeightLoader(to_device, self.quantized), self.head_tensor()
+        self.head = load.matrix(t) if load.keeps(t) else to_device(self.head_host())
 
     def release_head(self) -> None:
         self.head = None

@@ -35,11 +35,16 @@ class WeightLoader:
     def vector(self, t: TensorView) -> Any:
         return self.to_device(dequantize(t))
 
+    def keeps(self, *ts: TensorView) -> bool:
+        """Whether `matrix(*ts)` keeps their blocks: quantized, one type the kernels decode."""
+        q = ts[0].qtype
+        return self.quantized and keeps_quantized(q) and all(t.qtype == q for t in ts)
+
     def matrix(self, *ts: TensorView) -> Any:
         """One weight [sum of rows, n_in] from tensors stacked by rows (q, k and v: one
         projection, one launch)."""
         q = ts[0].qtype
-        if self.quantized and keeps_quantized(q) and all(t.qtype == q for t in ts):
+        if self.keeps(*ts):
             parts = [np.ascontiguousarray(t.raw).reshape(-1).view(np.uint8) for t in ts]
             raw = parts[0] if len(parts) == 1 else np.concatenate(parts)  # one: the file map
             shape = (sum(t.shape[0] for t in ts), ts[0].shape[1])

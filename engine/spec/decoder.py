@@ -138,8 +138,8 @@ class HostRows:
         self.starts.append(self.starts[-1] + len(block))
 
     def head(self, n: int) -> HostRows:
-        """The first `n` rows (views of the same blocks)."""
-        return HostRows([self[0:n]]) if n else HostRows()
+        """The first `n` rows (views of the same blocks, none joined)."""
+        return HostRows([blk[: n - s] for blk, s in zip(self.blocks, self.starts) if s < n])
 
     def __getitem__(self, rows: slice) -> np.ndarray:
         a, b, step = rows.indices(self.shape[0])
@@ -278,8 +278,6 @@ class SpecDecoder:
                 self._session = session  # `settle` catches the draft up on every kept position
             else:  # an error: no more device work; the next request re-reads what the draft lacks
                 self._unseen = None
-                self._session = session
-                self._repay(quiet=True)
 
     def settle(self, quiet: bool = False) -> None:
         """After a reply (the serve loop calls it once the reply's timing is taken; `begin`
@@ -289,10 +287,10 @@ class SpecDecoder:
         request, nothing raises (the next loan restores what is still released)."""
         self._repay(quiet)
         session, self._session = self._session, None
-        if session is not None and not quiet:
-            self._catch_up(session)
-        elif quiet:
+        if quiet:
             self._unseen = None
+        elif session is not None:
+            self._catch_up(session)
 
     def _lend_or_repay(self, policy: DraftPolicy) -> None:
         """Before a step: the draft model's memory back if the step drafts, lent to the expert

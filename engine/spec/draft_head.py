@@ -59,9 +59,8 @@ def shares_native_head(model: Model, draft_vocab: int) -> bool:
     """Whether the draft head would be every row of the native head's own tensor (no MTP head
     of its own, no draft vocabulary): then it is the native head itself (`NativeDraftHead`)."""
     hp = model.hp
-    native = names.OUTPUT if hp.has_output else names.TOKEN_EMBD
     full = draft_vocab == 0 or draft_vocab >= hp.n_vocab
-    return full and head_tensor(model) is model.mf.tensors[native]
+    return full and head_tensor(model) is model.mf.tensors[names.native_head(hp.has_output)]
 
 
 def draft_head_of(model: Model, draft_vocab: int = 0,
