@@ -81,6 +81,15 @@ class FlagCommands(Provider):
                      "(sampled replies always draft)"),
                 )
             )
+        other = "static" if options.cache_policy == "adaptive" else "adaptive"
+        out.append(
+            (
+                f"Expert cache: {other} policy",
+                partial(ask, flags, options.with_changes(cache_policy=other)),
+                f"now {options.cache_policy}; 'adaptive' promotes experts decoding misses "
+                "often and lately",
+            )
+        )
         for p in PREFILL_CHOICES:
             if p != options.prefill:
                 out.append(

@@ -79,6 +79,7 @@ class Sample:
     peak_source: str = ""  # PROCESS or DEVICE (NVML), SIMULATED; "" when unknown
     limit_mib: float = 0.0  # --vram-limit of the run (0: none)
     reply_crc: str = ""  # CRC-32 of the reply's text (greedy runs of two configurations agree)
+    decode_promoted: int = 0  # decode misses then put into the cache (--cache-policy adaptive)
 
     @property
     def over_limit(self) -> bool:
@@ -89,6 +90,10 @@ class Sample:
     def decode_hit_pct(self) -> float:
         n = self.decode_hits + self.decode_misses
         return 100.0 * self.decode_hits / n if n else 0.0
+
+    @property
+    def promoted_per_token(self) -> float:
+        return self.decode_promoted / self.generated if self.generated else 0.0
 
     @property
     def drafted_pct(self) -> float:
@@ -192,7 +197,7 @@ def _measure(loop: ServeLoop, cfg: Config, n_tokens: int, max_new: int, hw: Hard
                   arena.peak_bytes / (1 << 20) if arena else 0.0,
                   arena.spilled_bytes / (1 << 20) if arena else 0.0, ratio,
                   t.decode_hits, t.decode_misses, t.spec_steps, t.drafted_steps,
-                  generated=t.generated, reply_crc=f"{zlib.crc32(reply.text.encode()):08x}")
+                  generated=t.generated, decode_promoted=t.decode_promoted, reply_crc=f"{zlib.crc32(reply.text.encode()):08x}")
 
 
 def _peak(sampler: PeakSampler | None, loop: ServeLoop) -> MemoryReading | None:
@@ -240,6 +245,7 @@ OPTIONAL_COLUMNS: tuple[tuple[str, str, str, Callable[[Sample], bool]], ...] = (
     ("Spilled (MiB)", "arena_spill_mib", "{:.0f}", lambda s: s.arena_peak_mib > 0),
     ("Prefill / lower bound", "bound_ratio", "{:.1f}x", lambda s: s.bound_ratio > 0),
     ("Decode cache hits (%)", "decode_hit_pct", "{:.0f}", lambda s: s.decode_hits + s.decode_misses > 0),
+    ("Promoted / token", "promoted_per_token", "{:.2f}", lambda s: s.decode_promoted > 0),
     ("Drafted steps (%)", "drafted_pct", "{:.0f}", lambda s: s.spec_steps > 0),
 )
 

@@ -133,6 +133,7 @@ class LoanFlags:
 
 
 DENSE_FORMATS = ("auto", "quant", "float")
+CACHE_POLICIES = ("adaptive", "static")  # engine/experts/admission.py
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ class EngineOptions:
     dense: str = "auto"  # dense linear weights: quant, float, or auto (quant on CUDA)
     no_borrow: bool = False
     no_cache_lend: bool = False  # keep the MTP regions resident over plain spans (cache_lend)
+    cache_policy: str = "adaptive"  # decode steps promote missed experts, or "static"
     batch_slots: int = 1
     prefill_head_alias: bool = False
 
@@ -174,6 +176,9 @@ class EngineOptions:
             errors.append(f"--spec {self.spec} must be 0 (off) or 2..8")
         if self.dense not in DENSE_FORMATS:
             errors.append(f"--dense {self.dense} must be one of {', '.join(DENSE_FORMATS)}")
+        if self.cache_policy not in CACHE_POLICIES:
+            errors.append(f"--cache-policy {self.cache_policy} must be one of "
+                          f"{', '.join(CACHE_POLICIES)}")
         if self.draft_vocab < 0:
             errors.append(f"--draft-vocab {self.draft_vocab} must be >= 0")
         if self.batch_slots < 1:

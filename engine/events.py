@@ -144,6 +144,9 @@ class RequestDone(Event):
     drafted_steps: int = 0
     decoded: bool = True  # a decode step ran (Timing.decoded); else there is no TG to show
     forecast_s: float = 0.0  # the prefill's forecast made before it ran (0: none)
+    decode_hits: int = 0  # decode steps' routed experts found in the expert cache
+    decode_misses: int = 0
+    decode_promoted: int = 0  # missed experts the admission policy put into the cache
 
     @classmethod
     def of(cls, timing: Timing, cancelled: bool = False) -> RequestDone:

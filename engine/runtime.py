@@ -219,20 +219,20 @@ class Runtime:
     def trace_decode(self, timing: Timing) -> None:
         """After a request: on CUDA the device memory measured again (`publish_gpu`: decode's
         kernels and captured graphs lie outside the ledger); with STRATA_TRACE=1 what the
-        drafting policy did (speculative decoding), and the token graph's GPU time per step
-        with the decode steps' expert-cache hits."""
+        drafting policy did (speculative decoding), the decode steps' expert-cache hits and
+        promotions, and the token graph's GPU time per step."""
         self.publish_gpu(force=True)
         if not self.report.trace_on:
             return
         if self.spec is not None and self.options.spec >= 2:
             self.report.trace(f"speculation: drafted {timing.drafted_steps} of "
                               f"{timing.spec_steps} steps{self.spec.policy.rates()}")
+        if timing.decode_hits + timing.decode_misses:
+            self.report.trace(f"expert cache: {timing.decode_hit_pct:.0f}% hits while decoding, "
+                              f"{timing.decode_promoted} promoted ({self.experts.policy})")
         graph = self.session.graph
-        if graph is None:
-            return
-        n = timing.decode_hits + timing.decode_misses
-        hits = f", expert cache hits {100 * timing.decode_hits / n:.0f}%" if n else ""
-        self.report.trace(f"{graph.stats_line()}; decode {timing.decode_s:.2f} s wall{hits}")
+        if graph is not None:
+            self.report.trace(f"{graph.stats_line()}; decode {timing.decode_s:.2f} s wall")
 
     # -- the end -----------------------------------------------------------------------------
     # The parts whose arrays live on the device outside the ledger (CuPy's pool on CUDA).

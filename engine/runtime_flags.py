@@ -73,6 +73,8 @@ def apply(rt: Runtime, options: EngineOptions, flags: LoanFlags) -> None:
     if rt.spec is not None:
         rt.spec.n_window = max(options.spec, 1)
         rt.spec.always = options.spec_always
+    if options.cache_policy != rt.options.cache_policy:
+        rt.experts.set_policy(options.cache_policy)
     graph_changed = options.no_token_graph != rt.options.no_token_graph
     rt.options, rt.flags = options, flags
     if graph_changed:  # --no-token-graph toggled: decode steps eager / captured from now on

@@ -340,7 +340,8 @@ class ServeLoop:
                 finish = "stop"
             timing.decode_s = time.perf_counter() - t1
             after = _expert_reads(rt.experts.counters)
-            timing.decode_hits, timing.decode_misses = (a - b for a, b in zip(after, before))
+            timing.decode_hits, timing.decode_misses, timing.decode_promoted = (
+                a - b for a, b in zip(after, before))
             rt.trace_decode(timing)
             rt.settle()  # after the reply's timing: the draft model's deferred catch-up
             self._keep_policy()
@@ -463,6 +464,6 @@ def converse(conv: Conversation, user_text: str, answer: Callable[[], Reply]) ->
     return reply
 
 
-def _expert_reads(c: StreamCounters) -> tuple[int, int]:
-    """(hits, misses) so far of the engine's expert provider counters."""
-    return c.hits, c.streamed + c.host_reads
+def _expert_reads(c: StreamCounters) -> tuple[int, int, int]:
+    """(hits, misses, promotions) so far of the engine's expert provider counters."""
+    return c.hits, c.streamed + c.host_reads, c.promoted

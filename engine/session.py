@@ -24,6 +24,11 @@ from engine.sampler import Sampler
 from engine.timing import Timing
 
 
+# A forward of at most this many rows is a decode step (one token, or a speculative window):
+# what `Session.on_step` is told about. Prompt chunks are longer (or short and harmless).
+STEP_ROWS = 16
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens two token lists share."""
     n = 0
@@ -78,6 +83,9 @@ class Session:
         self.tokens: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last_hidden: Any = None  # [1, d] pre-norm hidden of the last token (MTP input)
         self.on_hidden: Callable[[int, Any], None] | None = None  # (pos0, hidden [T, d])
+        # a decode step's routing, per layer ids [T, k] on the device (the expert cache's
+        # admission policy learns from it)
+        self.on_step: Callable[[list[Any]], None] | None = None
         self.graph: StepGraph | None = None  # captured decode steps (CUDA), the runtime's
 
     @property
@@ -128,6 +136,8 @@ class Session:
         self.last_hidden = res.hidden[-1:].copy()
         if self.on_hidden is not None:
             self.on_hidden(pos0, res.hidden)
+        if self.on_step is not None and chunk is None and len(ids) <= STEP_ROWS:
+            self.on_step(res.routes)
         return res
 
     def prefill(

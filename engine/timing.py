@@ -22,6 +22,7 @@ class Timing:
     accepted_hist: dict[int, int] = field(default_factory=dict)
     decode_hits: int = 0  # routed experts the decode steps found in the expert cache
     decode_misses: int = 0  # ... and read from host memory (streamed, or decoded on the CPU)
+    decode_promoted: int = 0  # ... missed, then put into the cache (--cache-policy adaptive)
     spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
     drafted_steps: int = 0
     forecast_s: float = 0.0  # the prefill's forecast made before it ran (engine.forecast)
@@ -29,6 +30,12 @@ class Timing:
     @property
     def pp_tok_s(self) -> float:
         return self.fresh_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_hit_pct(self) -> float:
+        """Share of the decode steps' routed experts found in the expert cache (0: none read)."""
+        n = self.decode_hits + self.decode_misses
+        return 100.0 * self.decode_hits / n if n else 0.0
 
     @property
     def decoded(self) -> bool:

@@ -4,6 +4,8 @@ worked out from the model's shapes), and the model holds no device-specific code
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ast
 from pathlib import Path
 
@@ -55,7 +57,9 @@ def test_a_decode_step_copies_what_the_backend_counts(model: Model) -> None:
 
 
 def test_the_runtime_decode_path_counts_its_copies_too(tiny_path: Path) -> None:
-    """The engine's own path: the expert cache's provider, ledger-backed KV and head."""
+    """The engine's own path: the expert cache's provider, ledger-backed KV and head; the
+    adaptive cache policy reads each step's routing back once more, as one [L, 1, k] array
+    (its promotions, if any, are uploads: none here, every expert is resident)."""
     loop = ServeLoop.create(EngineOptions(model=str(tiny_path), ctx=1024, prefill=128))
     rt = loop.rt
     loop.complete(list(range(5, 400)), max_new=2)  # every expert resident or decoded once
@@ -63,6 +67,10 @@ def test_the_runtime_decode_path_counts_its_copies_too(tiny_path: Path) -> None:
     logits = rt.session.forward([17]).logits
     list(rt.session.decode(logits, Sampler(GREEDY), max_new=3))
     want = step_copies(rt.model, n_steps=3, n_samples=3)
+    hp = rt.model.hp
+    want = replace(want, d2h_bytes=want.d2h_bytes + 3 * hp.n_layer * hp.n_expert_used * 8,
+                   d2h_copies=want.d2h_copies + 3)  # the routes, once a step
+    assert rt.cache.n_slots == hp.n_layer * hp.n_expert and rt.experts.policy == "adaptive"
     assert rt.backend.stats.snapshot() - before == want
 
 

@@ -96,7 +96,7 @@ def test_drafts_get_the_memory_back_before_they_run(random_demo_path: Path) -> N
     assert plain.complete(ids, max_new=LEND_SPAN + 6).text == reply.text
     short = make(random_demo_path, lend=True)
     settled_plain(short, span=8)  # below the lend threshold
-    short.complete(ids, max_new=12)
+    short.complete(ids, max_new=9)  # inside the span (what follows its probe depends on timing)
     assert short.rt.spec.lender.n_lends == 0
 
 

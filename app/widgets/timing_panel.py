@@ -13,7 +13,8 @@ from engine.events import Event, RequestDone
 
 class TimingPanel(EventView):
     """PP, the prefill's forecast against what it took, TG, TTFT, drafts accepted (and how
-    many steps drafted) and bytes streamed of the last finished request."""
+    many steps drafted), the decode steps' expert-cache hits (and promotions) and bytes
+    streamed of the last finished request."""
 
     TITLE = "Timing"
 
@@ -52,5 +53,9 @@ class TimingPanel(EventView):
             if d.spec_steps:  # the drafting policy may have run plain steps
                 drafts += f" · {d.drafted_steps}/{d.spec_steps} steps"
             table.add_row("drafts", drafts)
+        n = d.decode_hits + d.decode_misses
+        if n:  # the decode steps' expert reads: from the cache, or over the link
+            promoted = f" · {d.decode_promoted:,} promoted" if d.decode_promoted else ""
+            table.add_row("cache", f"{100 * d.decode_hits / n:.0f}% hits{promoted}")
         table.add_row("streamed", fmt_bytes(d.bytes_streamed))
         return table

@@ -79,8 +79,11 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
         token_graph=token_graph, faults=faults, trace=report.trace, warn=report.warn,
     )
     experts = CachedExperts(cache, model.experts, DecodedLRU(), backend)
+    experts.on_warning = report.warn
+    experts.set_policy(options.cache_policy)
     session = Session(model, n_ctx=options.ctx, kv_kind=options.kv, experts=experts,
                       kv_alloc=kv.alloc)
+    session.on_step = experts.observe
     if token_graph:
         session.graph = make_token_graph(model.transformer, session.kv, experts, cache, backend,
                                          report.warn)

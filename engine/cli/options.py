@@ -6,7 +6,7 @@ import argparse
 from dataclasses import fields
 
 from engine.backend.array_ops import KV_KINDS
-from engine.config import DENSE_FORMATS, EngineOptions, LoanFlags, parse_auto_int
+from engine.config import CACHE_POLICIES, DENSE_FORMATS, EngineOptions, LoanFlags, parse_auto_int
 from engine.sampler import SamplingParams
 
 
@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vram-elastic", action="store_true",
                    help="back the expert cache and decode-only regions with elastic segments")
     g.add_argument("--vram-limit", help="plan as if the device had only SIZE (CUDA)")
+    g.add_argument("--cache-policy", choices=CACHE_POLICIES, default="adaptive",
+                   help="'adaptive': decode steps promote experts they miss often and lately "
+                        "into the expert cache; 'static': the cache keeps its profile fill")
     g.add_argument("--prefill", default="auto", help="prompt chunk: auto or N tokens")
     g.add_argument("--no-borrow", action="store_true",
                    help="never borrow cache slots for the prompt path (own its buffers)")
@@ -64,7 +67,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         vram_limit=args.vram_limit, serve=args.serve, mtp=args.mtp, spec=args.spec,
         spec_always=args.spec_always,
         draft_vocab=args.draft_vocab, no_token_graph=args.no_token_graph, dense=args.dense,
-        no_cache_lend=args.no_cache_lend,
+        no_cache_lend=args.no_cache_lend, cache_policy=args.cache_policy,
         no_borrow=args.no_borrow, batch_slots=args.batch_slots,
         prefill_head_alias=args.prefill_head_alias,
     )

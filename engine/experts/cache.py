@@ -8,7 +8,8 @@ the same slot and restores its row. A loan may first `grow` the cache into memor
 decode-only regions; the new slots are empty, so lending them costs no refill. While decoding
 plain, the MTP block's regions can be lent to the cache itself (engine/loan/cache_lend.py):
 it grows, `fill_tail` uploads the next experts of the fill order into the new slots, and
-`evict_tail` empties them before it shrinks back.
+`evict_tail` empties them before it shrinks back. While decoding, `promote` puts the experts
+the admission policy chose (engine/experts/admission.py) into the slots it chose.
 
 Trace lines (DESIGN §8) are returned on the results and passed to `on_trace`; the caller prints
 them when STRATA_TRACE=1.
@@ -24,6 +25,7 @@ import numpy as np
 
 from engine.backend.base import DeviceArray
 from engine.errors import StrataError
+from engine.experts.admission import Move
 from engine.experts.host import HostExperts
 from engine.experts.residency import ResidencyReaders, ResidencyTable
 from engine.memory.cache_layout import TABLE_DTYPE, cache_region_bytes, residency_table_bytes
@@ -97,6 +99,7 @@ class ExpertCache:
         self._borrow_ok = False
         self.n_hits = 0
         self.n_misses = 0
+        self.n_promoted = 0  # experts `promote` uploaded while decoding
         self.order: list[tuple[int, int]] = []  # the fill order (most used first)
 
     # -- questions ------------------------------------------------------------------------------
@@ -117,6 +120,10 @@ class ExpertCache:
     def states(self) -> np.ndarray:
         """int8 [n_slots] of EMPTY / RESIDENT / LENT / REFILLING (a copy)."""
         return self._states.copy()
+
+    def replaceable(self) -> np.ndarray:
+        """bool [n_slots]: slots `promote` may fill (empty or resident; not lent, not refilling)."""
+        return (self._states == EMPTY) | (self._states == RESIDENT)
 
     def lookup(self, layer: int, expert: int) -> int:
         """The slot holding (layer, expert), or -1; counts hits and misses."""
@@ -182,6 +189,27 @@ class ExpertCache:
             self.table.evict(slot)
         self._states[first:] = EMPTY
         self._sync_table()
+
+    def promote(self, moves: Sequence[Move]) -> int:
+        """Upload each move's expert into its slot (evicting what the slot held); returns how
+        many. The device table follows once, after the uploads: a step queued afterwards
+        reads the new experts. On a failed upload that slot is left empty (a miss, never a
+        wrong expert) and the error is raised after the table is synced."""
+        done = 0
+        try:
+            for m in moves:
+                assert self._states[m.slot] in (EMPTY, RESIDENT), f"promote into slot {m.slot}"
+                assert self.table.lookup(m.layer, m.expert) < 0, f"({m.layer}, {m.expert}) held"
+                self.table.evict(m.slot)
+                self._states[m.slot] = EMPTY
+                self.backend.upload(self.host.pieces(m.layer, m.expert), self._slots[m.slot])
+                self.table.assign(m.slot, m.layer, m.expert)
+                self._states[m.slot] = RESIDENT
+                done += 1
+        finally:
+            self.n_promoted += done
+            self._sync_table()
+        return done
 
     def stage_residency(self, readers: ResidencyReaders) -> str | None:
         """Copy the table to the device for its readers (seed 003).

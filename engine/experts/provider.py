@@ -5,8 +5,10 @@ bytes (the CUDA kernels).
 `CachedExperts` is the provider over the expert cache, for the prompt path and for decode
 steps: resident experts are read from their cache slot; misses are streamed through the prompt
 path's staging ring, or (decode) read from host memory: decoded there for the array ops,
-copied into a transient device buffer for the kernels. Counters report hits, experts streamed
-and bytes streamed. `DirectExperts` reads every expert from host memory (no cache, no ring).
+copied into a transient device buffer for the kernels. With an admission policy
+(`--cache-policy adaptive`, engine/experts/admission.py) each decode step's routing (`observe`)
+may promote missed experts into the cache. Counters report hits, experts streamed, bytes
+streamed and experts promoted. `DirectExperts` reads every expert from host memory (no cache, no ring).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.backend.base import Backend, DeviceArray
+from engine.config import CACHE_POLICIES
+from engine.experts.admission import Admission
 from engine.experts.cache import ExpertCache
 from engine.experts.decoded import DecodedLRU
 from engine.experts.host import FileExperts
@@ -30,9 +34,10 @@ class StreamCounters:
     streamed: int = 0
     bytes_streamed: int = 0
     host_reads: int = 0
+    promoted: int = 0  # decode: missed experts the admission policy put into the cache
 
     def reset(self) -> None:
-        self.hits = self.streamed = self.bytes_streamed = self.host_reads = 0
+        self.hits = self.streamed = self.bytes_streamed = self.host_reads = self.promoted = 0
 
 
 class CachedExperts:
@@ -52,6 +57,41 @@ class CachedExperts:
         self._seen: dict[int, set[int]] = {}  # per layer: what the last chunk routed to
         self.counters = StreamCounters()
         self._host_decoded = DecodedLRU(64 << 20)
+        self.admission: Admission | None = None
+        self.policy = "static"
+        self.on_warning: Callable[[str], None] | None = None
+
+    def set_policy(self, policy: str) -> None:
+        """`adaptive`: decode steps' routing promotes missed experts (a fresh `Admission`,
+        seeded with what is resident now); `static`: the cache keeps its fill."""
+        assert policy in CACHE_POLICIES, policy
+        self.policy = policy
+        self.admission = None
+        if policy == "adaptive" and self.cache is not None and self.cache.n_slots:
+            table = self.cache.table
+            self.admission = Admission(table.n_layer, table.n_expert, table.slot_of >= 0)
+
+    def observe(self, routes: list[Any]) -> None:
+        """A decode step's routing (per layer ids [T, k] on the device): the admission policy
+        counts it and its promotions are uploaded before the next step. Nothing while a slot
+        is lent or refilling (the prompt path holds it). A failed promotion turns the policy
+        off for the run, with a warning (the cache is left consistent: see `promote`)."""
+        cache, admission = self.cache, self.admission
+        if admission is None or cache is None or cache.n_lent or self.ring is not None:
+            return
+        xp = self.backend.xp
+        ids = self.backend.download(xp.stack([xp.asarray(r) for r in routes]))  # [L, T, k]
+        table = cache.table
+        moves = admission.step(ids, table.slot_of, table.owner_of, cache.replaceable())
+        if not moves:
+            return
+        try:
+            self.counters.promoted += cache.promote(moves)
+        except Exception as e:  # an upload failed: keep decoding from the cache as it is
+            self.admission, self.policy = None, "static"
+            if self.on_warning is not None:
+                self.on_warning(f"strata: warning: promoting experts into the cache failed "
+                                f"({e}); the cache keeps its experts for this run")
 
     @property
     def ring_slots(self) -> int | None:
