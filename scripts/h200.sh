@@ -39,6 +39,10 @@
 #   d31       decode at depth 31k: --mtp --spec 2 loan off / on and no MTP (`--scenario auto
 #             --scenario plain`), RUNS (default 3) runs of MAX_NEW_D31 (default 256) tokens, 48
 #             layers, 8 GiB                                          -> $OUT/d31.md
+#   cpol      the expert cache's admission policy (docs/expert-cache.md): plain decoding (no
+#             MTP) at depth 31k, 48 layers, 8 GiB, `--cache-policy static` against `adaptive`,
+#             ROUNDS (default 2) rounds of one process per side, sides interleaved, MAX_NEW_D31
+#             (default 256) tokens; reply CRCs (greedy: all equal)          -> $OUT/cpol.md
 #   ident     greedy identity on the 48-layer file (issue 18): 31,258 tokens, 64 new, the loan off
 #             and on with a 4,096-token chunk (`--scenario ab`) and with the automatic planner's
 #             chunks; every reply's CRC must be the same           -> $OUT/ident.md
@@ -115,6 +119,20 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           --scenario plain --runs "${RUNS_D31:-3}" --prompt-tokens 31258 \
           --max-new "${MAX_NEW_D31:-256}" --json "$OUT/d31.json" 2>&1 \
           | grep -vE "^  (chunk|strata serve: prompt)" | cut -c1-400 | tee "$OUT/d31.md" ;;
+    cpol) for r in $(seq "${ROUNDS:-2}"); do
+            for pol in static adaptive; do
+              STRATA_TRACE=1 strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB \
+                --kv q4_0 --scenario plain --runs 1 --prompt-tokens 31258 \
+                --max-new "${MAX_NEW_D31:-256}" --cache-policy "$pol" \
+                --json "$OUT/cpol-$pol-$r.json" > "$OUT/cpol-$pol-$r.log" 2>&1 || true
+              grep -E "^\||expert cache:|token graph|error" "$OUT/cpol-$pol-$r.log" | cut -c1-300 \
+                | sed "s/^/$pol $r: /" | tee -a "$OUT/cpol.md" || true
+            done
+          done
+          python3 scripts/reply_crcs.py "$OUT"/cpol-*.json 2>&1 | tee -a "$OUT/cpol.md" || true
+          for pol in static adaptive; do
+            echo "== $pol, pooled"; strata bench --merge "$OUT"/cpol-$pol-*.json
+          done 2>&1 | tee -a "$OUT/cpol.md" ;;
     ident) strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB --mtp --spec 2 \
           --kv q4_0 --scenario ab --prefill 4096 --scenario auto --runs 1 --prompt-tokens 31258 \
           --max-new 64 --json "$OUT/ident.json" 2>&1 | grep -E "^\|" | tee "$OUT/ident.md"
