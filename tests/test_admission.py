@@ -4,6 +4,8 @@ rises on the demo model's real routing."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -167,7 +169,6 @@ def test_the_policy_is_an_option_checked_and_changed_while_running() -> None:
 def _script():  # scripts/ is not a package: load the file
     import importlib.util
     import sys
-    from pathlib import Path
 
     path = Path(__file__).parent.parent / "scripts" / "cache_policy.py"
     spec = importlib.util.spec_from_file_location("cache_policy", path)
@@ -197,3 +198,31 @@ def test_the_study_replays_what_the_engine_does() -> None:
         assert (r.hits, r.promoted) == (hits, promoted), policy
     table = mod.markdown(steps, fill, n_layer, n_expert, (0.25,))
     assert "| 32 (25%) | recency |" in table and table.count("\n| 32 (25%)") == 3
+
+
+def test_ranking_is_by_score_with_the_fill_order_breaking_ties() -> None:
+    slot_of, _ = table({(0, 0): 0}, 2)
+    adm = Admission(L, E, slot_of >= 0)
+    order = [(0, 0), (1, 5), (0, 2), (1, 1)]
+    adm.score[1, 1] = 3.0
+    assert adm.ranking(order) == [(1, 1), (0, 0), (1, 5), (0, 2)]
+
+
+def test_the_mtp_lend_fills_its_slots_with_what_decoding_uses(random_demo_path: Path) -> None:
+    """Lending the MTP regions to the cache (engine/loan/cache_lend.py) fills the new slots by
+    the admission scores: the experts decoding used most that the cache lacks."""
+    opts = EngineOptions(model=str(random_demo_path), device="sim:40MiB", ctx=2048, mtp=True,
+                         spec=2, draft_vocab=3000, expert_cache=40)
+    loop = ServeLoop.create(opts)
+    rt = loop.rt
+    cache, adm = rt.cache, rt.experts.admission
+    missing = [o for o in reversed(cache.order) if cache.table.lookup(*o) < 0][:3]
+    for i, (layer, expert) in enumerate(missing):  # the profile's last, decoding's first
+        adm.score[layer, expert] = 10.0 - i
+    n0 = cache.n_slots
+    rt.spec.lender.lend()
+    assert rt.spec.lender.grown >= 3
+    assert [cache.table.owner(s) for s in range(n0, n0 + 3)] == missing
+    rt.spec.lender.repay()
+    rt.check_integrity()
+    loop.close()

@@ -99,7 +99,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
             session.on_hidden = spec.collect
     resources = ResourceSet(items)
     if spec is not None and cache is not None and not options.no_cache_lend:
-        spec.lender = CacheLend(resources, cache, ledger, faults, report)
+        spec.lender = CacheLend(resources, cache, ledger, faults, report, experts.ranking)
     rt = Runtime(options=options, flags=flags, model=model, backend=backend, ledger=ledger,
                  plan=plan, costs=costs, plan_options=plan_options, cache=cache,
                  experts=experts, session=session, prompt=prompt, resources=resources,

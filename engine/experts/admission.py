@@ -55,6 +55,16 @@ class Admission:
         self.score = np.where(resident, seed, 0.0)  # [L, E] float64
         self.n_steps = 0
 
+    def ranking(self, order: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Every (layer, expert) of `order` (the cache's fill order), highest score first;
+        equal scores keep their place in `order` (what decoding has not used yet stays in
+        profile order)."""
+        if not order:
+            return []
+        layer, expert = np.asarray(order, dtype=np.int64).T  # [n] each
+        by_score = np.argsort(-self.score[layer, expert], kind="stable")  # [n]
+        return [order[i] for i in by_score.tolist()]
+
     def step(self, routes: np.ndarray, slot_of: np.ndarray, owner_of: np.ndarray,
              replaceable: np.ndarray) -> list[Move]:
         """Count one decode step's routing and choose its admissions.

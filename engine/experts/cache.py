@@ -166,12 +166,13 @@ class ExpertCache:
         self._sync_table()
         return min(len(order), self.n_slots)
 
-    def fill_tail(self, n: int) -> int:
-        """Upload the first experts of the fill order that no slot holds into the last `n`
-        slots (empty ones, as `grow` adds); returns how many were filled."""
+    def fill_tail(self, n: int, ranking: Sequence[tuple[int, int]] | None = None) -> int:
+        """Upload the first experts of `ranking` (default: the fill order) that no slot holds
+        into the last `n` slots (empty ones, as `grow` adds); returns how many were filled."""
         first = self.n_slots - n
         assert 0 <= first and (self._states[first:] == EMPTY).all(), "fill_tail of slots in use"
-        wanted = (o for o in self.order if self.table.lookup(*o) < 0)
+        wanted = (o for o in (self.order if ranking is None else ranking)
+                  if self.table.lookup(*o) < 0)
         done = 0
         for slot, (layer, expert) in zip(range(first, self.n_slots), wanted):
             self.backend.upload(self.host.pieces(layer, expert), self._slots[slot])

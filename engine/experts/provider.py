@@ -71,6 +71,13 @@ class CachedExperts:
             table = self.cache.table
             self.admission = Admission(table.n_layer, table.n_expert, table.slot_of >= 0)
 
+    def ranking(self) -> list[tuple[int, int]]:
+        """Every (layer, expert), the one a new slot should hold first: by the admission
+        policy's scores where it runs (the cache's fill order breaks ties), else the fill
+        order (empty without a cache)."""
+        order = self.cache.order if self.cache is not None else []
+        return self.admission.ranking(order) if self.admission is not None else list(order)
+
     def observe(self, routes: list[Any]) -> None:
         """A decode step's routing (per layer ids [T, k] on the device): the admission policy
         counts it and its promotions are uploaded before the next step. Nothing while a slot

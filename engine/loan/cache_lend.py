@@ -3,7 +3,8 @@
 With `--mtp --spec`, the MTP experts (and the draft head's rows, where they are a region of
 their own) serve only drafted steps. When the drafting policy settles on plain steps for a
 long span (drafts are not paying), `lend` releases those regions, grows the expert cache into
-their segments and fills the new slots with the next experts of the cache's fill order, so
+their segments and fills the new slots with the experts it misses that rank first (`ranking`:
+the admission policy's scores under `--cache-policy adaptive`, else the cache's fill order), so
 the plain steps hit the cache more often; `repay` empties those slots, shrinks the cache back
 and restores the regions (from their page-locked host copies) before the draft model runs
 again, and at the end of every request: between requests every decode-only region is
@@ -15,6 +16,7 @@ Trace lines (STRATA_TRACE=1) say what moved; the ledger's and the cache's change
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 from engine.errors import StrataError
 from engine.experts.cache import ExpertCache
@@ -31,9 +33,11 @@ class CacheLend:
     """Lends the MTP regions of `resources` to `cache` (see the module docstring)."""
 
     def __init__(self, resources: ResourceSet, cache: ExpertCache, ledger: Ledger,
-                 faults: Faults, report: Reporter):
+                 faults: Faults, report: Reporter,
+                 ranking: Callable[[], Sequence[tuple[int, int]]] | None = None):
         self.resources, self.cache, self.ledger, self.faults = resources, cache, ledger, faults
         self.report = report
+        self.ranking = ranking  # the experts a new slot should hold first (None: fill order)
         self.lent: list[DecodeResource] = []
         self.grown = 0  # slots the cache holds on loan
         self.n_lends = 0  # lends made (traces and tests)
@@ -70,7 +74,7 @@ class CacheLend:
         if n:
             self.cache.grow(n)
             self.grown = n
-            filled = self.cache.fill_tail(n)
+            filled = self.cache.fill_tail(n, self.ranking() if self.ranking else None)
         self.n_lends += 1
         parts = ", ".join(f"{LABELS[r.region]} {format_mib(r.n_bytes)} MiB" for r in items)
         self._say(f"strata loan: decoding plain: lent {parts} to the expert cache: {n} more "
