@@ -93,6 +93,35 @@ def test_graph_steps_match_eager_steps_with_misses(mid_path: Path) -> None:
     graph.rt.check_integrity()
 
 
+def test_promotions_under_the_graph_change_where_experts_are_read_not_what_they_compute(
+    mid_path: Path,
+) -> None:
+    """--cache-policy adaptive (engine/experts/admission.py) with an eager rule (no margin, no
+    seed): misses move into cache slots between replays; the graph reads the device table, so
+    it is not captured again, and the tokens and logits are those of the static cache."""
+    base = EngineOptions(model=str(mid_path), device="cuda", ctx=4096, vram_limit="4GiB",
+                         vram_segment_mib=64, expert_cache=40, kv="q4_0")
+    moving = ServeLoop.create(base)
+    still = ServeLoop.create(replace(base, cache_policy="static"))
+    adm = moving.rt.experts.admission
+    assert adm is not None and still.rt.experts.admission is None
+    adm.margin, adm.score[:] = 0.0, 0.0
+    ids = moving.rt.model.tokenizer.encode("the river runs through the old city " * 30)
+    ta, la = _decode(moving, ids, 16)
+    tb, lb = _decode(still, ids, 16)
+    assert ta == tb
+    assert float(np.abs(la - lb).max() / np.abs(lb).max()) < 1e-3
+    cache = moving.rt.cache
+    assert moving.rt.experts.counters.promoted > 0 and cache.n_promoted > 0
+    assert moving.rt.session.graph.n_captures == 1
+    assert cache.staged and np.array_equal(host(cache.table_view()), cache.table.slot_of)
+    for slot in range(cache.n_slots):  # every slot holds the bytes of the expert it names
+        owner = cache.table.owner(slot)
+        if owner is not None:
+            assert np.array_equal(host(cache.slot_view(slot)), cache.host.blob(*owner))
+    moving.rt.check_integrity()
+
+
 def test_speculative_decoding_and_a_loan_replay_graphs(mid_path: Path) -> None:
     """MTP drafts + 3-token windows: the same text as eager decoding, also after a repeat loan
     released and restored the output head (the graphs are captured again)."""
