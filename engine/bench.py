@@ -197,7 +197,8 @@ def _measure(loop: ServeLoop, cfg: Config, n_tokens: int, max_new: int, hw: Hard
                   arena.peak_bytes / (1 << 20) if arena else 0.0,
                   arena.spilled_bytes / (1 << 20) if arena else 0.0, ratio,
                   t.decode_hits, t.decode_misses, t.spec_steps, t.drafted_steps,
-                  generated=t.generated, decode_promoted=t.decode_promoted, reply_crc=f"{zlib.crc32(reply.text.encode()):08x}")
+                  generated=t.generated, decode_promoted=t.decode_promoted,
+                  reply_crc=f"{zlib.crc32(reply.text.encode()):08x}")
 
 
 def _peak(sampler: PeakSampler | None, loop: ServeLoop) -> MemoryReading | None:

@@ -6,9 +6,10 @@ bytes (the CUDA kernels).
 steps: resident experts are read from their cache slot; misses are streamed through the prompt
 path's staging ring, or (decode) read from host memory: decoded there for the array ops,
 copied into a transient device buffer for the kernels. With an admission policy
-(`--cache-policy adaptive`, engine/experts/admission.py) each decode step's routing (`observe`)
-may promote missed experts into the cache. Counters report hits, experts streamed, bytes
-streamed and experts promoted. `DirectExperts` reads every expert from host memory (no cache, no ring).
+(`--cache-policy adaptive`, engine/experts/admission.py) each decode step's routing
+(`observe`) may promote missed experts into the cache. Counters report hits, experts streamed,
+bytes streamed and experts promoted. `DirectExperts` reads every expert from host memory (no
+cache, no ring).
 """
 
 from __future__ import annotations
