@@ -35,7 +35,6 @@ class Result:
     hits: int
     misses: int
     promoted: int
-    n_steps: int
 
     @property
     def hit_pct(self) -> float:
@@ -91,7 +90,7 @@ def replay(steps: list[np.ndarray], fill: list[tuple[int, int]], n_layer: int, n
             table.evict(m.slot)
             table.assign(m.slot, m.layer, m.expert)
             promoted += 1
-    return Result(hits, misses, promoted, len(steps))
+    return Result(hits, misses, promoted)
 
 
 def markdown(steps: list[np.ndarray], fill: list[tuple[int, int]], n_layer: int,
