@@ -151,7 +151,29 @@ def test_the_policy_round_trips_through_json() -> None:
     p = DraftPolicy()
     for seconds, tokens in ((0.03, 1), (0.02, 1), (0.014, 1), (0.015, 1), (0.013, 1)):
         p.measured(seconds, tokens)
+    p.caught_up(0.64, 32_000)
+    p.plain_s = 1.5
     q = DraftPolicy.from_json(p.as_json())
     assert q.as_json() == p.as_json() and q.drafting() == p.drafting()
+    assert (q.row_s, q.plain_s) == (p.row_s, 1.5)
+    old = {k: v for k, v in p.as_json().items() if k not in ("row_s", "plain_s")}
+    assert DraftPolicy.from_json(old).row_s is None  # a file from before: measured again
     with pytest.raises(ValueError):
         DraftPolicy.from_json({**p.as_json(), "home": "sometimes"})
+
+
+def test_a_probe_whose_catch_up_costs_too_much_waits(random_demo_path: Path) -> None:
+    """The decoder tells the policy how many rows a probe would catch the draft model up on
+    (here the deferred 300-token prompt and the plain steps since): at a measured 1 s a row no
+    probe fits the plain time of a 64-token reply; before any measurement it probes."""
+    replies = {}
+    for row_s in (None, 1.0):
+        loop = make(random_demo_path, lend=True)
+        ids = prompt_tokens(loop, 300)
+        settled_plain(loop, span=LEND_SPAN)  # long enough to defer the prompt's pass
+        loop.rt.spec.policy.row_s = row_s
+        replies[row_s] = loop.complete(ids, max_new=LEND_SPAN + 24)
+        loop.rt.check_integrity()
+    assert replies[None].timing.drafted_steps > 0  # the probe after the span (it measures)
+    assert replies[1.0].timing.drafted_steps == 0
+    assert replies[1.0].text == replies[None].text

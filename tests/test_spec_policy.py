@@ -14,7 +14,7 @@ from engine.request import generate
 from engine.sampler import SamplingParams
 from engine.session import Session
 from engine.spec.decoder import SpecDecoder
-from engine.spec.policy import DRAFT, PLAIN, DraftPolicy
+from engine.spec.policy import DRAFT, PLAIN, PROBE_SHARE, DraftPolicy
 from engine.spec.verifier import Verifier
 from engine.timing import Timing
 
@@ -201,3 +201,35 @@ def test_an_error_after_plain_steps_leaves_a_usable_state(model: Model) -> None:
     got = list(generate(s, ids, 20, GREEDY, 8, spec=dec))
     assert got == list(generate(Session(model, n_ctx=512), ids, 20, GREEDY, 8))
     dec.check_integrity()
+
+
+def test_a_probe_waits_until_its_catch_up_is_a_small_share_of_plain_decoding() -> None:
+    """A probe of drafting from a plain home first catches the draft model up over the rows it
+    has not seen: with a 31k-token prompt waiting (0.02 ms a row: 0.63 s) and 20 ms plain steps
+    it comes at the end of the first span past 0.63 / PROBE_SHARE = 21 s of plain time."""
+    p = DraftPolicy()
+    p.home = p.mode = PLAIN
+    p.span = p.left = 256
+    p.row_s = 2e-5
+    waiting = [31_258]
+    p.backlog = lambda: waiting[0]
+    modes = run_policy(p, {DRAFT: (0.042, 1), PLAIN: (0.020, 1)}, 1400)
+    first = modes.index(DRAFT)
+    assert first == 5 * 256  # whole spans of plain steps: the first end past 21 s
+    assert 0.020 * (first - 256) < 31_258 * 2e-5 / PROBE_SHARE <= 0.020 * first
+    assert modes.count(DRAFT) == 2 and p.plain_s < 0.020 * 200  # counted again from the probe
+    q = DraftPolicy()
+    q.home = q.mode = PLAIN
+    q.span = q.left = 256
+    q.row_s, q.backlog = 2e-5, lambda: 300  # a short backlog: probed after the first span
+    assert run_policy(q, {DRAFT: (0.042, 1), PLAIN: (0.020, 1)}, 260)[256:258] == [DRAFT] * 2
+
+
+def test_the_catch_up_rate_is_measured_on_long_passes_only() -> None:
+    p = DraftPolicy()
+    p.caught_up(0.5, 10)  # too short to say what a row costs
+    assert p.row_s is None and p.probe_cost() == 0.0
+    p.caught_up(0.64, 32_000)
+    p.backlog = lambda: 1000
+    assert p.row_s == pytest.approx(2e-5) and p.probe_cost() == pytest.approx(0.02)
+    assert DraftPolicy(prior=p).row_s == p.row_s  # the next request goes on from it

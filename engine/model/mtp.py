@@ -100,11 +100,13 @@ class MTPExperts:
         pass  # resident: no slot to give back
 
     def release(self) -> int:
-        """Drop the resident blobs; returns the bytes freed (0 if already released)."""
+        """Drop the resident blobs; returns the bytes freed (0 if already released). The
+        decoded float copies stay: they stand in for a GPU's dequantizing reads (host memory,
+        outside the device's ledger), and `restore` brings back the same bytes, so a draft
+        after a loan or a cache lend does not decode every expert again."""
         if self.data is None:
             return 0
         self.data = None
-        self._decoded.clear()
         return self.nbytes
 
     def restore(self) -> int:

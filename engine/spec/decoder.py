@@ -254,7 +254,7 @@ class SpecDecoder:
                     if policy.plain_ahead() >= LEND_MIN_STEPS:
                         self._unseen = pos0, hidden, after
                     else:
-                        self.draft.observe(session, pos0, hidden, after)
+                        self._observe(session, pos0, hidden, after)
                     hidden = None
                 self._lend_or_repay(policy)
                 n_draft = min(
@@ -316,8 +316,21 @@ class SpecDecoder:
     def new_policy(self, greedy: bool) -> DraftPolicy:
         """A request's drafting policy: measured for greedy decoding, going on from the last
         request's; a sampled request drafts every step, so a seed gives the same text every
-        time."""
-        return DraftPolicy(always=self.always or not greedy, prior=self.policy)
+        time. It asks the decoder how many rows a probe would catch the draft model up on."""
+        policy = DraftPolicy(always=self.always or not greedy, prior=self.policy)
+        policy.backlog = self._backlog
+        return policy
+
+    def _backlog(self) -> int:
+        """Rows the draft model has not seen (a deferred prompt, plain steps since a draft)."""
+        return len(self._unseen[2]) if self._unseen is not None else 0
+
+    def _observe(self, session: Session, first: int, rows: Any, ids: list[int]) -> None:
+        """The draft model over `rows` (hidden [n, d]) in one pass, timed for the policy (what
+        a probe's catch-up costs a row)."""
+        t0 = time.perf_counter()
+        self.draft.observe(session, first, rows, ids)
+        self.policy.caught_up(time.perf_counter() - t0, len(ids))
 
     def _catch_up(self, session: Session) -> None:
         """Feed the draft the hidden rows of the plain steps since it last observed (those
@@ -328,7 +341,7 @@ class SpecDecoder:
         self._unseen = None
         n = min(rows.shape[0], len(session.tokens) - first)
         if n > 0:
-            self.draft.observe(session, first, rows.head(n), ids[:n])
+            self._observe(session, first, rows.head(n), ids[:n])
 
     def _take_hidden(self, session: Session, n_start: int) -> tuple[int, Any]:
         pos0, parts = self._pos0, self._hidden

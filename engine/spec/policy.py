@@ -12,6 +12,14 @@ than one row) and acceptance depends on the text, so the policy measures instead
     by more than a quarter: each probe of a mode that loses clearly costs its steps and (for
     drafts) the draft model's catch-up over the plain rows since, so it comes rarely.
 
+A probe of drafting from a plain home first catches the draft model up over every row it has
+not seen (a deferred prompt, the plain steps since): over a long prompt that pass costs more
+than hundreds of plain steps (31k rows: 0.3-0.6 s on an H200). So a probe waits until its
+catch-up, estimated from the rows waiting (`backlog`) and the last pass's seconds per row,
+is at most `PROBE_SHARE` of the plain time decoded since the last probe; until then home
+stays home, a span at a time. Drafts that do not pay then cost at most that share of
+decoding, however long the context.
+
 A request's policy goes on from the previous request's (`prior`): its home, span and measured
 rates, so drafts that do not pay are probed rarely from the second request on (a few steps in
 a few hundred) instead of being measured again from scratch on every message. The serve loop
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.atomic_file import write_text_atomic
@@ -37,6 +46,8 @@ from engine.atomic_file import write_text_atomic
 DRAFT, PLAIN = "draft", "plain"
 CLEAR_WIN_SPAN = 64  # x first_span: the first span of a home that won by more than a quarter
 LEND_MIN_STEPS = 32  # plain steps ahead worth lending the draft model's memory for
+PROBE_SHARE = 0.03  # a probe's catch-up, at most this share of the plain time since the last
+CATCH_UP_SAMPLE_ROWS = 64  # a catch-up of at least this many rows measures the time per row
 
 
 class DraftPolicy:
@@ -60,10 +71,16 @@ class DraftPolicy:
         self._steps: dict[str, deque[tuple[float, int]]] = {
             DRAFT: deque(maxlen=window), PLAIN: deque(maxlen=window),
         }  # fmt: skip
+        self.row_s: float | None = None  # the draft model's catch-up, seconds per row (measured)
+        self.plain_s = 0.0  # seconds of plain steps since the last probe of drafting
+        # rows the draft model has not seen (the decoder's), what a probe would catch up on
+        self.backlog: Callable[[], int] | None = None
         if prior is not None and not prior.always:  # go on where the last request stopped
             self.home, self.mode, self.span, self.left = prior.home, prior.mode, prior.span, prior.left
             for mode, steps in prior._steps.items():
                 self._steps[mode].extend(steps)
+        if prior is not None:
+            self.row_s, self.plain_s = prior.row_s, prior.plain_s
 
     def drafting(self) -> bool:
         """Whether the next step drafts."""
@@ -80,17 +97,36 @@ class DraftPolicy:
         tokens = sum(n for _, n in steps)
         return sum(s for s, _ in steps) / tokens if tokens else None
 
+    def caught_up(self, seconds: float, rows: int) -> None:
+        """The draft model caught up over `rows` rows in `seconds` (a pass long enough to
+        measure the time per row)."""
+        if rows >= CATCH_UP_SAMPLE_ROWS:
+            self.row_s = seconds / rows
+
+    def probe_cost(self) -> float:
+        """Seconds a probe of drafting would spend catching the draft model up now (0 before
+        the time per row is measured)."""
+        rows = self.backlog() if self.backlog is not None else 0
+        return rows * (self.row_s or 0.0)
+
     def measured(self, seconds: float, tokens: int) -> None:
         """A step of the current mode took `seconds` and emitted `tokens`."""
         if self.always:
             return
         if not self.fresh:
             self._steps[self.mode].append((seconds, tokens))
+        if self.mode == PLAIN:
+            self.plain_s += seconds
         self.fresh = False
         self.left -= 1
         if self.left > 0:
             return
         if self.mode == self.home:  # probe the other mode
+            if self.home == PLAIN:
+                if self.probe_cost() > PROBE_SHARE * self.plain_s:
+                    self.left = self.span  # not yet: its catch-up would cost too much
+                    return
+                self.plain_s = 0.0
             self._switch(PLAIN if self.home == DRAFT else DRAFT, self.probe)
             return
         best, growth = self._best(), self._growth()
@@ -126,7 +162,8 @@ class DraftPolicy:
     def as_json(self) -> dict:
         """What a later engine goes on from: home, mode, span, steps left, measured steps."""
         return {"home": self.home, "mode": self.mode, "span": self.span, "left": self.left,
-                "steps": {m: [list(x) for x in q] for m, q in self._steps.items()}}
+                "steps": {m: [list(x) for x in q] for m, q in self._steps.items()},
+                "row_s": self.row_s, "plain_s": self.plain_s}
 
     @classmethod
     def from_json(cls, doc: dict) -> DraftPolicy:
@@ -141,6 +178,9 @@ class DraftPolicy:
         p.home, p.mode, p.span, p.left = doc["home"], doc["mode"], span, left
         for mode in modes:
             p._steps[mode].extend((float(s), int(n)) for s, n in doc["steps"][mode])
+        row_s = doc.get("row_s")  # absent in files written before the probe's cost was kept
+        p.row_s = None if row_s is None else float(row_s)
+        p.plain_s = float(doc.get("plain_s", 0.0))
         return p
 
     def _switch(self, mode: str, steps: int) -> None:
