@@ -83,9 +83,9 @@ class Session:
         self.tokens: list[int] = []  # tokens whose K/V are in the cache, in order
         self.last_hidden: Any = None  # [1, d] pre-norm hidden of the last token (MTP input)
         self.on_hidden: Callable[[int, Any], None] | None = None  # (pos0, hidden [T, d])
-        # a decode step's routing, per layer ids [T, k] on the device (the expert cache's
-        # admission policy learns from it)
-        self.on_step: Callable[[list[Any]], None] | None = None
+        # a decode step's routing, per layer ids [T, k] on the device (`ForwardResult.routes`;
+        # the expert cache's admission policy learns from it)
+        self.on_step: Callable[[Any], None] | None = None
         self.graph: StepGraph | None = None  # captured decode steps (CUDA), the runtime's
 
     @property

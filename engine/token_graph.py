@@ -155,7 +155,7 @@ class TokenGraph:
             out = cp.zeros((0, self.tr.hp.n_vocab), dtype=cp.float32)
         else:
             out = g.logits.copy()
-        return ForwardResult(logits=out, hidden=g.hidden.copy(), routes=list(g.routes),
+        return ForwardResult(logits=out, hidden=g.hidden.copy(), routes=g.routes,
                              margins=g.margins.copy())
 
     def stats_line(self) -> str | None:

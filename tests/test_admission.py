@@ -226,3 +226,24 @@ def test_the_mtp_lend_fills_its_slots_with_what_decoding_uses(random_demo_path: 
     rt.spec.lender.repay()
     rt.check_integrity()
     loop.close()
+
+
+def test_observe_takes_the_token_graphs_one_array_or_a_list_per_layer() -> None:
+    """The eager forward gives a list of [T, k] per layer, the token graph one [L, T, k]
+    array (read back in one copy); either promotes the same experts."""
+    moved = []
+    for as_array in (False, True):
+        loop = ServeLoop.create(EngineOptions(model="demo", device="sim", ctx=1024,
+                                              expert_cache=32))
+        experts, cache = loop.rt.experts, loop.rt.cache
+        experts.admission.margin, experts.admission.score[:] = 0.0, 0.0
+        missing = [e for e in range(32) if cache.table.lookup(0, e) < 0][:4]
+        hp = loop.rt.model.hp
+        step = np.array([[missing]] * hp.n_layer)  # [L, 1, 4]: layer 0's misses everywhere
+        experts.observe(step if as_array else [step[i] for i in range(hp.n_layer)])
+        assert experts.counters.promoted == 2  # the budget
+        held = (cache.table.owner(s) for s in range(cache.n_slots))
+        moved.append(sorted(o for o in held if o is not None))
+        cache.check_integrity()
+        loop.close()
+    assert moved[0] == moved[1]

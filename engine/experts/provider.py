@@ -79,8 +79,9 @@ class CachedExperts:
         order = self.cache.order if self.cache is not None else []
         return self.admission.ranking(order) if self.admission is not None else list(order)
 
-    def observe(self, routes: list[Any]) -> None:
-        """A decode step's routing (per layer ids [T, k] on the device): the admission policy
+    def observe(self, routes: Any) -> None:
+        """A decode step's routing (per layer ids [T, k] on the device, a list or one
+        [L, T, k] array: the token graph's, read back in one copy): the admission policy
         counts it and its promotions are uploaded before the next step. Nothing while a slot
         is lent or refilling (the prompt path holds it). A failed promotion turns the policy
         off for the run, with a warning (the cache is left consistent: see `promote`)."""
@@ -88,7 +89,9 @@ class CachedExperts:
         if admission is None or cache is None or cache.n_lent or self.ring is not None:
             return
         xp = self.backend.xp
-        ids = self.backend.download(xp.stack([xp.asarray(r) for r in routes]))  # [L, T, k]
+        if getattr(routes, "ndim", 0) != 3:
+            routes = xp.stack([xp.asarray(r) for r in routes])
+        ids = self.backend.download(routes)  # [L, T, k]
         table = cache.table
         moves = admission.step(ids, table.slot_of, table.owner_of, cache.replaceable())
         if not moves:

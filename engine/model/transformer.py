@@ -38,7 +38,7 @@ class PromptChunk:
 class ForwardResult:
     logits: Any  # [T_out, V] float32 (T_out = 1 for 'last', T for 'all', 0 for 'none')
     hidden: Any  # [T, d] residual stream before the final norm (the MTP block's input)
-    routes: list[Any]  # per layer ids [T, k], for profiling
+    routes: Any  # per layer ids [T, k]: a list, or one [L, T, k] array (the token graph's)
     margins: Any  # [T] smallest top-k routing margin over the layers (distance to a tie)
 
 
