@@ -89,7 +89,7 @@ class CachedExperts:
         if admission is None or cache is None or cache.n_lent or self.ring is not None:
             return
         xp = self.backend.xp
-        if getattr(routes, "ndim", 0) != 3:
+        if isinstance(routes, list):  # the eager forward's, a [T, k] array per layer
             routes = xp.stack([xp.asarray(r) for r in routes])
         ids = self.backend.download(routes)  # [L, T, k]
         table = cache.table
