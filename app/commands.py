@@ -9,7 +9,7 @@ from typing import Protocol, cast
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 from app.widgets.flags_panel import PREFILL_CHOICES, SPEC_CHOICES, SWITCHES
-from engine.config import ENV_NAMES, EngineOptions, LoanFlags
+from engine.config import CACHE_POLICIES, ENV_NAMES, EngineOptions, LoanFlags
 
 
 class FlagsHost(Protocol):
@@ -20,6 +20,11 @@ class FlagsHost(Protocol):
     def request_flags(self, flags: LoanFlags, options: EngineOptions) -> None: ...
 
 REPEAT_THRESHOLDS = (256, 1024, 4096, 16384, 50000)
+CACHE_POLICY_HELP = {
+    "auto": "adaptive on CUDA, static on the simulated device",
+    "adaptive": "decoding promotes the experts it misses often and lately",
+    "static": "the cache keeps its profile fill",
+}
 
 
 class FlagCommands(Provider):
@@ -81,15 +86,15 @@ class FlagCommands(Provider):
                      "(sampled replies always draft)"),
                 )
             )
-        other = "static" if options.cache_policy == "adaptive" else "adaptive"
-        out.append(
-            (
-                f"Expert cache: {other} policy",
-                partial(ask, flags, options.with_changes(cache_policy=other)),
-                f"now {options.cache_policy}; 'adaptive' promotes experts decoding misses "
-                "often and lately",
-            )
-        )
+        for policy in CACHE_POLICIES:
+            if policy != options.cache_policy:
+                out.append(
+                    (
+                        f"Expert cache: {policy} policy",
+                        partial(ask, flags, options.with_changes(cache_policy=policy)),
+                        f"now {options.cache_policy}; {CACHE_POLICY_HELP[policy]}",
+                    )
+                )
         for p in PREFILL_CHOICES:
             if p != options.prefill:
                 out.append(

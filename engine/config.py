@@ -133,7 +133,7 @@ class LoanFlags:
 
 
 DENSE_FORMATS = ("auto", "quant", "float")
-CACHE_POLICIES = ("adaptive", "static")  # engine/experts/admission.py
+CACHE_POLICIES = ("auto", "adaptive", "static")  # engine/experts/admission.py; devices: auto
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class EngineOptions:
     dense: str = "auto"  # dense linear weights: quant, float, or auto (quant on CUDA)
     no_borrow: bool = False
     no_cache_lend: bool = False  # keep the MTP regions resident over plain spans (cache_lend)
-    cache_policy: str = "adaptive"  # decode steps promote missed experts, or "static"
+    cache_policy: str = "auto"  # adaptive: decode steps promote misses; static; auto: by device
     batch_slots: int = 1
     prefill_head_alias: bool = False
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.config import EngineOptions, LoanFlags
-from engine.devices import deferred_regions
+from engine.devices import cache_policy, deferred_regions
 from engine.errors import StrataError
 from engine.loan.deferral import deferral_line, follow_deferral, plan_deferred
 from engine.loan.guards import validate as guards
@@ -74,7 +74,7 @@ def apply(rt: Runtime, options: EngineOptions, flags: LoanFlags) -> None:
         rt.spec.n_window = max(options.spec, 1)
         rt.spec.always = options.spec_always
     if options.cache_policy != rt.options.cache_policy:
-        rt.experts.set_policy(options.cache_policy)
+        rt.experts.set_policy(cache_policy(rt.backend.name, options))
     graph_changed = options.no_token_graph != rt.options.no_token_graph
     rt.options, rt.flags = options, flags
     if graph_changed:  # --no-token-graph toggled: decode steps eager / captured from now on

@@ -154,16 +154,26 @@ def test_adaptive_raises_the_hit_rate_and_the_replies_stay() -> None:
 
 
 def test_the_policy_is_an_option_checked_and_changed_while_running() -> None:
-    with pytest.raises(FlagError, match="--cache-policy lru must be one of adaptive, static"):
+    with pytest.raises(FlagError, match="--cache-policy lru must be one of auto, adaptive, st"):
         EngineOptions(cache_policy="lru")
     loop = ServeLoop.create(EngineOptions(model="demo", device="sim", ctx=1024, expert_cache=32))
-    assert loop.rt.experts.policy == "adaptive" and loop.rt.experts.admission is not None
-    opts = loop.rt.options.with_changes(cache_policy="static")
+    assert loop.rt.experts.policy == "static"  # auto: adaptive on CUDA only
+    assert loop.rt.experts.admission is None
+    opts = loop.rt.options.with_changes(cache_policy="adaptive")
     assert loop.set_flags(loop.rt.flags, opts) == []  # from the next request on
     reply = loop.chat(Conversation(), "What is a lantern?", SamplingParams(), max_new=24)
-    assert loop.rt.experts.policy == "static" and loop.rt.experts.admission is None
-    assert reply.timing.decode_promoted == 0
+    assert loop.rt.experts.policy == "adaptive" and loop.rt.experts.admission is not None
+    assert reply.timing.decode_promoted > 0
     loop.close()
+
+
+def test_auto_admits_on_cuda_only() -> None:
+    from engine.devices import cache_policy
+
+    auto = EngineOptions()
+    assert cache_policy("cuda:0", auto) == "adaptive" and cache_policy("sim", auto) == "static"
+    assert cache_policy("sim", EngineOptions(cache_policy="adaptive")) == "adaptive"
+    assert cache_policy("cuda:0", EngineOptions(cache_policy="static")) == "static"
 
 
 def _script():  # scripts/ is not a package: load the file
@@ -212,7 +222,7 @@ def test_the_mtp_lend_fills_its_slots_with_what_decoding_uses(random_demo_path: 
     """Lending the MTP regions to the cache (engine/loan/cache_lend.py) fills the new slots by
     the admission scores: the experts decoding used most that the cache lacks."""
     opts = EngineOptions(model=str(random_demo_path), device="sim:40MiB", ctx=2048, mtp=True,
-                         spec=2, draft_vocab=3000, expert_cache=40)
+                         spec=2, draft_vocab=3000, expert_cache=40, cache_policy="adaptive")
     loop = ServeLoop.create(opts)
     rt = loop.rt
     cache, adm = rt.cache, rt.experts.admission
@@ -234,7 +244,7 @@ def test_observe_takes_the_token_graphs_one_array_or_a_list_per_layer() -> None:
     moved = []
     for as_array in (False, True):
         loop = ServeLoop.create(EngineOptions(model="demo", device="sim", ctx=1024,
-                                              expert_cache=32))
+                                              expert_cache=32, cache_policy="adaptive"))
         experts, cache = loop.rt.experts, loop.rt.cache
         experts.admission.margin, experts.admission.score[:] = 0.0, 0.0
         missing = [e for e in range(32) if cache.table.lookup(0, e) < 0][:4]

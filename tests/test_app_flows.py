@@ -574,6 +574,22 @@ async def test_palette_switches_drafting_to_every_step(tmp_path: Path) -> None:
 
 
 @async_test
+async def test_palette_sets_the_expert_cache_policy(tmp_path: Path) -> None:
+    from app.commands import FlagCommands
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        experts = app.link.loop.rt.experts
+        assert experts.policy == "static"  # auto on the simulated device
+        found = {name: run for name, run, _ in FlagCommands(app.screen).commands()}
+        assert "Expert cache: auto policy" not in found  # the one in force
+        found["Expert cache: adaptive policy"]()
+        await send(pilot, "hello")  # accepted options apply from the next message
+        assert experts.policy == "adaptive" and app.link.loop.options.cache_policy == "adaptive"
+
+
+@async_test
 async def test_palette_and_panel_set_the_threshold_to_auto(tmp_path: Path) -> None:
     """STRATA_PREFILL_REPEAT_MIN_TOKENS=auto from the palette; the panel's box shows it and
     takes a count back (the forecast decides only while it says auto)."""

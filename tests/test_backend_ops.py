@@ -60,7 +60,8 @@ def test_the_runtime_decode_path_counts_its_copies_too(tiny_path: Path) -> None:
     """The engine's own path: the expert cache's provider, ledger-backed KV and head; the
     adaptive cache policy reads each step's routing back once more, as one [L, 1, k] array
     (its promotions, if any, are uploads: none here, every expert is resident)."""
-    loop = ServeLoop.create(EngineOptions(model=str(tiny_path), ctx=1024, prefill=128))
+    loop = ServeLoop.create(EngineOptions(model=str(tiny_path), ctx=1024, prefill=128,
+                                          cache_policy="adaptive"))
     rt = loop.rt
     loop.complete(list(range(5, 400)), max_new=2)  # every expert resident or decoded once
     before = rt.backend.stats.snapshot()

@@ -95,7 +95,7 @@ class Scripted(DraftPolicy):
     def measured(self, seconds: float, tokens: int) -> None:
         self.i += 1
 
-    def plain_ahead(self) -> int:
+    def plain_ahead(self, rows: int = 0) -> int:
         n = 0
         while n < len(self.pattern) and self.pattern[(self.i + n) % len(self.pattern)] == "p":
             n += 1
@@ -233,3 +233,17 @@ def test_the_catch_up_rate_is_measured_on_long_passes_only() -> None:
     p.backlog = lambda: 1000
     assert p.row_s == pytest.approx(2e-5) and p.probe_cost() == pytest.approx(0.02)
     assert DraftPolicy(prior=p).row_s == p.row_s  # the next request goes on from it
+
+
+def test_a_prompt_whose_pass_a_probe_could_not_pay_is_deferred() -> None:
+    """Plain steps ahead count the probe's price: a span that ends in 10 steps with a probe
+    that could not pay for 2,048 more rows is a span longer (the decoder defers the prompt's
+    pass and lends the draft model's memory for it)."""
+    p = DraftPolicy()
+    p.home = p.mode = PLAIN
+    p.span, p.left, p.row_s, p.plain_s = 256, 10, 1e-4, 1.0
+    p.backlog = lambda: 0
+    assert p.plain_ahead() == 10  # nothing waits: the probe comes at the span's end
+    assert p.plain_ahead(rows=2048) == 10 + 256  # 0.2 s > 3% of 1 s
+    p.home = DRAFT  # probing plain from a drafting home: drafts again in 10 steps
+    assert p.plain_ahead(rows=2048) == 10

@@ -16,7 +16,7 @@ from engine.build.device import plan_device
 from engine.build.spec import build_spec
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes
-from engine.devices import weight_bytes
+from engine.devices import cache_policy, weight_bytes
 from engine.events import EventBus, LedgerChanged, Loading
 from engine.experts.decoded import DecodedLRU
 from engine.experts.provider import CachedExperts
@@ -80,7 +80,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
     )
     experts = CachedExperts(cache, model.experts, DecodedLRU(), backend)
     experts.on_warning = report.warn
-    experts.set_policy(options.cache_policy)
+    experts.set_policy(cache_policy(backend.name, options))
     session = Session(model, n_ctx=options.ctx, kv_kind=options.kv, experts=experts,
                       kv_alloc=kv.alloc)
     session.on_step = experts.observe

@@ -29,9 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vram-elastic", action="store_true",
                    help="back the expert cache and decode-only regions with elastic segments")
     g.add_argument("--vram-limit", help="plan as if the device had only SIZE (CUDA)")
-    g.add_argument("--cache-policy", choices=CACHE_POLICIES, default="adaptive",
+    g.add_argument("--cache-policy", choices=CACHE_POLICIES, default="auto",
                    help="'adaptive': decode steps promote experts they miss often and lately "
-                        "into the expert cache; 'static': the cache keeps its profile fill")
+                        "into the expert cache; 'static': the cache keeps its profile fill; "
+                        "'auto': adaptive on CUDA, static on the simulated device")
     g.add_argument("--prefill", default="auto", help="prompt chunk: auto or N tokens")
     g.add_argument("--no-borrow", action="store_true",
                    help="never borrow cache slots for the prompt path (own its buffers)")

@@ -17,6 +17,10 @@ scripts.cache_policy`): with a quarter of the experts cached the hit rate goes f
 at 0.4 promotions a token, and the experts read over the link (misses + promotions) fall 7%;
 LRU (admit every miss) hits as often and reads twice as much.
 
+`--cache-policy auto` (the default) runs this rule on CUDA only: on the simulated device the
+array ops keep hits and misses decoded alike, so a promotion only adds work
+(engine/devices.py, `cache_policy`).
+
 Pure: the cache (`ExpertCache.promote`) does the uploads this module chooses.
 """
 

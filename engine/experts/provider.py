@@ -65,7 +65,7 @@ class CachedExperts:
     def set_policy(self, policy: str) -> None:
         """`adaptive`: decode steps' routing promotes missed experts (a fresh `Admission`,
         seeded with what is resident now); `static`: the cache keeps its fill."""
-        assert policy in CACHE_POLICIES, policy
+        assert policy in CACHE_POLICIES and policy != "auto", policy
         self.policy = policy
         self.admission = None
         if policy == "adaptive" and self.cache is not None and self.cache.n_slots:

@@ -251,7 +251,7 @@ class SpecDecoder:
                 if hidden is not None:  # first token known: the draft reads the prompt now,
                     # or (no draft for a long span) when drafting resumes or after the reply
                     after = [*session.tokens[pos0 + 1 :], tok]
-                    if policy.plain_ahead() >= LEND_MIN_STEPS:
+                    if policy.plain_ahead(rows=len(after)) >= LEND_MIN_STEPS:
                         self._unseen = pos0, hidden, after
                     else:
                         self._observe(session, pos0, hidden, after)

@@ -86,10 +86,17 @@ class DraftPolicy:
         """Whether the next step drafts."""
         return self.always or self.mode == DRAFT
 
-    def plain_ahead(self) -> int:
-        """Plain steps before the policy next drafts (0 while it drafts): a span this long
-        is worth lending the draft model's memory to the expert cache for (`LEND_MIN_STEPS`)."""
-        return 0 if self.drafting() else self.left
+    def plain_ahead(self, rows: int = 0) -> int:
+        """Plain steps before the policy next drafts (0 while it drafts), with `rows` more
+        rows waiting for the draft model than now: when the probe that ends this span could
+        not pay its catch-up yet, at least one span more. A span this long is worth lending
+        the draft model's memory to the expert cache for, and deferring a prompt's pass
+        (`LEND_MIN_STEPS`)."""
+        if self.drafting():
+            return 0
+        if self.home == PLAIN and not self._probe_pays(rows):
+            return self.left + self.span
+        return self.left
 
     def seconds_per_token(self, mode: str) -> float | None:
         """The mode's measured seconds per emitted token (None before a measured step)."""
@@ -103,11 +110,15 @@ class DraftPolicy:
         if rows >= CATCH_UP_SAMPLE_ROWS:
             self.row_s = seconds / rows
 
-    def probe_cost(self) -> float:
-        """Seconds a probe of drafting would spend catching the draft model up now (0 before
-        the time per row is measured)."""
-        rows = self.backlog() if self.backlog is not None else 0
-        return rows * (self.row_s or 0.0)
+    def probe_cost(self, rows: int = 0) -> float:
+        """Seconds a probe of drafting would spend catching the draft model up now, with
+        `rows` more rows waiting (0 before the time per row is measured)."""
+        waiting = (self.backlog() if self.backlog is not None else 0) + rows
+        return waiting * (self.row_s or 0.0)
+
+    def _probe_pays(self, rows: int = 0) -> bool:
+        """A probe's catch-up is at most `PROBE_SHARE` of the plain time since the last."""
+        return self.probe_cost(rows) <= PROBE_SHARE * self.plain_s
 
     def measured(self, seconds: float, tokens: int) -> None:
         """A step of the current mode took `seconds` and emitted `tokens`."""
@@ -123,7 +134,7 @@ class DraftPolicy:
             return
         if self.mode == self.home:  # probe the other mode
             if self.home == PLAIN:
-                if self.probe_cost() > PROBE_SHARE * self.plain_s:
+                if not self._probe_pays():
                     self.left = self.span  # not yet: its catch-up would cost too much
                     return
                 self.plain_s = 0.0
