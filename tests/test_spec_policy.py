@@ -247,3 +247,22 @@ def test_a_prompt_whose_pass_a_probe_could_not_pay_is_deferred() -> None:
     assert p.plain_ahead(rows=2048) == 10 + 256  # 0.2 s > 3% of 1 s
     p.home = DRAFT  # probing plain from a drafting home: drafts again in 10 steps
     assert p.plain_ahead(rows=2048) == 10
+
+
+def test_the_spec_vs_plain_script_runs_every_configuration() -> None:
+    """scripts/spec_vs_plain.py (docs/spec-decoding.md), at a toy size: a row per
+    configuration, greedy replies whatever the drafting does."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).parent.parent / "scripts" / "spec_vs_plain.py"
+    spec = importlib.util.spec_from_file_location("spec_vs_plain", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    results = mod.run("random-demo", 96, 12, 1)
+    assert set(results) == set(mod.CONFIGS) and all(len(r) == 1 for r in results.values())
+    assert all(tg > 0 for runs in results.values() for tg, _ in runs)
+    table = mod.markdown(results)
+    assert table.count("\n| ") == len(mod.CONFIGS) and "| no MTP |" in table
