@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
@@ -66,15 +66,16 @@ class FlagCommands(Provider):
                         f"now {flags.threshold_text}",
                     )
                 )
-        for t in SPEC_CHOICES:
-            if t != options.spec:
-                out.append(
-                    (
-                        f"Speculative decoding: spec T = {t}" + (" (off)" if not t else ""),
-                        partial(ask, flags, options.with_changes(spec=t)),
-                        f"now {options.spec}",
-                    )
-                )
+
+        def choices(field: str, values: Iterable[Any], label: Callable[[Any], str],
+                    note: Callable[[Any], str] = lambda v: "") -> None:
+            """One command per value of option `field` other than the one in force."""
+            now = getattr(options, field)
+            out.extend((label(v), partial(ask, flags, options.with_changes(**{field: v})),
+                        f"now {now}{note(v)}") for v in values if v != now)
+
+        choices("spec", SPEC_CHOICES,
+                lambda t: f"Speculative decoding: spec T = {t}" + (" (off)" if not t else ""))
         if options.spec:
             always = options.spec_always
             out.append(
@@ -86,24 +87,9 @@ class FlagCommands(Provider):
                      "(sampled replies always draft)"),
                 )
             )
-        for policy in CACHE_POLICIES:
-            if policy != options.cache_policy:
-                out.append(
-                    (
-                        f"Expert cache: {policy} policy",
-                        partial(ask, flags, options.with_changes(cache_policy=policy)),
-                        f"now {options.cache_policy}; {CACHE_POLICY_HELP[policy]}",
-                    )
-                )
-        for p in PREFILL_CHOICES:
-            if p != options.prefill:
-                out.append(
-                    (
-                        f"Prefill chunk: {p}",
-                        partial(ask, flags, options.with_changes(prefill=p)),
-                        f"now {options.prefill}",
-                    )
-                )
+        choices("cache_policy", CACHE_POLICIES, lambda v: f"Expert cache: {v} policy",
+                lambda v: f"; {CACHE_POLICY_HELP[v]}")
+        choices("prefill", PREFILL_CHOICES, lambda p: f"Prefill chunk: {p}")
         return out
 
     async def discover(self) -> Hits:

@@ -59,18 +59,21 @@ class CachedExperts:
         self.counters = StreamCounters()
         self._host_decoded = DecodedLRU(64 << 20)
         self.admission: Admission | None = None
-        self.policy = "static"
         self.on_warning: Callable[[str], None] | None = None
 
     def set_policy(self, policy: str) -> None:
         """`adaptive`: decode steps' routing promotes missed experts (a fresh `Admission`,
         seeded with what is resident now); `static`: the cache keeps its fill."""
         assert policy in CACHE_POLICIES and policy != "auto", policy
-        self.policy = policy
         self.admission = None
         if policy == "adaptive" and self.cache is not None and self.cache.n_slots:
             table = self.cache.table
             self.admission = Admission(table.n_layer, table.n_expert, table.slot_of >= 0)
+
+    @property
+    def policy(self) -> str:
+        """The cache policy decoding runs under: 'adaptive' while an admission policy runs."""
+        return "adaptive" if self.admission is not None else "static"
 
     def ranking(self) -> list[tuple[int, int]]:
         """Every (layer, expert), the one a new slot should hold first: by the admission
@@ -99,7 +102,7 @@ class CachedExperts:
         try:
             self.counters.promoted += cache.promote(moves)
         except Exception as e:  # an upload failed: keep decoding from the cache as it is
-            self.admission, self.policy = None, "static"
+            self.admission = None
             if self.on_warning is not None:
                 self.on_warning(f"strata: warning: promoting experts into the cache failed "
                                 f"({e}); the cache keeps its experts for this run")
