@@ -33,7 +33,8 @@ KV_READ_BYTES = {"q4_0": 2, "f16": 0, "int8": F32 + 2}  # a prompt chunk's K/V r
 @dataclass(frozen=True)
 class Shapes:
     """What sizing needs from a model: its hyper-parameters and expert blob sizes. Built from
-    a loaded `Model` or from a synthetic preset's spec (so `strata plan` needs no file)."""
+    a loaded `Model` or from a synthetic preset's spec (so `strata plan` needs no file).
+    `blob_bytes` is the largest blob of any main layer: the size of a cache or ring slot."""
 
     hp: HParams
     blob_bytes: int
@@ -41,6 +42,21 @@ class Shapes:
     qtypes: tuple[GGMLQuantizationType, ...] = ()  # experts' (main, MTP) and the embedding's
     # (tensor name, its quant type in the file) of every tensor; none known: all decoded
     tensor_qtypes: tuple[tuple[str, GGMLQuantizationType], ...] = ()
+    layer_blob_bytes: tuple[int, ...] = ()  # [n_layer] each main layer's blob (empty: all alike)
+
+    def blob_sizes(self) -> dict[int, list[int]]:
+        """Blob bytes -> the main layers whose blobs have that size (one entry unless a
+        quant mix gives layers different types)."""
+        out: dict[int, list[int]] = {}
+        for i, n in enumerate(self.layer_blob_bytes or (self.blob_bytes,) * self.hp.n_layer):
+            out.setdefault(n, []).append(i)
+        return out
+
+    def slot_slack_share(self) -> float:
+        """The share of a full cache's slot bytes left unused: every slot is as large as the
+        largest blob, and smaller blobs fill only its front."""
+        sizes = self.layer_blob_bytes or (self.blob_bytes,)
+        return 1.0 - sum(sizes) / (len(sizes) * self.blob_bytes)
 
     @property
     def has_mtp(self) -> bool:
@@ -57,18 +73,20 @@ class Shapes:
     @classmethod
     def of_spec(cls, spec) -> Shapes:  # type: ignore[no-untyped-def]
         """From a synthetic preset's `SynthSpec` (no file needed)."""
-        blob = spec.expert_blob_bytes()
-        return cls(spec.hparams(), blob, blob if spec.n_nextn else 0,
-                   tensor_qtypes=tuple(spec.tensor_qtypes().items()))
+        *layers, mtp = spec.layer_blob_bytes(with_mtp=True)
+        layers = tuple(layers)
+        return cls(spec.hparams(), max(layers), mtp if spec.n_nextn else 0,
+                   tensor_qtypes=tuple(spec.tensor_qtypes().items()), layer_blob_bytes=layers)
 
     @classmethod
     def of(cls, model) -> Shapes:  # type: ignore[no-untyped-def]
         mtp = model.mtp_experts
-        qtypes = (*model.experts.layout.qtypes, *(mtp.layout.qtypes if mtp is not None else ()),
-                  model.mf.tensor(names.TOKEN_EMBD).qtype)
+        layouts = (*model.experts.layouts, *(mtp.layouts if mtp is not None else ()))
+        qtypes = (*(q for lay in layouts for q in lay.qtypes), model.mf.tensor(names.TOKEN_EMBD).qtype)
         return cls(model.hp, model.experts.blob_bytes, mtp.blob_bytes if mtp is not None else 0,
                    tuple(dict.fromkeys(qtypes)),
-                   tuple((name, t.qtype) for name, t in model.mf.tensors.items()))
+                   tuple((name, t.qtype) for name, t in model.mf.tensors.items()),
+                   model.experts.layer_blob_bytes)
 
 
 def stacked_bytes(model: Shapes, tensors: tuple[str, ...], shape: tuple[int, int], wb: int,

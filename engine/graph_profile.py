@@ -57,14 +57,13 @@ def profile_step(tg: TokenGraph, tokens: list[int], pos: int, repeat: int = 20) 
     o = tg._attend(q, layer)
     h = be.rms_norm(x, blk.ffn_norm, hp.rms_eps)
     ids, w, _ = route_topk(_gemv(be, h, blk.router), hp.n_expert_used)
-    layout = tg.experts.host.layout
     parts: list[tuple[str, Callable[[], Any], int]] = [
         ("norm, q/k/v, rope, KV write", lambda: tg._qkv(blk.attn, x, layer), hp.n_layer),
         (f"attention over {pos + t} cells", lambda: tg._attend(q, layer), hp.n_layer),
         ("output projection", lambda: _gemv(be, o.reshape(t, hp.q_dim), blk.attn.wo), hp.n_layer),
         ("norm, router, top-k", lambda: route_topk(_gemv(be, be.rms_norm(x, blk.ffn_norm, hp.rms_eps),
                                                          blk.router), hp.n_expert_used), hp.n_layer),
-        ("routed experts (layer 0's routing)", lambda: moe_at(h, ids, w, tg._sources[layer], layout, tg.counts), hp.n_layer),
+        ("routed experts (layer 0's routing)", lambda: moe_at(h, ids, w, tg._sources[layer], tg.counts[layer]), hp.n_layer),
         ("output head", lambda: _gemv(be, be.rms_norm(x[-1:], tr.output_norm, hp.rms_eps), tr.head), 1),
     ]
     rows = [(name, n * _time_graph(cp, tg._stream, tg._pool, fn, repeat)) for name, fn, n in parts]

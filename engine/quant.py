@@ -67,12 +67,10 @@ def dequantize(t: TensorView) -> np.ndarray:
 
 # block-quantized types a dense weight is kept in on the device (`keeps_quantized`): every one
 # the CUDA kernels decode; float types are decoded to the device's float type instead
-KEPT_QUANTIZED = frozenset({
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ3_XXS,
-    GGMLQuantizationType.IQ4_XS,
-})
+KEPT_QUANTIZED = frozenset(GGMLQuantizationType[name] for name in (
+    "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S",
+    "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4",
+))
 
 
 def keeps_quantized(qtype: GGMLQuantizationType) -> bool:

@@ -92,9 +92,10 @@ class TokenGraph:
         self._gpu_ms: dict[int, list[float]] = {}  # rows -> [replays, GPU ms] since `stats_line`
         with cupy.cuda.using_allocator(self._pool.malloc):
             self.pos = cupy.zeros(1, dtype=cupy.int32)  # position of row 0 of the step
-            self.counts = cupy.zeros(2, dtype=cupy.uint64)  # expert hits, misses (cumulative)
+            # per layer: expert hits, misses (cumulative); a miss streams that layer's blob size
+            self.counts = cupy.zeros((transformer.hp.n_layer, 2), dtype=cupy.uint64)
             self._sources = self._expert_sources()
-        self._counted = np.zeros(2, dtype=np.uint64)
+        self._counted = np.zeros((transformer.hp.n_layer, 2), dtype=np.uint64)
 
     @property
     def nbytes(self) -> int:
@@ -172,12 +173,13 @@ class TokenGraph:
     def _count(self) -> None:
         """Expert hits and misses of the step, into the provider's and the cache's counters."""
         now = self.backend.download(self.counts)  # waits for the step (the sampler would next)
-        hits, misses = (int(v) for v in now - self._counted)
+        step = (now - self._counted).astype(np.int64)  # [L, (hits, misses)]
         self._counted = now
+        hits, misses = (int(v) for v in step.sum(axis=0))
         c = self.experts.counters
         c.hits += hits
         c.streamed += misses
-        c.bytes_streamed += misses * self.experts.host.blob_bytes
+        c.bytes_streamed += int(step[:, 1] @ np.asarray(self.experts.host.layer_blob_bytes))
         if self.cache is not None:
             self.cache.n_hits += hits
             self.cache.n_misses += misses
@@ -216,7 +218,6 @@ class TokenGraph:
     def _step(self, g: _Graph, all_logits: bool) -> None:
         """The decode step on the graph's buffers (what is captured)."""
         cp, be, tr, hp = self._cp, self.backend, self.tr, self.tr.hp
-        layout = self.experts.host.layout
         x = g.x_in.copy()  # [T, d] residual stream
         g.margins.fill(np.inf)
         for i, blk in enumerate(tr.blocks):
@@ -224,7 +225,7 @@ class TokenGraph:
             h = be.rms_norm(x, blk.ffn_norm, hp.rms_eps)  # [T, d]
             ids, w, margin = route_topk(_gemv(be, h, blk.router), hp.n_expert_used)
             g.routes[i] = ids
-            x += moe_at(h, ids, w, self._sources[i], layout, self.counts)
+            x += moe_at(h, ids, w, self._sources[i], self.counts[i])
             cp.minimum(g.margins, margin, out=g.margins)
         g.hidden[...] = x
         tail = x if all_logits else x[-1:]
@@ -259,8 +260,6 @@ class TokenGraph:
     def _expert_sources(self) -> list[ExpertSource]:
         """Per layer: the residency row, slot addresses and the mapped file's expert tensors."""
         cp, be, host = self._cp, self.backend, self.experts.host
-        layout = host.layout
-        n_gate, n_up, _ = layout.part_bytes
         if self.cache is not None:
             table, slot_base = self.cache.table_view(), self.cache.slots_address
         else:  # no cache: every expert is a miss
@@ -268,6 +267,8 @@ class TokenGraph:
             slot_base = 0
         out = []
         for layer in range(host.n_layer):
+            layout = host.layout_of(layer)
+            n_gate, n_up, _ = layout.part_bytes
             parts = host.parts(layer)
             addrs = [self.backend.mapped_address(p) for p in parts]
             if any(a is None for a in addrs):
@@ -281,9 +282,9 @@ class TokenGraph:
                     raise TokenGraphError(f"token graph: {q.name} expert bytes are not "
                                           f"{align}-byte aligned")
             out.append(ExpertSource(
-                table=table[layer], slot_base=slot_base, blob_bytes=host.blob_bytes,
+                table=table[layer], slot_base=slot_base, slot_bytes=host.blob_bytes,
                 offsets=(n_gate, n_gate + n_up), host=be.to_device(np.array(addrs, np.uint64)),
-                part_bytes=be.to_device(np.array(strides, np.int64)),
+                part_bytes=be.to_device(np.array(strides, np.int64)), layout=layout,
             ))
         return out
 

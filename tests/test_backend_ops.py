@@ -115,7 +115,7 @@ def test_every_expert_provider_implements_the_whole_protocol(model: Model) -> No
                  ArrayExperts({0: w}, be)]
     for p in providers:
         assert isinstance(p, ExpertProvider), type(p).__name__
-        assert p.ring_slots is None and p.layout.blob_bytes > 0
+        assert p.ring_slots is None and p.layout_of(0).blob_bytes > 0
 
 
 def test_the_sim_backend_implements_the_whole_protocol() -> None:

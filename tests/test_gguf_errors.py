@@ -87,10 +87,10 @@ def test_missing_tensor_and_shape_mismatch(tmp_path: Path, tiny_path: Path) -> N
 def test_unsupported_quant_type(tmp_path: Path, tiny_path: Path) -> None:
     mf = open_gguf(tiny_path)
     t = mf.tensors["blk.0.attn_v.weight"]
-    mf.tensors[t.name] = replace(t, qtype=Q.Q2_K)
+    mf.tensors[t.name] = replace(t, qtype=Q.TQ2_0)
     with pytest.raises(GGUFError) as e:
         read_hparams(mf)
-    assert "Q2_K" in one_line(e) and "does not support" in str(e.value)
+    assert "TQ2_0" in one_line(e) and "does not support" in str(e.value)
 
 
 def test_bad_expert_count(tmp_path: Path) -> None:

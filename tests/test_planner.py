@@ -293,6 +293,6 @@ def test_shapes_name_the_quant_types_the_kernels_need(demo_path) -> None:  # typ
 
     model = load_model(demo_path, build=False)
     qtypes = Shapes.of(model).qtypes
-    assert set(model.experts.layout.qtypes) <= set(qtypes)
+    assert {q for lay in model.experts.layouts for q in lay.qtypes} <= set(qtypes)
     assert model.mf.tensor(names.TOKEN_EMBD).qtype in qtypes
     assert len(set(qtypes)) == len(qtypes)

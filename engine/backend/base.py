@@ -130,7 +130,9 @@ class ExpertProvider(Protocol):
     the kernels that read a group are queued, so the next group's uploads can overlap them.
     """
 
-    layout: ExpertLayout
+    def layout_of(self, layer: int) -> ExpertLayout:
+        """The byte layout of `layer`'s expert blobs (layers may differ in quant types)."""
+        ...
 
     @property
     def ring_slots(self) -> int | None:
@@ -151,7 +153,8 @@ class ExpertProvider(Protocol):
         ...
 
     def blobs(self, layer: int, experts: list[int]) -> list[DeviceArray]:
-        """uint8 [blob_bytes] device bytes of each expert (gate | up | down, `layout`)."""
+        """uint8 device bytes of each expert (gate | up | down, `layout_of(layer)`; a slot
+        may be longer than the blob)."""
         ...
 
     def needs_slot(self, layer: int, expert: int) -> bool:

@@ -88,7 +88,7 @@ class CudaOps(ArrayOps):
 
     def moe(self, h: Any, ids: Any, w: Any, used: list[int], counts: np.ndarray,
             experts: ExpertProvider, layer: int) -> Any:
-        layout, ring_slots = experts.layout, experts.ring_slots
+        layout, ring_slots = experts.layout_of(layer), experts.ring_slots
         if h.shape[0] <= DECODE_ROWS and ring_slots is None:  # ids on the host: job tables
             return moe_decode(h, ids, w, dict(zip(used, experts.blobs(layer, used))), layout)
         if isinstance(ids, np.ndarray):  # a short prompt through the ring: ids were read back

@@ -1,4 +1,5 @@
-"""`strata info`: architecture, shapes, and bytes and quant types per tensor group."""
+"""`strata info`: architecture, shapes, bytes and quant types per tensor group, and the
+file's type mix per tensor kind and layer range."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections import defaultdict
 
 from engine.gguf.hparams import read_hparams
 from engine.gguf.reader import open_gguf
+from engine.gguf.type_mix import file_type_name, mix_lines
 from engine.synth.demo import resolve_model
 
 MIB = 1 << 20
@@ -43,6 +45,7 @@ def describe(path: str) -> str:
         f"experts       {hp.n_expert} per layer, top-{hp.n_expert_used}, ffn {hp.n_ff_exp}",
         f"context       {hp.n_ctx_train:,} (trained), rope base {hp.rope_base:g}",
         f"output head   {'native' if hp.has_output else 'tied to token_embd'}",
+        f"file type     {file_type_name(mf) or '?'}",
         "",
         f"{'group':<18}{'tensors':>8}{'MiB':>12}  quant types",
     ]
@@ -51,6 +54,7 @@ def describe(path: str) -> str:
         lines.append(f"{g:<18}{n:>8}{n_bytes / MIB:>12.2f}  {', '.join(sorted(qtypes[g]))}")
     total = sum(v[0] for v in groups.values())
     lines.append(f"{'total':<18}{len(mf.tensors):>8}{total / MIB:>12.2f}")
+    lines += ["", "type mix (tensor: type, and the layers where they differ)", *mix_lines(mf)]
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from engine.errors import FlagError, StrataError
 from engine.gguf.reader import SUPPORTED_QTYPES
 from engine.memory.sizes import GiB
 from engine.synth.demo import stderr_progress
+from engine.synth.mixes import MIXES
 from engine.synth.model import GROUPS, PRESETS, write_model
 
 SHAPE_FLAGS = {
@@ -43,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="GROUP=TYPE",
         help=f"quant type per tensor group ({', '.join(GROUPS)}, or all), e.g. experts=Q4_K",
     )
+    p.add_argument("--mix", choices=sorted(MIXES), default=None, type=str.lower,
+                   help="the types llama.cpp's quantizer gives each tensor under this mix, layer "
+                        "by layer (e.g. q4_k_m: Q6_K on half the ffn_down_exps, Q4_K elsewhere)")
     p.set_defaults(func=run)
 
 
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     spec = PRESETS[args.preset]
     changes = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()
                if getattr(args, flag) is not None}
-    spec = replace(spec, **changes, tied_output=args.tied_output or spec.tied_output)
+    spec = replace(spec, **changes, tied_output=args.tied_output or spec.tied_output,
+                   mix=args.mix or spec.mix)
     supported = {q.name for q in SUPPORTED_QTYPES}
     for item in args.qtype:
         group, _, qtype = item.partition("=")
@@ -74,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             )
         spec = spec.with_qtype(group, qtype.upper())
     problems = spec.problems({field: f"--{flag.replace('_', '-')}"
-                              for flag, field in SHAPE_FLAGS.items()})
+                              for flag, field in {**SHAPE_FLAGS, "mix": "mix"}.items()})
     if problems:
         raise FlagError([f"make-model --preset {args.preset}: {problems[0]}", *problems[1:]])
     check_disk(args.out, spec.tensor_bytes())

@@ -29,6 +29,7 @@ from engine.forecast import (
     routing_odds,
     workload,
 )
+from engine.gguf.type_mix import layer_ranges
 from engine.memory.planner import format_plan_table, plan_loan
 from engine.memory.sizes import format_mib
 from engine.model.loader import load_model
@@ -66,6 +67,7 @@ def plan_text(options: EngineOptions, flags: LoanFlags, shapes: Shapes, name: st
             f"{costs.expert_blob_bytes:,} B ({hp.n_layer * hp.n_expert} blobs, "
             f"{format_mib(costs.cache_bytes(costs.n_blobs))} MiB)"
         ),
+        *_blob_lines(shapes),
         (
             f"device  {device} = {format_mib(capacity)} MiB in {plan.n_segments} segments of "
             f"{format_mib(seg)} MiB"
@@ -142,6 +144,17 @@ def forecast_text(n: int, options: EngineOptions, flags: LoanFlags, shapes: Shap
         f"- routing odds: {'the calibration profile' if profile else 'uniform (no profile yet)'}",
         *refused,
     ])
+
+
+def _blob_lines(shapes: Shapes) -> list[str]:
+    """Where a quant mix gives layers different blob sizes: each size's layers and what the
+    one slot size (the largest blob) leaves unused in a full cache."""
+    sizes = shapes.blob_sizes()
+    if len(sizes) < 2:
+        return []
+    each = "; ".join(f"{n:,} B in layers {layer_ranges(ls)}" for n, ls in sorted(sizes.items()))
+    return [f"blobs   {each}; every slot holds the largest "
+            f"({shapes.slot_slack_share():.1%} of a full cache unused)"]
 
 
 def _workload(kind: str | None, n: int, planned: DevicePlan, shapes: Shapes, odds: np.ndarray,

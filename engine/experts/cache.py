@@ -1,7 +1,8 @@
 """The expert cache: device slots of one (layer, expert) blob each, filled in profile order.
 
 Layout of the `experts.cache` region (engine/memory/cache_layout.py): the staged residency
-table (int32 [L, E], 256-byte aligned), then `n_slots` slots of `blob_bytes` each. The prompt loan borrows the *tail*:
+table (int32 [L, E], 256-byte aligned), then `n_slots` slots of `blob_bytes` each (the largest
+blob of any layer; a smaller one fills the front of its slot). The prompt loan borrows the *tail*:
 `lend_tail(n)` hands the last n slots' bytes to the prompt path as one contiguous view and sets
 their residency rows to -1; `refill(lent)` uploads every lent slot's previous expert back into
 the same slot and restores its row. A loan may first `grow` the cache into memory freed by
@@ -134,6 +135,13 @@ class ExpertCache:
             self.n_misses += 1
         return slot
 
+    def slack_bytes(self) -> int:
+        """Slot bytes the resident experts leave unused (their layer's blobs are smaller than
+        a slot: mixed quant types across layers)."""
+        layers = self.table.owner_of[:, 0]  # [n_slots] layer or -1
+        held = layers[layers >= 0]
+        return int(np.sum(self.blob_bytes - np.asarray(self.host.layer_blob_bytes)[held]))
+
     def slot_view(self, slot: int) -> DeviceArray:
         """uint8 [blob_bytes] device view of `slot` (not a lent one: the prompt path owns it)."""
         assert self._states[slot] != LENT, f"slot {slot} is lent to the prompt path"
@@ -160,7 +168,7 @@ class ExpertCache:
         self.table.clear()
         self._states.fill(EMPTY)
         for slot, (layer, expert) in enumerate(order[: self.n_slots]):
-            self.backend.upload(self.host.pieces(layer, expert), self._slots[slot])
+            self._put(slot, layer, expert)
             self.table.assign(slot, layer, expert)
             self._states[slot] = RESIDENT
         self._sync_table()
@@ -175,7 +183,7 @@ class ExpertCache:
                   if self.table.lookup(*o) < 0)
         done = 0
         for slot, (layer, expert) in zip(range(first, self.n_slots), wanted):
-            self.backend.upload(self.host.pieces(layer, expert), self._slots[slot])
+            self._put(slot, layer, expert)
             self.table.assign(slot, layer, expert)
             self._states[slot] = RESIDENT
             done += 1
@@ -203,7 +211,7 @@ class ExpertCache:
                 assert self.table.lookup(m.layer, m.expert) < 0, f"({m.layer}, {m.expert}) held"
                 self.table.evict(m.slot)
                 self._states[m.slot] = EMPTY
-                self.backend.upload(self.host.pieces(m.layer, m.expert), self._slots[m.slot])
+                self._put(m.slot, m.layer, m.expert)
                 self.table.assign(m.slot, m.layer, m.expert)
                 self._states[m.slot] = RESIDENT
                 done += 1
@@ -277,7 +285,7 @@ class ExpertCache:
             self._states[slot] = REFILLING
             try:
                 if owner is not None:
-                    self.backend.upload(self.host.pieces(*owner), self._slots[slot])
+                    self._put(slot, *owner)
             except BaseException:
                 self._states[slot] = LENT
                 raise
@@ -347,6 +355,12 @@ class ExpertCache:
             raise AssertionError("expert cache: " + "; ".join(errors))
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _put(self, slot: int, layer: int, expert: int) -> None:
+        """Upload (layer, expert) into the front of `slot` (a layer whose blobs are smaller
+        than the slot leaves its tail unused)."""
+        n = self.host.layer_blob_bytes[layer]
+        self.backend.upload(self.host.pieces(layer, expert), self._slots[slot][:n])
 
     def _slot_views(self) -> DeviceArray:
         n_bytes = self.n_slots * self.blob_bytes

@@ -52,7 +52,7 @@ class CachedExperts:
     def __init__(self, cache: ExpertCache | None, host: FileExperts, decoded: DecodedLRU,
                  backend: Backend):
         self.cache, self.host, self.decoded, self.backend = cache, host, decoded, backend
-        self.layout = host.layout
+        self.layout_of = host.layout_of
         self.ring: StagingRing | None = None
         self._ahead: list[list[int]] | None = None  # per layer: the experts the cache lacks
         self._seen: dict[int, set[int]] = {}  # per layer: what the last chunk routed to
@@ -162,11 +162,11 @@ class CachedExperts:
     def _counted(self, staging: Callable[[], Any]) -> Any:
         """Run a ring staging call; what it uploaded counts as streamed."""
         assert self.ring is not None
-        before = self.ring.n_uploads
+        before, before_bytes = self.ring.n_uploads, self.ring.bytes_uploaded
         out = staging()
         n = self.ring.n_uploads - before
         self.counters.streamed += n
-        self.counters.bytes_streamed += n * self.host.blob_bytes
+        self.counters.bytes_streamed += self.ring.bytes_uploaded - before_bytes
         return out
 
     def blob(self, layer: int, expert: int) -> DeviceArray:
@@ -179,9 +179,10 @@ class CachedExperts:
             return view
         assert self.ring is None, "on the prompt path misses go through the ring (blobs)"
         self.counters.streamed += 1
-        self.counters.bytes_streamed += self.host.blob_bytes
+        n = self.host.layer_blob_bytes[layer]
+        self.counters.bytes_streamed += n
         xp = self.backend.xp
-        buf = xp.empty(self.host.blob_bytes, dtype=xp.uint8)
+        buf = xp.empty(n, dtype=xp.uint8)
         self.backend.upload(self.host.pieces(layer, expert), buf)  # DMA from the pinned file
         return buf
 
@@ -205,7 +206,7 @@ class CachedExperts:
             self.ring.release(layer, experts)
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
-        be, layout = self.backend, self.layout
+        be, layout = self.backend, self.host.layout_of(layer)
         view = self._resident(layer, expert)
         if view is not None:
             return self.decoded.get((layer, expert), lambda: be.decode_expert(view, layout))
@@ -224,7 +225,7 @@ class DirectExperts:
     ring_slots = None
 
     def __init__(self, host: FileExperts, backend: Backend, max_bytes: int = 256 << 20):
-        self.host, self.backend, self.layout = host, backend, host.layout
+        self.host, self.backend, self.layout_of = host, backend, host.layout_of
         self._decoded = DecodedLRU(max_bytes)
 
     def prepare(self, layer: int, experts: list[int]) -> None:
@@ -250,5 +251,5 @@ class DirectExperts:
 
 def _upload_decoded(be: Backend, host: FileExperts, layer: int, expert: int) -> tuple[Any, Any, Any]:
     """(gate, up, down) of (layer, expert) decoded from host memory, then uploaded."""
-    gate, up, down = host.layout.decode(host.blob(layer, expert))  # [f, d], [f, d], [d, f]
+    gate, up, down = host.weights(layer, expert)  # [f, d], [f, d], [d, f]
     return be.to_device(gate), be.to_device(up), be.to_device(down)

@@ -24,7 +24,9 @@ __all__ = ["GGUF_MAGIC", "SUPPORTED_QTYPES", "ModelFile", "TensorView", "open_gg
 SUPPORTED_QTYPES = frozenset(
     GGMLQuantizationType[name]
     for name in (
-        ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ3_XXS", "IQ4_XS"]
+        ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+         "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+         "IQ4_NL", "IQ4_XS", "MXFP4"]
     )
 )
 

@@ -31,7 +31,8 @@ from engine.quant import ExpertLayout
 from engine.synth.blocks import SCALE_FIELDS
 
 GB = 1e9
-GEMV_TYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ3_XXS, Q.F16)
+GEMV_TYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ3_XXS, Q.F16, Q.Q2_K, Q.Q3_K,
+              Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_S, Q.IQ1_M, Q.IQ4_NL, Q.MXFP4)
 
 
 def random_quant_bytes(

@@ -137,24 +137,27 @@ class ExpertSource:
     """Where a layer's experts are on the device: cache slots and the mapped GGUF.
 
     `table`: int32 [E] slot or -1 (a row of the staged residency table); `slot_base`: address
-    of slot 0, `blob_bytes` apart, gate | up | down at `offsets`; `host`: uint64 [3] device
-    addresses of the layer's gate/up/down expert tensors in the page-locked file, `part_bytes`
-    int64 [3] apart per expert."""
+    of slot 0, `slot_bytes` apart, gate | up | down at `offsets` (the layer's `layout`: its
+    quant types and part sizes; a slot may be longer than the layer's blob); `host`: uint64 [3]
+    device addresses of the layer's gate/up/down expert tensors in the page-locked file,
+    `part_bytes` int64 [3] apart per expert."""
 
     table: Any
     slot_base: int
-    blob_bytes: int
+    slot_bytes: int
     offsets: tuple[int, int]
     host: Any
     part_bytes: Any
+    layout: ExpertLayout
 
 
-def moe_at(h: Any, ids: Any, w: Any, src: ExpertSource, layout: ExpertLayout, counts: Any) -> Any:
+def moe_at(h: Any, ids: Any, w: Any, src: ExpertSource, counts: Any) -> Any:
     """h [T, d] float32, ids [T, k] int64, w [T, k] -> [T, d]: the routed FFN through the fused
-    GEMV kernels, with job rows built on the device (`moe_jobs`); counts (uint64 [2]) gains the
-    hits and misses."""
+    GEMV kernels, with job rows built on the device (`moe_jobs`); counts (uint64 [2]: the
+    layer's) gains the hits and misses."""
     import cupy
 
+    layout = src.layout
     f, d = _dims(layout)
     n_tok, k = ids.shape
     n_pairs = n_tok * k
@@ -166,7 +169,7 @@ def moe_at(h: Any, ids: Any, w: Any, src: ExpertSource, layout: ExpertLayout, co
     _fn("moe_jobs")(
         (-(-n_pairs // 128),), (128,),
         (ids, np.int32(n_pairs), np.int32(k), src.table, np.uint64(src.slot_base),
-         np.int64(src.blob_bytes), np.int64(src.offsets[0]), np.int64(src.offsets[1]),
+         np.int64(src.slot_bytes), np.int64(src.offsets[0]), np.int64(src.offsets[1]),
          src.host, src.part_bytes, np.uint64(h.data.ptr), np.uint64(gu.data.ptr),
          np.uint64(act.data.ptr), np.uint64(y.data.ptr), np.int32(d), np.int32(f),
          jobs_gu, jobs_down, counts))  # fmt: skip

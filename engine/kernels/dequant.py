@@ -8,8 +8,9 @@ the binaries are cached on disk by CuPy (`~/.cupy/kernel_cache`).
 Device bytes are a cupy uint8 array holding GGUF rows exactly as the file stores them (an
 expert-cache slot, a staging-ring slot, a region view). Block sizes come from
 `gguf.GGML_QUANT_SIZES`; `check_layouts()` asserts that the .cu declares the same ones.
-Lookup tables (the IQ4_NL values, the IQ3_XXS grid) come from `gguf.quants` and are copied to
-the device once per process (a constant table, not model data, so not a counted upload).
+Lookup tables (the IQ4_NL and MXFP4 values, the IQ2/IQ3/IQ1 grids) come from `gguf.quants` and
+are copied to the device once per process (a constant table, not model data, so not a counted
+upload); the kernels stage a decoder's table in shared memory, NTAB words as the .cu declares.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ DECODERS: dict[Q, str] = {
     Q.Q6_K: "BQ6_K",
     Q.IQ3_XXS: "BIQ3_XXS",
     Q.IQ4_XS: "BIQ4_XS",
+    Q.Q2_K: "BQ2_K",
+    Q.Q3_K: "BQ3_K",
+    Q.IQ2_XXS: "BIQ2_XXS",
+    Q.IQ2_XS: "BIQ2_XS",
+    Q.IQ2_S: "BIQ2_S",
+    Q.IQ3_S: "BIQ3_S",
+    Q.IQ1_S: "BIQ1_S",
+    Q.IQ1_M: "BIQ1_M",
+    Q.IQ4_NL: "BIQ4_NL",
+    Q.MXFP4: "BMXFP4",
 }
 SUPPORTED = tuple(DECODERS)
 _FLOAT_PSEUDO_BLOCK = 8  # float types are decoded 8 values at a time
@@ -65,27 +76,73 @@ def block_layout(qtype: Q) -> tuple[int, int]:
     return block, type_bytes
 
 
-def check_layouts(source: str | None = None) -> None:
-    """Assert that every decoder's `enum { QK, TS }` equals gguf's block layout."""
+_ENUM = r"enum \{ QK = (\d+), TS = (\d+)(?:, NTAB = (\d+))? \}"
+MAX_TABLE_WORDS = 2048  # 8 KiB of shared memory per block for a decoder's table
+
+
+def declared_layouts(source: str | None = None) -> dict[Q, tuple[int, int, int]]:
+    """(QK, TS, NTAB) of every decoder as the .cu declares them (NTAB 0 where absent)."""
     text = kernel_source() if source is None else source
+    out = {}
     for qtype, struct in DECODERS.items():
-        m = re.search(rf"struct {struct} \{{[^}}]*?enum \{{ QK = (\d+), TS = (\d+) \}}", text)
+        m = re.search(rf"struct {struct} \{{[^}}]*?" + _ENUM, text)
         assert m, f"decoder {struct} for {qtype.name} not found in the kernel source"
-        declared = (int(m.group(1)), int(m.group(2)))
-        assert declared == block_layout(qtype), (
-            f"{struct}: .cu declares (QK, TS) = {declared}, gguf says {block_layout(qtype)}"
+        out[qtype] = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+    return out
+
+
+def check_layouts(source: str | None = None) -> None:
+    """Assert that every decoder's `enum { QK, TS }` equals gguf's block layout and that its
+    lookup table fits the NTAB words it declares."""
+    for qtype, (qk, ts, ntab) in declared_layouts(source).items():
+        struct = DECODERS[qtype]
+        assert (qk, ts) == block_layout(qtype), (
+            f"{struct}: .cu declares (QK, TS) = {(qk, ts)}, gguf says {block_layout(qtype)}"
+        )
+        n = lookup_table(qtype).size
+        assert n <= ntab <= MAX_TABLE_WORDS and (ntab == 0) == (n == 0), (
+            f"{struct}: a table of {n} words, NTAB = {ntab} (at most {MAX_TABLE_WORDS})"
         )
 
 
-def lookup_table(qtype: Q) -> np.ndarray:
-    """uint32 [n] lookup table a decoder reads (empty for types without one)."""
-    if qtype == Q.IQ4_XS:  # 16 int8 non-linear values, packed 4 per word
+# grid types whose points are byte-sized values, one byte each (4 or 8 a point)
+_BYTE_GRIDS = {
+    Q.IQ3_XXS: gq.IQ3_XXS,
+    Q.IQ3_S: gq.IQ3_S,
+    Q.IQ2_XXS: gq.IQ2_XXS,
+    Q.IQ2_XS: gq.IQ2_XS,
+    Q.IQ2_S: gq.IQ2_S,
+}
+
+
+def _build_table(qtype: Q) -> np.ndarray:
+    if qtype in (Q.IQ4_XS, Q.IQ4_NL):  # 16 int8 non-linear values, packed 4 per word
         return np.array(gq.IQ4_NL.kvalues, dtype=np.int8).view(np.uint32)
-    if qtype == Q.IQ3_XXS:  # 256 grid points of 4 byte-sized values each
-        gq.IQ3_XXS.init_grid()
-        grid = np.asarray(gq.IQ3_XXS.grid).reshape(256, 4).astype(np.uint8)
-        return np.ascontiguousarray(grid).view(np.uint32).reshape(256)
+    if qtype == Q.MXFP4:  # the 16 E2M1 values doubled, as int8, packed 4 per word
+        return np.array(gq.MXFP4.kvalues, dtype=np.int8).view(np.uint32)
+    if qtype in _BYTE_GRIDS:  # grid points of 4 or 8 byte-sized values: 1 or 2 words a point
+        cls = _BYTE_GRIDS[qtype]
+        cls.init_grid()
+        grid = np.asarray(cls.grid).reshape(cls.grid_shape)
+        assert grid.min() >= 0 and grid.max() <= 255 and np.all(grid == np.round(grid))
+        return np.ascontiguousarray(grid.astype(np.uint8)).view(np.uint32).reshape(-1)
+    if qtype in (Q.IQ1_S, Q.IQ1_M):  # 2048 points of 8 values in {-1, 0, 1}: 2-bit codes
+        cls = gq.IQ1_S if qtype == Q.IQ1_S else gq.IQ1_M
+        # the decoder reads a value as code - 1 and adds a delta of +-1/8
+        assert tuple(cls.grid_map) == (-1, 0, 1) and float(cls.delta) == 0.125
+        cls.init_grid()
+        codes = (np.asarray(cls.grid).reshape(cls.grid_shape) + 1).astype(np.uint32)  # [2048, 8]
+        point = (codes << (2 * np.arange(8, dtype=np.uint32))).sum(axis=1, dtype=np.uint32)
+        return point[0::2] | (point[1::2] << np.uint32(16))  # [1024]: points 2w, 2w + 1
     return np.zeros(0, dtype=np.uint32)
+
+
+@functools.cache
+def lookup_table(qtype: Q) -> np.ndarray:
+    """uint32 [n] lookup table a decoder reads (empty for types without one); read-only."""
+    table = _build_table(qtype)
+    table.flags.writeable = False
+    return table
 
 
 def _cupy() -> Any:
@@ -150,8 +207,9 @@ def _n_bytes(qtype: Q, shape: Sequence[int]) -> int:
 
 
 def _decoder_align(qtype: Q) -> int:
+    """The largest of 4, 2, 1 dividing the block bytes: decoders load at most 4-byte words."""
     ts = block_layout(qtype)[1]
-    return 4 if ts % 4 == 0 else 2
+    return 4 if ts % 4 == 0 else 2 if ts % 2 == 0 else 1
 
 
 def dequantize_many(
@@ -187,7 +245,7 @@ def dequantize_ptrs(
 ) -> None:
     """`dequantize_many` on raw device addresses, for hot loops that cannot afford a cupy view
     per tensor; the caller vouches for the sizes. Sources need the decoder's alignment
-    (2 or 4 bytes), destinations 16."""
+    (1, 2 or 4 bytes), destinations 16."""
     cp = _cupy()
     _check_qtype(qtype)
     align = _decoder_align(qtype)
@@ -199,9 +257,16 @@ def dequantize_ptrs(
     n_jobs = len(src_ptrs)
     ptrs = cp.asarray(np.array([*src_ptrs, *dst_ptrs], dtype=np.uint64))  # [2 * n_jobs]
     n_groups = n_values // 8
-    blocks = min((n_groups + 255) // 256, 65535)
+    blocks = min(-(-n_groups // (256 * _groups_per_thread(n_tab, n_groups * n_jobs))), 65535)
     dsts = np.uint64(ptrs.data.ptr + 8 * n_jobs)
     kernel((blocks, n_jobs), (256,), (ptrs, dsts, np.int64(n_groups), table, np.int32(n_tab)))
+
+
+def _groups_per_thread(n_tab: int, total_groups: int) -> int:
+    """Groups of 8 each dequantize thread decodes: a block fills its shared table once, so a
+    table of more than 256 words (IQ2/IQ3_S/IQ1 grids) is spread over as many groups as it has
+    words per thread, while the launch keeps >= 1024 blocks. 1 for the other types."""
+    return max(1, min(n_tab // 256, total_groups // (256 * 1024)))
 
 
 def dequantize(dev_bytes: Any, qtype: Q, shape: Sequence[int], out_dtype: Any = np.float16) -> Any:

@@ -11,6 +11,10 @@
 // into registers while chunk c, already in shared memory, is decoded; every decoded group of 8
 // weights is multiplied by x of all B batch rows, and each x load serves all R rows.
 // One block = 4 warps.
+//
+// Both kernels first stage the decoder's lookup table (NTAB words, at most 8 KiB) in shared
+// memory; dequantize launches of the large-table types give each thread several groups
+// (dequant.py: _groups_per_thread) so that the fill is paid over many lookups.
 
 #define WARPS 4
 
@@ -18,7 +22,8 @@ template <class BT>
 struct Chunk {
   enum {
     GPB = BT::QK / 8,                                  // groups of 8 values per block
-    A16 = (BT::TS % 16 == 0) ? 16 : (BT::TS % 8 == 0) ? 8 : (BT::TS % 4 == 0) ? 4 : 2,
+    A16 = (BT::TS % 16 == 0) ? 16 : (BT::TS % 8 == 0) ? 8 : (BT::TS % 4 == 0) ? 4
+          : (BT::TS % 2 == 0) ? 2 : 1,                 // block alignment; 1: odd TS (MXFP4)
     NB0 = 16 / A16,                                    // blocks per 16-byte multiple
     WANT = (128 + NB0 * GPB - 1) / (NB0 * GPB) * NB0,  // >= 128 groups per chunk
     CAP = 2048 / BT::TS / NB0 * NB0,                   // <= 2 KiB per row and chunk
@@ -27,13 +32,23 @@ struct Chunk {
   };
 };
 
+// The decoder's lookup table (NT words, n_tab of them filled) -> shared memory, by the whole
+// block; nothing, not even the barrier, for decoders without one.
+template <int NT>
+__device__ __forceinline__ void stage_table(u32* s_tab, const u32* __restrict__ tab_g, int n_tab) {
+  if (NT > 0) {
+    const int n = n_tab < NT ? n_tab : NT;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s_tab[i] = tab_g[i];
+    __syncthreads();
+  }
+}
+
 template <class BT, bool F16OUT>
 __global__ void dequant_multi(const unsigned long long* __restrict__ srcs,
                               const unsigned long long* __restrict__ dsts, i64 n_groups,
                               const u32* __restrict__ tab_g, int n_tab) {
-  __shared__ u32 s_tab[256];
-  for (int i = threadIdx.x; i < n_tab; i += blockDim.x) s_tab[i] = tab_g[i];
-  __syncthreads();
+  __shared__ u32 s_tab[TabWords<BT>::N > 0 ? TabWords<BT>::N : 1];
+  stage_table<TabWords<BT>::N>(s_tab, tab_g, n_tab);
   const u8* src = (const u8*)srcs[blockIdx.y];
   void* dst = (void*)dsts[blockIdx.y];
   const int GPB = BT::QK / 8;
@@ -74,9 +89,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   // start and after the end lie in the same 16-byte segments as row bytes.
   enum { SB = C::CB + 16, WPL = (SB / 16 + 31) / 32 };  // smem bytes, uint4 per lane per row
   __shared__ __align__(16) u8 s_raw[WARPS][R][SB];
-  __shared__ u32 s_tab[256];
-  for (int i = threadIdx.x; i < n_tab; i += blockDim.x) s_tab[i] = tab_g[i];
-  __syncthreads();
+  __shared__ u32 s_tab[TabWords<BT>::N > 0 ? TabWords<BT>::N : 1];
+  stage_table<TabWords<BT>::N>(s_tab, tab_g, n_tab);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * WARPS + warp) * R;

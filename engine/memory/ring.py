@@ -70,6 +70,7 @@ class StagingRing:
         self._pending: dict[int, object] = {}  # slot -> copy event compute has not waited for
         self._free_after: dict[int, object] = {}  # slot -> event past its last reader (release)
         self.n_uploads = 0
+        self.bytes_uploaded = 0
         self.n_reused = 0
 
     @property
@@ -111,7 +112,10 @@ class StagingRing:
                     del self._where[old]
                 self._pending.pop(slot, None)  # a later copy on the same stream supersedes it
                 afters.append(self._free_after.pop(slot, None))
-                jobs.append((host_blob(layer, e), self.slots[slot]))
+                blob = host_blob(layer, e)
+                n = _nbytes(blob)
+                jobs.append((blob, self.slots[slot][:n]))  # a smaller blob: the slot's front
+                self.bytes_uploaded += n
                 fresh.append(slot)
                 self._held[slot] = key
                 self._where[key] = slot
@@ -154,3 +158,7 @@ class StagingRing:
         self._next = 0
         self._pending.clear()
         self._free_after.clear()
+
+
+def _nbytes(blob: np.ndarray | list[np.ndarray]) -> int:
+    return sum(int(p.nbytes) for p in blob) if isinstance(blob, list) else int(blob.nbytes)

@@ -33,6 +33,7 @@ from engine.model.attention import attention_block
 from engine.model.loader import Model
 from engine.model.moe import moe_block
 from engine.model.weights import BlockWeights, TokenEmbedding, WeightLoader, load_block
+from engine.quant import ExpertLayout
 
 NO_MTP = "model has no MTP (nextn) layer; drop --mtp"
 
@@ -61,7 +62,7 @@ class MTPExperts:
         """`to_device`: where the blobs are uploaded (a ledger region's arena; by default a
         new device array)."""
         assert host.n_layer == 1, f"one MTP block supported, got {host.n_layer}"
-        self.host, self.backend, self.layout = host, backend, host.layout
+        self.host, self.backend, self.layout = host, backend, host.layout_of(0)
         self._to_device = to_device or backend.to_device
         self.nbytes = host.n_expert * host.blob_bytes
         # uint8 [E, blob_bytes] gathered from the file once: a loan's restore is one upload
@@ -76,6 +77,9 @@ class MTPExperts:
     @property
     def resident(self) -> bool:
         return self.data is not None
+
+    def layout_of(self, layer: int) -> ExpertLayout:
+        return self.layout
 
     def prepare(self, layer: int, experts: list[int]) -> None:
         assert layer == 0, f"MTP experts have one local layer, got {layer}"

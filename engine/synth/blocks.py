@@ -29,6 +29,17 @@ SCALE_FIELDS: dict[Q, tuple[tuple[int, float], ...]] = {
     Q.Q6_K: ((208, 1.0),),
     Q.IQ4_XS: ((0, 1.0),),
     Q.IQ3_XXS: ((0, 1.0),),
+    Q.Q2_K: ((80, 1.0), (82, 1.5)),  # d, dmin; 1.5: the mean 2-bit code, as Q4_K's 7.5
+    Q.Q3_K: ((108, 1.0),),
+    Q.IQ2_XXS: ((0, 1.0),),
+    Q.IQ2_XS: ((0, 1.0),),
+    Q.IQ2_S: ((0, 1.0),),
+    Q.IQ3_S: ((0, 1.0),),
+    Q.IQ1_S: ((0, 1.0),),
+    Q.IQ4_NL: ((0, 1.0),),
+    # no f16 field of their own: `_set_scale` writes them
+    Q.IQ1_M: (),  # d's four nibbles are the top nibbles of the u16 scale words at 48..55
+    Q.MXFP4: (),  # an E8M0 exponent byte at 0: the scale is a power of two
 }
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 _PROBE_ROWS = 64
@@ -43,7 +54,18 @@ def _blocks(rng: np.random.Generator, qtype: Q, n_rows: int, n_cols: int, d: flo
         _center(raw, qtype)
     for offset, mult in SCALE_FIELDS[qtype]:
         raw[:, offset : offset + 2] = np.array([d * mult], dtype=np.float16).view(np.uint8)
+    _set_scale(raw, qtype, d)
     return raw.reshape(n_rows, -1)  # [rows, row_bytes]
+
+
+def _set_scale(raw: np.ndarray, qtype: Q, d: float) -> None:
+    """The base scale of the types that do not store it as one f16 field."""
+    if qtype == Q.IQ1_M:  # nibble w of d's f16 bits: the high nibble of byte 49 + 2w
+        h = int(np.array([d], dtype=np.float16).view(np.uint16)[0])
+        for w in range(4):
+            raw[:, 49 + 2 * w] = (raw[:, 49 + 2 * w] & 0x0F) | (((h >> (4 * w)) & 0xF) << 4)
+    elif qtype == Q.MXFP4:  # E8M0: 2^(e - 128) times the doubled E2M1 values
+        raw[:, 0] = int(np.clip(128 + round(float(np.log2(d))), 1, 254))
 
 
 def _byte_map(fix: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:

@@ -74,6 +74,9 @@ class ArrayExperts:
         gate, up, down = next(iter(weights.values()))
         self.layout = ExpertLayout((Q.F32, Q.F32, Q.F32), (gate.shape, up.shape, down.shape))
 
+    def layout_of(self, layer: int) -> ExpertLayout:
+        return self.layout
+
     def prepare(self, layer: int, experts: list[int]) -> None:
         pass
 

@@ -16,13 +16,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
 from engine.gguf import names
 from engine.gguf.hparams import HParams, expected_shapes
 from engine.synth.blocks import random_tensor
+from engine.synth.mixes import MIXES, mix_types
 from engine.synth.vocab import MAX_N_VOCAB, MIN_N_VOCAB, VocabSpec, build_vocab, write_vocab
 
 GROUPS = ("embd", "attn", "router", "experts", "output", "norm", "nextn")
@@ -51,6 +52,9 @@ class SynthSpec:
     readable_head: bool = True  # see head_row_scale
     centered: bool = False  # random quantized blocks symmetric around zero (blocks._center)
     seed: int = 0
+    # a llama.cpp quantizer mix (`q4_k_m`, engine/synth/mixes.py): the types it gives each
+    # tensor it re-encodes, layer by layer, in place of `qtypes` (norms and router keep theirs)
+    mix: str = ""
     qtypes: dict[str, str] = field(
         default_factory=lambda: {
             "embd": "Q8_0",
@@ -91,9 +95,20 @@ class SynthSpec:
         return {name: qtype for name, (_, qtype) in synth_tensors(self).items()}
 
     def expert_blob_bytes(self) -> int:
-        """Bytes of one (layer, expert) gate+up+down blob as this spec quantizes experts."""
-        block, type_bytes = GGML_QUANT_SIZES[Q[self.qtypes["experts"]]]
-        return 3 * self.n_ff_exp * self.n_embd // block * type_bytes
+        """Bytes of the largest (layer, expert) gate+up+down blob of the main layers as this
+        spec quantizes experts (a mix may give layers different types): a cache slot's size."""
+        return max(self.layer_blob_bytes())
+
+    def layer_blob_bytes(self, with_mtp: bool = False) -> list[int]:
+        """Bytes of one (layer, expert) blob of each main layer (`with_mtp`: and then of the
+        MTP block, 0 without one)."""
+        tensors = synth_tensors(self)
+        blob = lambda i: sum(_nbytes(tensors[names.block(k, i)][0][1:], tensors[names.block(k, i)][1])
+                             for k in names.EXPERT_TENSORS)
+        out = [blob(i) for i in range(self.n_layer)]
+        if with_mtp:
+            out.append(blob(self.n_layer) if self.n_nextn else 0)
+        return out
 
     def problems(self, label: Mapping[str, str] | None = None) -> list[str]:
         """Every reason the engine would refuse this model, or it could not be written, in
@@ -108,6 +123,8 @@ class SynthSpec:
             out.append(f"{named('n_nextn')} must be 0 or 1 (MTP blocks after the main ones)")
         if self.seed < 0:
             out.append(f"{named('seed')} must be >= 0")
+        if self.mix and self.mix not in MIXES:
+            out.append(f"{named('mix')} is not a quantizer mix; use one of {', '.join(MIXES)}")
         if out:  # the checks below need positive shapes
             return out
         if not MIN_N_VOCAB <= self.n_vocab <= MAX_N_VOCAB:
@@ -150,6 +167,8 @@ class SynthSpec:
                 for shape, qtype in shapes.values()
             )
 
+        if self.mix:  # a mix gives layers their own types
+            return total(self.n_layer, self.n_nextn)
         base = total(0, 0)  # blocks are alike: count one of each kind, not all of them
         return base + self.n_layer * (total(1, 0) - base) + self.n_nextn * (total(0, 1) - base)
 
@@ -157,8 +176,9 @@ class SynthSpec:
         """The spec's identity (in cached file names). `centered` counts only when set, so the
         models made before it existed keep their names and caches."""
         fields = asdict(self)
-        if not fields["centered"]:
-            del fields["centered"]
+        for name in ("centered", "mix"):  # only when set: older models keep their names
+            if not fields[name]:
+                del fields[name]
         return f"{zlib.crc32(repr(sorted(fields.items())).encode()):08x}"
 
 
@@ -216,9 +236,11 @@ def synth_tensors(spec: SynthSpec) -> dict[str, tuple[tuple[int, ...], Q]]:
     """Every tensor of the model: name -> (numpy-order shape, quant type)."""
     hp = spec.hparams()
     shapes = expected_shapes(hp)
+    mixed = mix_types(spec.mix, shapes, n_head=spec.n_head, n_head_kv=spec.n_head_kv,
+                      n_expert=spec.n_expert) if spec.mix in MIXES else {}
     out = {}
     for name, shape in shapes.items():
-        out[name] = (shape, Q[spec.qtypes[_group(name)]])
+        out[name] = (shape, mixed.get(name) or Q[spec.qtypes[_group(name)]])
     return out
 
 
@@ -346,4 +368,7 @@ def _write_metadata(w: GGUFWriter, spec: SynthSpec, title: str) -> None:
     w.add_expert_feed_forward_length(spec.n_ff_exp)
     if spec.n_nextn:
         w.add_nextn_predict_layers(spec.n_nextn)
-    w.add_file_type(int(Q[spec.qtypes["experts"]]))
+    if spec.mix:
+        w.add_file_type(int(LlamaFileType["MOSTLY_" + spec.mix.upper()]))
+    else:
+        w.add_file_type(int(Q[spec.qtypes["experts"]]))
