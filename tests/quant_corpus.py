@@ -1,0 +1,67 @@
+"""A test corpus made by llama.cpp itself: a synthetic qwen3moe written in F16 by our writer
+(with its MTP block), quantized by the pinned oracle's quantizer (`llama_model_quantize`, no
+importance matrix) to each mix; cached between runs under `.cache/quant-corpus/` (or
+`STRATA_CORPUS_DIR`), keyed by the source's digest and the quantizer's version.
+
+Importing this module skips the importing test module where llama-cpp-python is absent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from gguf import LlamaFileType
+
+from engine.gguf.strip_mtp import strip_mtp
+from engine.synth.model import PRESETS, SynthSpec, write_model
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+# 8 main blocks + MTP: enough layers for every mix's layer rules to give two types (Q4_K_M's
+# Q6_K on blocks 0, 3, 6-8; IQ4_XS's Q5_K on block 0), rows of 256 so K- and IQ quants apply
+# without fallbacks; 16 experts (the quantizer has rules of its own for exactly 8).
+SOURCE: SynthSpec = (
+    replace(PRESETS["tiny"], n_vocab=768, n_embd=256, n_layer=8, n_nextn=1, n_head=4,
+            n_head_kv=2, head_dim=64, n_expert=16, n_expert_used=2, n_ff_exp=256, seed=26)
+    .with_qtype("all", "F16").with_qtype("norm", "F32").with_qtype("router", "F32")
+)
+# every mix the quantizer writes without an importance matrix that a qwen3moe user downloads
+MIXES = ("q2_k", "q3_k_m", "q4_k_s", "q4_k_m", "q5_k_m", "q6_k", "q8_0", "iq4_xs", "mxfp4_moe")
+
+
+def corpus_dir() -> Path:
+    root = os.environ.get("STRATA_CORPUS_DIR") or Path(__file__).parents[1] / ".cache" / "quant-corpus"
+    return Path(root)
+
+
+def corpus_file(mix: str) -> Path:
+    """The source quantized to `mix` by llama.cpp's quantizer (built once, then cached)."""
+    folder = corpus_dir()
+    out = folder / f"{SOURCE.digest()}-{llama_cpp.__version__}-{mix}.gguf"
+    if out.exists():
+        return out
+    src = folder / f"{SOURCE.digest()}-f16.gguf"
+    if not src.exists():
+        write_model(src, SOURCE)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(LlamaFileType["MOSTLY_" + mix.upper()])
+    params.nthread = 2
+    part = out.with_suffix(".part")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(part).encode(), ctypes.byref(params))
+    assert rc == 0, f"llama_model_quantize({mix}) returned {rc}"
+    part.replace(out)
+    return out
+
+
+def without_mtp(path: Path) -> Path:
+    """A copy without the MTP block (llama.cpp's qwen3moe loader refuses it), cached beside."""
+    out = path.with_name(path.stem + "-nomtp.gguf")
+    if not out.exists():
+        part = out.with_suffix(".part")
+        strip_mtp(path, part)
+        part.replace(out)
+    return out
