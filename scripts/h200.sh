@@ -46,6 +46,10 @@
 #   ident     greedy identity on the 48-layer file (issue 18): 31,258 tokens, 64 new, the loan off
 #             and on with a 4,096-token chunk (`--scenario ab`) and with the automatic planner's
 #             chunks; every reply's CRC must be the same           -> $OUT/ident.md
+#   mix       issue 26: the 48-layer preset in llama.cpp's Q4_K_M mix (make-model --mix q4_k_m,
+#             models/q48km.gguf): its type mix, the automatic planner loan off / on at 31,258
+#             tokens (RUNS_MIX, default 1), then plain decoding at depth 31k on sampled text
+#             (--temperature 1.0 --seed 1, 256 tokens)                   -> $OUT/mix.md
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
@@ -141,6 +145,19 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
     kmoe) python3 -m engine.kernels.bench --only moe 2>&1 | tee "$OUT/kmoe.md" ;;
     m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;
     m48) [ -f models/q48.gguf ] || strata make-model models/q48.gguf --preset qwen3-30b-a3b ;;
+    mix) [ -f models/q48km.gguf ] || strata make-model models/q48km.gguf --preset qwen3-30b-a3b \
+           --mix q4_k_m 2>"$OUT/make-model.log" || { tail -c 600 "$OUT/make-model.log"; exit 1; }
+         strata info models/q48km.gguf | tail -13 | tee "$OUT/mix.md"
+         STRATA_TRACE=1 strata bench --model models/q48km.gguf --device cuda --vram-limit 8GiB \
+           --mtp --spec 2 --h2d-gbs 55.3 --peak-tflops 989 --scenario auto --runs "${RUNS_MIX:-1}" \
+           --prompt-tokens 31258 --max-new 16 --kv q4_0 --ctx 31400 2>&1 \
+           | grep -vE "^  (chunk|strata serve: prompt)" | cut -c1-300 | tee -a "$OUT/mix.md"
+         python3 -c "import random; r=random.Random(31); \
+print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
+         strata run --model models/q48km.gguf --device cuda --vram-limit 8GiB --kv q4_0 \
+           --ctx 31600 --tokens-file /tmp/p31k.txt --max-new 256 --temperature 1.0 --seed 1 \
+           2>&1 >/dev/null | grep -E "strata serve|GPU peak|error" | cut -c1-300 \
+           | sed 's/^/sampled TG: /' | tee -a "$OUT/mix.md" ;;
     b8) strata bench --model models/q8.gguf --device cuda --vram-limit 5GiB --vram-segment-mib 64 \
           --mtp --spec 2 --scenario auto --scenario ab --prefill 1024 --runs "$RUNS" \
           --prompt-tokens 8192 --max-new 16 --kv q4_0 --ctx 9000 --json "$OUT/b8.json" \

@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
 from engine.quant import ExpertLayout
-from engine.synth.blocks import SCALE_FIELDS
+from engine.synth.blocks import set_scales
 
 GB = 1e9
 GEMV_TYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ3_XXS, Q.F16, Q.Q2_K, Q.Q3_K,
@@ -56,9 +56,7 @@ def random_quant_bytes(
     for gain in (1.0, None):  # decoded values are linear in the scale fields: measure, rescale
         if gain is None:
             gain = std / float(gq.dequantize(raw[:probe], qtype).std())
-        for offset, mult in SCALE_FIELDS[qtype]:
-            d = (scales * mult * gain).astype(np.float16)
-            raw[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
+        set_scales(raw, qtype, scales * gain)
     return raw.reshape(-1)
 
 

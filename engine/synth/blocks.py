@@ -52,20 +52,23 @@ def _blocks(rng: np.random.Generator, qtype: Q, n_rows: int, n_cols: int, d: flo
     raw = rng.integers(0, 256, size=(n_blocks, type_bytes), dtype=np.uint8)
     if centered:  # before the scale fields: it may rewrite their bytes too (they are set next)
         _center(raw, qtype)
-    for offset, mult in SCALE_FIELDS[qtype]:
-        raw[:, offset : offset + 2] = np.array([d * mult], dtype=np.float16).view(np.uint8)
-    _set_scale(raw, qtype, d)
+    set_scales(raw, qtype, d)
     return raw.reshape(n_rows, -1)  # [rows, row_bytes]
 
 
-def _set_scale(raw: np.ndarray, qtype: Q, d: float) -> None:
-    """The base scale of the types that do not store it as one f16 field."""
+def set_scales(raw: np.ndarray, qtype: Q, d: float | np.ndarray) -> None:
+    """Write the base scale `d` (one, or one per block) into blocks [n_blocks, type_bytes]:
+    the f16 fields of `SCALE_FIELDS`, and the types that do not store it as one f16 field."""
+    d = np.broadcast_to(np.asarray(d, dtype=np.float64), (len(raw),))  # [n_blocks]
+    for offset, mult in SCALE_FIELDS[qtype]:
+        raw[:, offset : offset + 2] = (d * mult).astype(np.float16).view(np.uint8).reshape(-1, 2)
     if qtype == Q.IQ1_M:  # nibble w of d's f16 bits: the high nibble of byte 49 + 2w
-        h = int(np.array([d], dtype=np.float16).view(np.uint16)[0])
+        h = d.astype(np.float16).view(np.uint16)  # [n_blocks]
         for w in range(4):
-            raw[:, 49 + 2 * w] = (raw[:, 49 + 2 * w] & 0x0F) | (((h >> (4 * w)) & 0xF) << 4)
+            nibble = ((h >> np.uint16(4 * w)) & np.uint16(0xF)).astype(np.uint8)
+            raw[:, 49 + 2 * w] = (raw[:, 49 + 2 * w] & 0x0F) | (nibble << 4)
     elif qtype == Q.MXFP4:  # E8M0: 2^(e - 128) times the doubled E2M1 values
-        raw[:, 0] = int(np.clip(128 + round(float(np.log2(d))), 1, 254))
+        raw[:, 0] = np.clip(128 + np.round(np.log2(d)), 1, 254).astype(np.uint8)
 
 
 def _byte_map(fix: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
