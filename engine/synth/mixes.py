@@ -14,8 +14,8 @@ the file:
 - `use_more_bits(i, n)`: the first and last eighth of the layers and every third between;
 - a type whose block does not divide a row falls back (Q4_K -> Q5_0, Q6_K -> Q8_0, the
   IQ and low K types -> IQ4_NL, then F16).
-Norms, the router (`ffn_gate_inp`) and 1-D tensors keep the source file's type. The rules
-are those without an importance matrix (a few differ with one: IQ3_XXS's attn_v, IQ4_XS's
+Norms, the router (`ffn_gate_inp`) and 1-D tensors keep the source file's type. A few rules
+depend on whether an importance matrix was given (IQ3_XXS's attn_v and ffn_down, IQ4_XS's
 first ffn_down layers); the mixes in `NEEDS_IMATRIX` cannot be written without one.
 """
 
@@ -61,9 +61,10 @@ def quantized(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def mix_types(mix: str, shapes: Mapping[str, tuple[int, ...]], *, n_head: int, n_head_kv: int,
-              n_expert: int) -> dict[str, Q]:
+              n_expert: int, imatrix: bool = False) -> dict[str, Q]:
     """The type the quantizer gives each re-encoded tensor of `shapes` (name -> numpy-order
-    shape) under `mix`; tensors it keeps are left out. Raises KeyError for an unknown mix."""
+    shape) under `mix`, with or without an importance matrix; tensors it keeps are left out.
+    Raises KeyError for an unknown mix."""
     default = MIXES[mix]
     n_blocks = 1 + max((int(m.group(1)) for n in shapes if (m := _LAYER.match(n))), default=-1)
     has_output = "output.weight" in shapes
@@ -74,7 +75,8 @@ def mix_types(mix: str, shapes: Mapping[str, tuple[int, ...]], *, n_head: int, n
             continue
         m = _LAYER.match(name)
         layer = int(m.group(1)) if m else -1
-        qtype = _rule(mix, default, name, shape, layer, n_blocks, has_output, gqa, n_expert)
+        qtype = _rule(mix, default, name, shape, layer, n_blocks, has_output, gqa, n_expert,
+                      imatrix)
         out[name] = _fit(qtype, shape[-1])
     return out
 
@@ -87,7 +89,7 @@ def _fit(qtype: Q, n_cols: int) -> Q:
 
 
 def _rule(mix: str, t: Q, name: str, shape: tuple[int, ...], i: int, n: int, has_output: bool,
-          gqa: int, n_expert: int) -> Q:
+          gqa: int, n_expert: int, imatrix: bool) -> Q:
     """llama_tensor_get_type for one tensor (i: its block, -1 outside; n: block count)."""
     if name == "output.weight" or (not has_output and name == "token_embd.weight"):
         if mix == "mxfp4_moe" or shape[-1] % GGML_QUANT_SIZES[t][0]:
@@ -123,7 +125,7 @@ def _rule(mix: str, t: Q, name: str, shape: tuple[int, ...], i: int, n: int, has
             return Q.IQ3_S if mix in ("iq2_s", "iq2_m") else t
         return t
     if "attn_v.weight" in name:
-        return _attn_v(mix, t, i, n, gqa, n_expert)
+        return _attn_v(mix, t, i, n, gqa, n_expert, imatrix)
     if "attn_k.weight" in name:
         if n_expert == 8:
             return Q.Q8_0
@@ -131,7 +133,7 @@ def _rule(mix: str, t: Q, name: str, shape: tuple[int, ...], i: int, n: int, has
     if "attn_q.weight" in name:
         return {"iq3_xs": Q.IQ3_XXS, "iq3_xxs": Q.IQ2_S}.get(mix, t)
     if "ffn_down" in name:
-        return _ffn_down(mix, t, i, n, n_expert)
+        return _ffn_down(mix, t, i, n, n_expert, imatrix)
     if "attn_output.weight" in name:
         if n_expert == 8:
             eight = ("q2_k", "iq3_xs", "iq3_xxs", "q3_k_s", "q3_k_m", "iq4_nl", "q4_k_s", "q4_k_m",
@@ -144,13 +146,13 @@ def _rule(mix: str, t: Q, name: str, shape: tuple[int, ...], i: int, n: int, has
     return t
 
 
-def _attn_v(mix: str, t: Q, i: int, n: int, gqa: int, n_expert: int) -> Q:
+def _attn_v(mix: str, t: Q, i: int, n: int, gqa: int, n_expert: int, imatrix: bool) -> Q:
     if mix == "q2_k":
         t = Q.Q4_K if gqa >= 4 else Q.Q3_K
     elif mix == "q2_k_s" and gqa >= 4:
         t = Q.Q4_K
     elif mix == "iq3_xxs":
-        t = Q.Q4_K if gqa >= 4 else Q.IQ3_S  # IQ3_XXS with an importance matrix
+        t = Q.Q4_K if gqa >= 4 else Q.IQ3_XXS if imatrix else Q.IQ3_S
     elif (mix in ("iq3_xs", "iq3_s") and gqa >= 4) or mix == "iq3_m":
         t = Q.Q4_K
     elif mix == "q3_k_m":
@@ -164,12 +166,12 @@ def _attn_v(mix: str, t: Q, i: int, n: int, gqa: int, n_expert: int) -> Q:
     return Q.Q8_0 if n_expert == 8 else t
 
 
-def _ffn_down(mix: str, t: Q, i: int, n: int, n_expert: int) -> Q:
+def _ffn_down(mix: str, t: Q, i: int, n: int, n_expert: int, imatrix: bool) -> Q:
     if mix == "q2_k":
         return Q.Q3_K
     if mix == "q2_k_s":
         return Q.Q4_K if i < n // 8 else t
-    if mix == "iq3_xxs":  # without an importance matrix
+    if mix == "iq3_xxs" and not imatrix:
         return Q.Q4_K if i < n // 8 else Q.Q3_K
     if mix == "q3_k_m":
         return Q.Q5_K if i < n // 16 else Q.Q4_K
@@ -179,10 +181,12 @@ def _ffn_down(mix: str, t: Q, i: int, n: int, n_expert: int) -> Q:
         return Q.Q5_K
     if mix == "q4_k_m":
         return Q.Q6_K if use_more_bits(i, n) else t
-    if mix in ("iq4_nl", "iq4_xs") and i < n // 8:  # without an importance matrix
+    if mix in ("iq4_nl", "iq4_xs") and i < n // 8 and not imatrix:
         return Q.Q5_K
     if mix == "q5_k_m" and use_more_bits(i, n):
         return Q.Q6_K
     if mix == "q4_k_s" and i < n // 8:
         return Q.Q5_K
+    if mix in ("q4_0", "q5_0") and imatrix and i < n // 8:
+        return Q.Q4_1 if mix == "q4_0" else Q.Q5_1
     return t

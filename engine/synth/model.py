@@ -23,7 +23,7 @@ from gguf import quants as gq
 from engine.gguf import names
 from engine.gguf.hparams import HParams, expected_shapes
 from engine.synth.blocks import random_tensor
-from engine.synth.mixes import MIXES, mix_types
+from engine.synth.mixes import MIXES, NEEDS_IMATRIX, mix_types
 from engine.synth.vocab import MAX_N_VOCAB, MIN_N_VOCAB, VocabSpec, build_vocab, write_vocab
 
 GROUPS = ("embd", "attn", "router", "experts", "output", "norm", "nextn")
@@ -236,8 +236,11 @@ def synth_tensors(spec: SynthSpec) -> dict[str, tuple[tuple[int, ...], Q]]:
     """Every tensor of the model: name -> (numpy-order shape, quant type)."""
     hp = spec.hparams()
     shapes = expected_shapes(hp)
+    # the mixes that need an importance matrix exist only with one; the others are as the
+    # quantizer writes them without
     mixed = mix_types(spec.mix, shapes, n_head=spec.n_head, n_head_kv=spec.n_head_kv,
-                      n_expert=spec.n_expert) if spec.mix in MIXES else {}
+                      n_expert=spec.n_expert, imatrix=spec.mix in NEEDS_IMATRIX) \
+        if spec.mix in MIXES else {}
     out = {}
     for name, shape in shapes.items():
         out[name] = (shape, mixed.get(name) or Q[spec.qtypes[_group(name)]])
