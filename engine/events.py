@@ -67,11 +67,16 @@ class LedgerChanged(Event):
 
 @dataclass(frozen=True)
 class CacheChanged(Event):
-    """Expert-cache slot states (0 empty, 1 resident, 2 lent, 3 refilling) and the lent range."""
+    """Expert-cache slot states (0 empty, 1 resident, 2 lent, 3 refilling) and the lent range;
+    the slot size, each blob size with the layers that have it (several where a quant mix gives
+    layers different types) and the slot bytes the resident experts leave unused."""
 
     states: bytes
     lent_range: tuple[int, int] | None
     n_lent: int
+    slot_bytes: int = 0
+    blob_sizes: tuple[tuple[int, str], ...] = ()  # (blob bytes, its layers as ranges)
+    slack_bytes: int = 0
 
 
 @dataclass(frozen=True)

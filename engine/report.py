@@ -15,6 +15,7 @@ import numpy as np
 from engine.backend.base import Backend
 from engine.events import CacheChanged, EventBus, GpuStats, TraceLine
 from engine.experts.cache import LENT, ExpertCache
+from engine.gguf.type_mix import layer_ranges
 from engine.memory.ledger import Ledger
 from engine.telemetry import Telemetry
 
@@ -61,13 +62,18 @@ class Reporter:
             self.on_line(line)
 
     def cache(self, cache: ExpertCache | None) -> None:
-        """A CacheChanged event: every slot's state and the lent range."""
+        """A CacheChanged event: every slot's state, the lent range, the blob sizes."""
         if cache is None:
             return
         states = cache.states()
         lent = np.nonzero(states == LENT)[0]
         rng = (int(lent[0]), int(lent[-1])) if len(lent) else None
-        self.bus.publish(CacheChanged(states.astype(np.uint8).tobytes(), rng, len(lent)))
+        layers: dict[int, list[int]] = {}
+        for i, n in enumerate(cache.host.layer_blob_bytes):
+            layers.setdefault(n, []).append(i)
+        sizes = tuple((n, layer_ranges(ls)) for n, ls in sorted(layers.items()))
+        self.bus.publish(CacheChanged(states.astype(np.uint8).tobytes(), rng, len(lent),
+                                      cache.blob_bytes, sizes, cache.slack_bytes()))
 
     def gpu(self, backend: Backend, ledger: Ledger, force: bool = False) -> None:
         """On CUDA, at most twice a second unless `force`: measure again what the process

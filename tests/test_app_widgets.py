@@ -155,6 +155,17 @@ def test_slot_map_counts_states_and_names_the_lent_range() -> None:
     assert "resident 10" in text and "lent 4" in text and "refilling 2" in text
     assert "empty 4" in text
     assert widget.border_title == "Expert cache · 4 lent [10..13]"
+    assert "blob" not in text  # one blob size: nothing more to say
+
+
+def test_slot_map_shows_the_blob_sizes_of_a_quant_mix() -> None:
+    states = bytes([1] * 16)
+    mixed = CacheChanged(states=states, lent_range=None, n_lent=0, slot_bytes=3_059_712,
+                         blob_sizes=((2_654_208, "6-7, 9-10"), (3_059_712, "0-5, 8")),
+                         slack_bytes=6 * 405_504)
+    text = feed(SlotMap(), mixed, size=(80, 12))
+    assert "slot 3,059,712 B" in text and "blob 2,654,208 B: layers 6-7, 9-10" in text
+    assert "blob 3,059,712 B: layers 0-5, 8" in text and "2.3 MiB unused" in text
 
 
 def test_loan_timeline_orders_phases_with_their_durations() -> None:

@@ -1,4 +1,5 @@
-"""SlotMap: the expert cache, one cell per slot: resident, lent, refilling or empty."""
+"""SlotMap: the expert cache, one cell per slot: resident, lent, refilling or empty; under a
+quant mix, the slot size, each layer range's blob size and the slot bytes left unused."""
 
 from __future__ import annotations
 
@@ -59,4 +60,15 @@ class SlotMap(EventView):
         ]
         text.append("\n")
         text.append_text(flow(legend, width))
+        if len(self.cache.blob_sizes) > 1:  # a quant mix: layers' blobs differ in size
+            text.append("\n")
+            text.append_text(flow(blob_lines(self.cache), width))
         return text
+
+
+def blob_lines(cache: CacheChanged) -> list[Text]:
+    """'slot 127,488 B', each blob size with its layers, the slot bytes left unused."""
+    parts = [Text(f"slot {cache.slot_bytes:,} B", style="dim")]
+    parts += [Text(f"blob {n:,} B: layers {layers}", style="dim") for n, layers in cache.blob_sizes]
+    parts.append(Text(f"{cache.slack_bytes / (1 << 20):.1f} MiB unused", style="dim"))
+    return parts

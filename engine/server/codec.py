@@ -61,6 +61,7 @@ def _plain(v: Any) -> Any:
 _FIELD_DECODERS: dict[tuple[str, str], Callable[[Any], Any]] = {
     ("LedgerChanged", "regions"): lambda v: tuple(RegionInfo(**r) for r in v),
     ("CacheChanged", "states"): lambda v: bytes(int(c) for c in v),
+    ("CacheChanged", "blob_sizes"): lambda v: tuple(tuple(p) for p in v),
     ("GpuStats", "snapshot"): lambda v: GpuSnapshot(**v),
     ("FlagsChanged", "flags"): lambda v: tuple(tuple(p) for p in v),
 }
