@@ -16,6 +16,7 @@ the argmax agreed at 0.80-1.00). A wrong decoder misses by the logits' own size 
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -122,3 +123,12 @@ def test_loan_and_drafts_give_the_plain_tokens(mix: str) -> None:
     assert converse(path, flags, 2, bus) == plain
     assert [s.step for s in steps].count("restore") == 2  # the startup and the repeat loan
     assert [s.step for s in steps].count("refill") == 3  # every prompt borrowed the cache tail
+
+
+def test_the_readme_lists_the_corpus_mixes() -> None:
+    """The README's claim names exactly the mixes the corpus holds (and checks above)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    claim = readme[readme.index("**It runs the files"):]
+    claim = " ".join(claim[: claim.index("**", 2)].split())
+    named = re.findall(r"\b(?:Q|IQ|MXFP)\w+", claim)
+    assert sorted(n.lower() for n in named) == sorted(MIXES + IMATRIX_MIXES), named
