@@ -59,16 +59,21 @@ def corpus_dir() -> Path:
     return Path(root)
 
 
-def corpus_file(mix: str) -> Path:
-    """The source quantized to `mix` by llama.cpp's quantizer (built once, then cached)."""
+# the same model written in BF16 (what converters write for BF16 checkpoints)
+SOURCE_BF16: SynthSpec = SOURCE.with_qtype("all", "BF16").with_qtype("norm", "F32") \
+    .with_qtype("router", "F32")
+
+
+def corpus_file(mix: str, source: SynthSpec = SOURCE) -> Path:
+    """`source` quantized to `mix` by llama.cpp's quantizer (built once, then cached)."""
     folder = corpus_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{SOURCE.digest()}-{llama_cpp.__version__}-{mix}.gguf"
+    out = folder / f"{source.digest()}-{llama_cpp.__version__}-{mix}.gguf"
     if out.exists():
         return out
-    src = folder / f"{SOURCE.digest()}-f16.gguf"
+    src = folder / f"{source.digest()}-source.gguf"
     if not src.exists():
-        write_model(src, SOURCE)
+        write_model(src, source)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(LlamaFileType["MOSTLY_" + mix.upper()])
     params.nthread = 2

@@ -121,3 +121,14 @@ def test_a_mixed_file_prefills_and_decodes_with_misses(tmp_path: Path) -> None:
     assert small.rt.experts.counters.streamed > 0
     small.rt.check_integrity()
     assert {q for lay in small.rt.model.experts.layouts for q in lay.qtypes} == {Q.Q4_K, Q.Q6_K}
+
+
+def test_every_type_the_engine_reads_has_a_cuda_decoder_and_stays_in_its_blocks() -> None:
+    """The three lists agree: what the loader accepts, what the kernels decode, what a dense
+    weight is kept in on a device that computes from quantized bytes."""
+    from engine.gguf.reader import SUPPORTED_QTYPES
+    from engine.kernels.dequant import DECODERS
+    from engine.quant import KEPT_QUANTIZED
+
+    assert set(DECODERS) == SUPPORTED_QTYPES
+    assert KEPT_QUANTIZED == SUPPORTED_QTYPES - {Q.F32, Q.F16, Q.BF16}

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from oracle import away_from_ties, llama_logits, ours
-from quant_corpus import IMATRIX_MIXES, MIXES, SOURCE, corpus_file, without_mtp
+from quant_corpus import IMATRIX_MIXES, MIXES, SOURCE, SOURCE_BF16, corpus_file, without_mtp
 
 from engine.bench import LOAN_ON, prompt_tokens
 from engine.cli import main
@@ -64,6 +64,15 @@ def test_the_corpus_mixes_types_across_layers() -> None:
     assert mix["ffn_down_exps"] == {"Q6_K": [0, 3, 6, 7, 8], "Q4_K": [1, 2, 4, 5]}
     seen = {t.qtype for m in MIXES + IMATRIX_MIXES for t in open_gguf(corpus_file(m)).tensors.values()}
     assert seen >= CORPUS_TYPES, f"the corpus lacks {sorted(q.name for q in CORPUS_TYPES - seen)}"
+
+
+def test_a_bf16_source_gets_the_same_mix(capsys: pytest.CaptureFixture[str]) -> None:
+    path = corpus_file("q4_k_m", SOURCE_BF16)
+    got = {n: t.qtype for n, t in open_gguf(path).tensors.items()}
+    assert got == {n: t.qtype for n, t in open_gguf(corpus_file("q4_k_m")).tensors.items()}
+    assert main(["run", "--model", str(path), "--device", DEVICE, "--ctx", "2048", "--prompt",
+                 "a word", "--max-new", "4"]) == 0
+    assert "4 generated" in capsys.readouterr().err
 
 
 def test_info_plan_and_run(quantized: tuple[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
