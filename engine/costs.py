@@ -52,11 +52,16 @@ class Shapes:
             out.setdefault(n, []).append(i)
         return out
 
+    @property
+    def mean_blob_bytes(self) -> float:
+        """The mean blob of the main layers (what an expert streamed or refilled moves)."""
+        sizes = self.layer_blob_bytes or (self.blob_bytes,)
+        return sum(sizes) / len(sizes)
+
     def slot_slack_share(self) -> float:
         """The share of a full cache's slot bytes left unused: every slot is as large as the
         largest blob, and smaller blobs fill only its front."""
-        sizes = self.layer_blob_bytes or (self.blob_bytes,)
-        return 1.0 - sum(sizes) / (len(sizes) * self.blob_bytes)
+        return 1.0 - self.mean_blob_bytes / self.blob_bytes
 
     @property
     def has_mtp(self) -> bool:

@@ -141,7 +141,7 @@ def workload(kind: str | None, n_fresh: int, pos0: int, g: PromptGeometry, shape
     fitted to the prompt). While borrowed, the lent cache-tail slots that held experts
     (at most the `n_lendable_slots` the cache may lend; the rest a loan grows are empty) are
     not resident, and the refill uploads them back."""
-    hp, blob = shapes.hp, shapes.blob_bytes
+    hp, blob = shapes.hp, shapes.mean_blob_bytes  # a quant mix: blobs differ by layer
     n_chunks = chunk_count(n_fresh, g.chunk_tokens) if g.chunk_tokens else 0
     lent_resident = min(g.n_lent_slots, n_lendable_slots) if g.borrowed else 0
     n_resident = max(0, n_cache_slots - lent_resident)
