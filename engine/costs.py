@@ -24,7 +24,7 @@ from engine.kernels.moe import ROW_ALIGN
 from engine.kv import kv_bytes_per_cell
 from engine.memory.arena import padded
 from engine.memory.plan_types import ModelCosts
-from engine.quant import matrix_bytes
+from engine.quant import keeps_quantized, matrix_bytes
 
 F32 = 4
 KV_READ_BYTES = {"q4_0": 2, "f16": 0, "int8": F32 + 2}  # a prompt chunk's K/V read, per value
@@ -97,11 +97,25 @@ class Shapes:
 def stacked_bytes(model: Shapes, tensors: tuple[str, ...], shape: tuple[int, int], wb: int,
                   quant: bool) -> int:
     """Device bytes of one linear weight [n_out, n_in] made of `tensors` stacked by rows
-    (`engine.model.weights.WeightLoader.matrix`): their quantized blocks when they share a
-    type kept quantized, else `wb` per element; padded."""
+    (`engine.model.weights.WeightLoader.matrix`): their quantized blocks when their types are
+    kept quantized (one array, or one a part where the types differ), else `wb` per element;
+    padded per array."""
     kinds = {model.qtype(n) for n in tensors}
+    if quant and len(kinds) > 1 and all(keeps_quantized(q) for q in kinds):  # a `QuantStack`
+        n_in = shape[1]
+        return sum(padded(matrix_bytes(model.qtype(n), (rows, n_in), wb, quant))
+                   for n, rows in zip(tensors, _stacked_rows(model, tensors, shape[0])))
     qtype = kinds.pop() if len(kinds) == 1 else GGMLQuantizationType.F32
     return padded(matrix_bytes(qtype, shape, wb, quant))
+
+
+def _stacked_rows(model: Shapes, tensors: tuple[str, ...], n_rows: int) -> list[int]:
+    """Rows of each stacked tensor: q, k and v of a block (q_dim, kv_dim, kv_dim)."""
+    hp = model.hp
+    if len(tensors) == 3:
+        return [hp.q_dim, hp.kv_dim, hp.kv_dim]
+    assert len(tensors) == 1, tensors
+    return [n_rows]
 
 
 def block_dense_bytes(model: Shapes, i: int, wb: int, quant: bool = False) -> int:

@@ -119,9 +119,41 @@ class QuantMatrix:
         return dequantize_bytes(np.asarray(self.raw), self.qtype, self.shape)
 
 
+@dataclass(frozen=True)
+class QuantStack:
+    """A dense weight [sum of rows, n_in] stacked by rows from `QuantMatrix` parts of different
+    quant types (q, k and v of a layer where a quant mix gives attn_v more bits: Q4_K_M's Q6_K
+    on half the layers): each part stays in its blocks, and `linear` is one product per part."""
+
+    parts: tuple[QuantMatrix, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def rows(self, start: int, stop: int) -> QuantMatrix | QuantStack:
+        """Rows start..stop-1: a view of one part's rows where they lie in one part."""
+        out, base = [], 0
+        for p in self.parts:
+            a, b = max(start, base), min(stop, base + p.shape[0])
+            if a < b:
+                out.append(p.rows(a - base, b - base))
+            base += p.shape[0]
+        return out[0] if len(out) == 1 else QuantStack(tuple(out))
+
+    def decode(self) -> np.ndarray:
+        """float32 [n_out, n_in] on the host."""
+        return np.concatenate([p.decode() for p in self.parts])
+
+
 def matrix_rows(w: Any, start: int, stop: int) -> Any:
-    """Rows start..stop-1 of a dense weight, an array [n_out, n_in] or a `QuantMatrix` (a view)."""
-    return w.rows(start, stop) if isinstance(w, QuantMatrix) else w[start:stop]
+    """Rows start..stop-1 of a dense weight, an array [n_out, n_in], a `QuantMatrix` or a
+    `QuantStack` (a view)."""
+    return w.rows(start, stop) if isinstance(w, QuantMatrix | QuantStack) else w[start:stop]
 
 
 @dataclass(frozen=True)

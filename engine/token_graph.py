@@ -48,7 +48,7 @@ from engine.kernels.fused import rope_neox_, route_topk
 from engine.kv import KVCache
 from engine.model.attention import project_qkv
 from engine.model.transformer import ForwardResult, Transformer
-from engine.quant import QuantMatrix
+from engine.quant import QuantMatrix, QuantStack
 
 
 @dataclass
@@ -306,6 +306,10 @@ def layer_cells(kv: KVCache, layer: int) -> KVCells:
 def _check_gemv(x: Any, w: Any) -> None:
     """Raise where `linear(x, w)` would not take the GEMV kernel (a cuBLAS call would end the
     capture): the weight must be quantized blocks or contiguous fp16, x a few rows."""
+    if isinstance(w, QuantStack):
+        for part in w.parts:
+            _check_gemv(x, part)
+        return
     quant = isinstance(w, QuantMatrix)
     if not ((quant or (w.dtype == np.float16 and w.flags.c_contiguous))
             and x.ndim == 2 and x.shape[0] <= GEMV_MAX_ROWS):

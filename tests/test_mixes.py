@@ -27,7 +27,7 @@ from engine.serve import ServeLoop
 from engine.synth.mixes import use_more_bits
 from engine.synth.model import PRESETS, write_model
 
-WIDE = replace(PRESETS["tiny"], n_embd=256, n_ff_exp=256, head_dim=64, n_layer=8, n_expert=8,
+WIDE = replace(PRESETS["tiny"], n_embd=256, n_ff_exp=256, head_dim=64, n_layer=8, n_expert=16,
                seed=3)
 
 
@@ -106,14 +106,14 @@ def test_ring_stages_smaller_blobs_at_the_front() -> None:
 
 
 def test_a_mixed_file_prefills_and_decodes_with_misses(tmp_path: Path) -> None:
-    """Q4_K_M on a cache that holds 20 of 64 experts: prompt chunks stream misses through the
+    """Q4_K_M on a cache that holds 20 of 128 experts: prompt chunks stream misses through the
     ring; the tokens and logits are those of a device that caches every expert."""
     path = write_model(tmp_path / "mixed.gguf", replace(WIDE, mix="q4_k_m"))
     small = ServeLoop.create(EngineOptions(model=str(path), device="sim:64MiB", ctx=1024,
                                            expert_cache=20, prefill=256))
     big = ServeLoop.create(EngineOptions(model=str(path), device="sim:64MiB", ctx=1024,
                                          prefill=256))
-    assert small.rt.cache.n_slots == 20 and big.rt.cache.n_slots == 64
+    assert small.rt.cache.n_slots == 20 and big.rt.cache.n_slots == 128
     ids = small.rt.model.tokenizer.encode("the river runs through the old city " * 40)
     a, _ = prefill_request(small.rt, ids)
     b, _ = prefill_request(big.rt, ids)
@@ -132,3 +132,30 @@ def test_every_type_the_engine_reads_has_a_cuda_decoder_and_stays_in_its_blocks(
 
     assert set(DECODERS) == SUPPORTED_QTYPES
     assert KEPT_QUANTIZED == SUPPORTED_QTYPES - {Q.F32, Q.F16, Q.BF16}
+
+
+def test_mixed_attention_types_stay_in_their_blocks(tmp_path: Path) -> None:
+    """Q4_K_M gives attn_v Q6_K and q/k Q4_K on some layers: `--dense quant` keeps each in its
+    blocks (a `QuantStack`), computes what decoded weights do, and the weights region holds
+    exactly what the planner counts."""
+    from engine.memory.arena import padded
+    from engine.quant import QuantMatrix, QuantStack
+
+    path = write_model(tmp_path / "mixed.gguf", replace(WIDE, mix="q4_k_m"))
+    out = {}
+    for dense in ("quant", "float"):
+        loop = ServeLoop.create(EngineOptions(model=str(path), device="sim:64MiB", ctx=1024,
+                                              dense=dense, mtp=True, spec=2))
+        blocks = loop.rt.model.transformer.blocks
+        if dense == "quant":
+            assert isinstance(blocks[0].attn.wqkv, QuantStack)  # block 0: attn_v Q6_K
+            assert isinstance(blocks[1].attn.wqkv, QuantMatrix)  # block 1: all Q4_K
+        ledger, costs = loop.rt.ledger, loop.rt.costs
+        assert padded(ledger.region("weights.dense").carved_bytes) == costs.dense_bytes
+        ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 10)
+        logits, _ = prefill_request(loop.rt, ids)
+        step = loop.rt.session.forward([5]).logits  # a decode step: a few rows, one per part
+        out[dense] = (np.asarray(logits), np.asarray(step))
+        loop.rt.check_integrity()
+    for q, f in zip(out["quant"], out["float"]):
+        assert np.abs(q - f).max() <= 1e-5 * np.abs(f).max()

@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.backend.base import DeviceArray, ExpertProvider
-from engine.quant import QuantMatrix, dequantize_bytes
+from engine.quant import QuantMatrix, QuantStack, dequantize_bytes
 
 QUERY_BLOCK = 512  # queries per score block at most (`causal_gqa`)
 SCORE_BUDGET_BYTES = 64 << 20  # the [H, Tq, S] float32 score block stays under this
@@ -156,7 +156,10 @@ class ArrayOps(ABC):
 
     def linear(self, x: Any, w: Any) -> Any:
         """x [.., n_in] @ w [n_out, n_in]^T, float32 out (in the weight's dtype inside); a
-        `QuantMatrix` is decoded first (on the host: array code keeps nothing decoded)."""
+        `QuantMatrix` is decoded first (on the host: array code keeps nothing decoded); a
+        `QuantStack`, part by part."""
+        if isinstance(w, QuantStack):  # one product per part, side by side
+            return self.xp.concatenate([self.linear(x, p) for p in w.parts], axis=-1)
         if isinstance(w, QuantMatrix):
             w = self.xp.asarray(w.decode())
         return linear(self.xp, x, w)

@@ -34,7 +34,7 @@ from engine.kernels.dequant import DECODE_SLICE_BYTES, GEMV_MAX_ROWS, SUPPORTED,
 from engine.kernels.flash import flash_attention
 from engine.kernels.flash import supported as flash_supported
 from engine.kernels.moe import moe_decode, moe_prefill
-from engine.quant import ExpertLayout, QuantMatrix
+from engine.quant import ExpertLayout, QuantMatrix, QuantStack
 
 EMBED_ON_HOST_ROWS = 8  # longer token runs decode their embedding rows on the device
 
@@ -44,6 +44,8 @@ class CudaOps(ArrayOps):
 
     def linear(self, x: Any, w: Any) -> Any:
         few = x.ndim == 2 and x.shape[0] <= GEMV_MAX_ROWS
+        if isinstance(w, QuantStack):  # one product per part, side by side
+            return cupy.concatenate([self.linear(x, p) for p in w.parts], axis=-1)
         if isinstance(w, QuantMatrix):
             if few:
                 return gemv(w.raw, w.qtype, w.shape, x)

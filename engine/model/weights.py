@@ -13,7 +13,14 @@ from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import ModelFile, TensorView
 from engine.model.attention import AttentionWeights
-from engine.quant import QuantMatrix, dequantize, dequantize_bytes, keeps_quantized, row_bytes
+from engine.quant import (
+    QuantMatrix,
+    QuantStack,
+    dequantize,
+    dequantize_bytes,
+    keeps_quantized,
+    row_bytes,
+)
 
 
 @dataclass
@@ -36,14 +43,16 @@ class WeightLoader:
         return self.to_device(dequantize(t))
 
     def keeps(self, *ts: TensorView) -> bool:
-        """Whether `matrix(*ts)` keeps their blocks: quantized, one type the kernels decode."""
-        q = ts[0].qtype
-        return self.quantized and keeps_quantized(q) and all(t.qtype == q for t in ts)
+        """Whether `matrix(*ts)` keeps their blocks: quantized, types the kernels decode."""
+        return self.quantized and all(keeps_quantized(t.qtype) for t in ts)
 
     def matrix(self, *ts: TensorView) -> Any:
         """One weight [sum of rows, n_in] from tensors stacked by rows (q, k and v: one
-        projection, one launch)."""
+        projection, one launch; a `QuantStack` of one part per tensor where their kept types
+        differ)."""
         q = ts[0].qtype
+        if self.keeps(*ts) and any(t.qtype != q for t in ts):  # a quant mix: a part per type
+            return QuantStack(tuple(self.matrix(t) for t in ts))
         if self.keeps(*ts):
             parts = [np.ascontiguousarray(t.raw).reshape(-1).view(np.uint8) for t in ts]
             raw = parts[0] if len(parts) == 1 else np.concatenate(parts)  # one: the file map
