@@ -102,20 +102,12 @@ def stacked_bytes(model: Shapes, tensors: tuple[str, ...], shape: tuple[int, int
     padded per array."""
     kinds = {model.qtype(n) for n in tensors}
     if quant and len(kinds) > 1 and all(keeps_quantized(q) for q in kinds):  # a `QuantStack`
-        n_in = shape[1]
-        return sum(padded(matrix_bytes(model.qtype(n), (rows, n_in), wb, quant))
-                   for n, rows in zip(tensors, _stacked_rows(model, tensors, shape[0])))
+        assert len(tensors) == 3, tensors  # only q, k and v are stacked
+        rows = (model.hp.q_dim, model.hp.kv_dim, model.hp.kv_dim)
+        return sum(padded(matrix_bytes(model.qtype(n), (r, shape[1]), wb, quant))
+                   for n, r in zip(tensors, rows))
     qtype = kinds.pop() if len(kinds) == 1 else GGMLQuantizationType.F32
     return padded(matrix_bytes(qtype, shape, wb, quant))
-
-
-def _stacked_rows(model: Shapes, tensors: tuple[str, ...], n_rows: int) -> list[int]:
-    """Rows of each stacked tensor: q, k and v of a block (q_dim, kv_dim, kv_dim)."""
-    hp = model.hp
-    if len(tensors) == 3:
-        return [hp.q_dim, hp.kv_dim, hp.kv_dim]
-    assert len(tensors) == 1, tensors
-    return [n_rows]
 
 
 def block_dense_bytes(model: Shapes, i: int, wb: int, quant: bool = False) -> int:

@@ -8,7 +8,7 @@ Layers may store their experts in different quant types (llama.cpp's quantizer g
 `ffn_down_exps` more bits on some layers: Q4_K_M puts Q6_K on about half of them), so each
 layer has its own `ExpertLayout` and blob size. Every cache and ring slot is as large as the
 largest blob (`blob_bytes`); a smaller blob fills the front of its slot and the rest is unused
-(`slack_bytes`; docs/quant-mixes.md measures this against one slot size per layout).
+(`ExpertCache.slack_bytes`; docs/quant-mixes.md measures it against a slot size per layout).
 """
 
 from __future__ import annotations
@@ -37,18 +37,13 @@ class HostExperts(Protocol):
     layer_blob_bytes: tuple[int, ...]  # [n_layer]
 
     def blob(self, layer: int, expert: int) -> np.ndarray:
-        """uint8 [blob_bytes] of (layer, expert)."""
+        """uint8 [layer_blob_bytes[layer]] of (layer, expert)."""
         ...
 
     def pieces(self, layer: int, expert: int) -> list[np.ndarray]:
         """The blob as uint8 pieces that concatenate to it, without a host copy (what the
         device uploads: one DMA per piece where the memory is pinned)."""
         ...
-
-
-def slack_bytes(host: HostExperts, layer: int) -> int:
-    """Bytes of a slot that a blob of `layer` leaves unused."""
-    return host.blob_bytes - host.layer_blob_bytes[layer]
 
 
 class ArrayHostExperts:
