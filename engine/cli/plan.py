@@ -153,8 +153,8 @@ def _blob_lines(shapes: Shapes) -> list[str]:
     if len(sizes) < 2:
         return []
     each = "; ".join(f"{n:,} B in layers {layer_ranges(ls)}" for n, ls in sorted(sizes.items()))
-    return [f"blobs   {each}; every slot holds the largest "
-            f"({shapes.slot_slack_share():.1%} of a full cache unused)"]
+    unused = f"{shapes.slot_slack_share():.1%} of a full cache unused"
+    return [f"blobs   {each}; every slot holds the largest ({unused})"]
 
 
 def _workload(kind: str | None, n: int, planned: DevicePlan, shapes: Shapes, odds: np.ndarray,
