@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 from engine.config import EngineOptions
 from engine.gguf import names
 from engine.gguf.hparams import HParams
+from engine.gguf.type_mix import layers_by_value
 from engine.kernels.attention import DEFAULT_SCORE_BYTES as SCORE_BYTES
 from engine.kernels.dequant import DECODE_SLICE_BYTES
 from engine.kernels.flash import supported as flash_supported
@@ -47,10 +48,7 @@ class Shapes:
     def blob_sizes(self) -> dict[int, list[int]]:
         """Blob bytes -> the main layers whose blobs have that size (one entry unless a
         quant mix gives layers different types)."""
-        out: dict[int, list[int]] = {}
-        for i, n in enumerate(self.layer_blob_bytes or (self.blob_bytes,) * self.hp.n_layer):
-            out.setdefault(n, []).append(i)
-        return out
+        return layers_by_value(self.layer_blob_bytes or (self.blob_bytes,) * self.hp.n_layer)
 
     @property
     def mean_blob_bytes(self) -> float:
@@ -79,15 +77,16 @@ class Shapes:
     def of_spec(cls, spec) -> Shapes:  # type: ignore[no-untyped-def]
         """From a synthetic preset's `SynthSpec` (no file needed)."""
         *layers, mtp = spec.layer_blob_bytes(with_mtp=True)
-        layers = tuple(layers)
-        return cls(spec.hparams(), max(layers), mtp if spec.n_nextn else 0,
-                   tensor_qtypes=tuple(spec.tensor_qtypes().items()), layer_blob_bytes=layers)
+        return cls(spec.hparams(), max(layers), mtp,
+                   tensor_qtypes=tuple(spec.tensor_qtypes().items()),
+                   layer_blob_bytes=tuple(layers))
 
     @classmethod
     def of(cls, model) -> Shapes:  # type: ignore[no-untyped-def]
         mtp = model.mtp_experts
         layouts = (*model.experts.layouts, *(mtp.layouts if mtp is not None else ()))
-        qtypes = (*(q for lay in layouts for q in lay.qtypes), model.mf.tensor(names.TOKEN_EMBD).qtype)
+        embd = model.mf.tensor(names.TOKEN_EMBD).qtype
+        qtypes = (*(q for lay in layouts for q in lay.qtypes), embd)
         return cls(model.hp, model.experts.blob_bytes, mtp.blob_bytes if mtp is not None else 0,
                    tuple(dict.fromkeys(qtypes)),
                    tuple((name, t.qtype) for name, t in model.mf.tensors.items()),

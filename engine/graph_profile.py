@@ -63,7 +63,8 @@ def profile_step(tg: TokenGraph, tokens: list[int], pos: int, repeat: int = 20) 
         ("output projection", lambda: _gemv(be, o.reshape(t, hp.q_dim), blk.attn.wo), hp.n_layer),
         ("norm, router, top-k", lambda: route_topk(_gemv(be, be.rms_norm(x, blk.ffn_norm, hp.rms_eps),
                                                          blk.router), hp.n_expert_used), hp.n_layer),
-        ("routed experts (layer 0's routing)", lambda: moe_at(h, ids, w, tg._sources[layer], tg.counts[layer]), hp.n_layer),
+        ("routed experts (layer 0's routing)",
+         lambda: moe_at(h, ids, w, tg._sources[layer], tg.counts[layer]), hp.n_layer),
         ("output head", lambda: _gemv(be, be.rms_norm(x[-1:], tr.output_norm, hp.rms_eps), tr.head), 1),
     ]
     rows = [(name, n * _time_graph(cp, tg._stream, tg._pool, fn, repeat)) for name, fn, n in parts]

@@ -15,7 +15,7 @@ import numpy as np
 from engine.backend.base import Backend
 from engine.events import CacheChanged, EventBus, GpuStats, TraceLine
 from engine.experts.cache import LENT, ExpertCache
-from engine.gguf.type_mix import layer_ranges
+from engine.gguf.type_mix import layer_ranges, layers_by_value
 from engine.memory.ledger import Ledger
 from engine.telemetry import Telemetry
 
@@ -68,10 +68,8 @@ class Reporter:
         states = cache.states()
         lent = np.nonzero(states == LENT)[0]
         rng = (int(lent[0]), int(lent[-1])) if len(lent) else None
-        layers: dict[int, list[int]] = {}
-        for i, n in enumerate(cache.host.layer_blob_bytes):
-            layers.setdefault(n, []).append(i)
-        sizes = tuple((n, layer_ranges(ls)) for n, ls in sorted(layers.items()))
+        sizes = tuple((n, layer_ranges(ls))
+                      for n, ls in layers_by_value(cache.host.layer_blob_bytes).items())
         self.bus.publish(CacheChanged(states.astype(np.uint8).tobytes(), rng, len(lent),
                                       cache.blob_bytes, sizes, cache.slack_bytes()))
 

@@ -152,7 +152,7 @@ def _blob_lines(shapes: Shapes) -> list[str]:
     sizes = shapes.blob_sizes()
     if len(sizes) < 2:
         return []
-    each = "; ".join(f"{n:,} B in layers {layer_ranges(ls)}" for n, ls in sorted(sizes.items()))
+    each = "; ".join(f"{n:,} B in layers {layer_ranges(ls)}" for n, ls in sizes.items())
     unused = f"{shapes.slot_slack_share():.1%} of a full cache unused"
     return [f"blobs   {each}; every slot holds the largest ({unused})"]
 

@@ -5,7 +5,7 @@ different types)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from gguf import LlamaFileType
 
@@ -25,6 +25,14 @@ def type_mix(mf: ModelFile) -> dict[str, dict[str, list[int]]]:
         if m:
             layers.append(int(m.group(1)))
     return out
+
+
+def layers_by_value(values: Sequence[int]) -> dict[int, list[int]]:
+    """Per-layer values (blob bytes) -> the layers that have each, smallest value first."""
+    out: dict[int, list[int]] = {}
+    for i, v in enumerate(values):
+        out.setdefault(v, []).append(i)
+    return dict(sorted(out.items()))
 
 
 def layer_ranges(layers: Iterable[int]) -> str:

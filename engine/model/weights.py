@@ -51,9 +51,9 @@ class WeightLoader:
         projection, one launch; a `QuantStack` of one part per tensor where their kept types
         differ)."""
         q = ts[0].qtype
-        if self.keeps(*ts) and any(t.qtype != q for t in ts):  # a quant mix: a part per type
-            return QuantStack(tuple(self.matrix(t) for t in ts))
         if self.keeps(*ts):
+            if any(t.qtype != q for t in ts):  # a quant mix: a part per type
+                return QuantStack(tuple(self.matrix(t) for t in ts))
             parts = [np.ascontiguousarray(t.raw).reshape(-1).view(np.uint8) for t in ts]
             raw = parts[0] if len(parts) == 1 else np.concatenate(parts)  # one: the file map
             shape = (sum(t.shape[0] for t in ts), ts[0].shape[1])

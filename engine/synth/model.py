@@ -103,8 +103,11 @@ class SynthSpec:
         """Bytes of one (layer, expert) blob of each main layer (`with_mtp`: and then of the
         MTP block, 0 without one)."""
         tensors = synth_tensors(self)
-        blob = lambda i: sum(_nbytes(tensors[names.block(k, i)][0][1:], tensors[names.block(k, i)][1])
-                             for k in names.EXPERT_TENSORS)
+
+        def blob(i: int) -> int:
+            parts = (tensors[names.block(k, i)] for k in names.EXPERT_TENSORS)
+            return sum(_nbytes(shape[1:], qtype) for shape, qtype in parts)  # one expert's rows
+
         out = [blob(i) for i in range(self.n_layer)]
         if with_mtp:
             out.append(blob(self.n_layer) if self.n_nextn else 0)
