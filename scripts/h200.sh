@@ -49,7 +49,12 @@
 #   mix       issue 26: the 48-layer preset in llama.cpp's Q4_K_M mix (make-model --mix q4_k_m,
 #             models/q48km.gguf): its type mix, the automatic planner loan off / on at 31,258
 #             tokens (RUNS_MIX, default 1), then plain decoding at depth 31k on sampled text
-#             (--temperature 1.0 --seed 1, 256 tokens)                   -> $OUT/mix.md
+#             (--temperature 1.0 --seed 1, 256 tokens); with a llama-bench from `lbuild` (or
+#             LLAMA_BENCH=path), llama.cpp on the same file (llama_mix below; `lmix` alone)
+#                                                                         -> $OUT/mix.md
+#   lbuild    llama.cpp's llama-bench with CUDA for sm_90, static, from .llama-src/llama.cpp.tar.gz
+#             (`bash scripts/llama_src.sh` here; carry .llama-src) into .llama-build/, about 2.5
+#             minutes on 16 cores; the next call's tree lacks it: `lbuild mix` in one call -> lbuild.log
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
@@ -62,6 +67,22 @@ RUNS=${RUNS:-2}
 MAX_NEW=${MAX_NEW:-512}
 mkdir -p models "$OUT"
 strata() { python3 -m engine.cli "$@"; }
+# llama.cpp on the strip-mtp copy of models/q48km.gguf (the `mix` stage's second half; `lmix` alone):
+# experts in host memory (-ot exps=CPU), read into its own buffers (-mmp 0; mapped, -mmp 1, is
+# slower), flash attention, q4_0 KV, ubatch 8,192: pp31258, then tg64 at depth 31,258, GPU peak.
+llama_mix() {
+  local lb=${LLAMA_BENCH:-.llama-build/bin/llama-bench}
+  if [ ! -x "$lb" ]; then
+    echo "llama.cpp: no llama-bench (run the lbuild stage first)" | tee -a "$OUT/mix.md"; return
+  fi
+  [ -f models/q48km-nomtp.gguf ] || strata strip-mtp models/q48km.gguf models/q48km-nomtp.gguf >/dev/null
+  python3 scripts/gpu_peak.py "$OUT/llama-peak.txt" &
+  local peak=$! common="-m models/q48km-nomtp.gguf -ngl 99 -ot exps=CPU -fa 1 -ctk q4_0 -ctv q4_0 -ub 8192 -b 8192 -r 2 -o md"
+  "$lb" $common -mmp "${LLAMA_MMP:-0}" -p 31258 -n 0 2>"$OUT/llama.log" | grep -E "^\| (model|-|qwen)" | tee -a "$OUT/mix.md"
+  "$lb" $common -mmp 0 -p 0 -n 64 -d 31258 2>>"$OUT/llama.log" | grep -E "^\| qwen" | tee -a "$OUT/mix.md"
+  kill $peak; wait $peak 2>/dev/null || true
+  echo "llama.cpp GPU peak: $(cat "$OUT/llama-peak.txt") MiB (NVML, both runs)" | tee -a "$OUT/mix.md"
+}
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
   case $stage in
@@ -157,7 +178,19 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
          strata run --model models/q48km.gguf --device cuda --vram-limit 8GiB --kv q4_0 \
            --ctx 31600 --tokens-file /tmp/p31k.txt --max-new 256 --temperature 1.0 --seed 1 \
            2>&1 >/dev/null | grep -E "strata serve|GPU peak|error" | cut -c1-300 \
-           | sed 's/^/sampled TG: /' | tee -a "$OUT/mix.md" ;;
+           | sed 's/^/sampled TG: /' | tee -a "$OUT/mix.md"
+         llama_mix ;;
+    lmix) llama_mix ;;
+    lbuild) rm -rf .llama-build/src && mkdir -p .llama-build/src
+            tar -xzf .llama-src/llama.cpp.tar.gz -C .llama-build/src
+            cmake -S .llama-build/src -B .llama-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+              -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+              -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+              -DLLAMA_BUILD_SERVER=OFF >"$OUT/lbuild.log" 2>&1 || { tail -30 "$OUT/lbuild.log"; exit 1; }
+            cmake --build .llama-build --target llama-bench -j "$(nproc)" >>"$OUT/lbuild.log" 2>&1 \
+              || { tail -30 "$OUT/lbuild.log"; exit 1; }
+            ls -l .llama-build/bin/llama-bench && ldd .llama-build/bin/llama-bench | grep -v -E "^\s*/" \
+              | tee -a "$OUT/lbuild.log" ;;
     b8) strata bench --model models/q8.gguf --device cuda --vram-limit 5GiB --vram-segment-mib 64 \
           --mtp --spec 2 --scenario auto --scenario ab --prefill 1024 --runs "$RUNS" \
           --prompt-tokens 8192 --max-new 16 --kv q4_0 --ctx 9000 --json "$OUT/b8.json" \
