@@ -4,14 +4,20 @@ The database lives under the user data dir (`STRATA_DATA_DIR` overrides). Every 
 is a new entry in MIGRATIONS; `Store.open` applies the missing ones in one transaction each and
 records the version in `schema_version`.
 
-Messages are appended as they happen, never rewritten: several app instances may write to one
-database (WAL, a busy timeout), and each new message takes the next `seq` of its conversation
-inside a write transaction, so two writers never clash and no row is ever dropped. A reply
-records the `seq` of the prompt it answers, so exchanges read in order even when two instances
-talked in one conversation at the same time.
+Messages are appended as they happen: several app instances may write to one database (WAL, a
+busy timeout), and each new message takes the next `seq` of its conversation inside a write
+transaction, so two writers never clash and no row is ever dropped. A reply records the `seq` of
+the prompt it answers, so exchanges read in order even when two instances talked in one
+conversation at the same time. The one row ever rewritten is an answer still being generated:
+it is appended `partial` with its first text and its writer rewrites it as the text grows, so a
+kill keeps what was shown; a row left partial (its writer died) reads as `interrupted`.
 
-A file that is not a database of ours is moved aside (never deleted) and a new one started; a
-database from a newer app or a data directory that cannot be used is refused with one line.
+Whatever the damage, a file that is not a healthy database of ours (not SQLite, a failed
+`PRAGMA quick_check`, a table or column missing, a schema version that is not an integer) is
+moved aside (never deleted) and a new one started. Rows of the wrong type read as text (bytes
+decoded with replacement characters). A database from a newer app, or a data directory that
+cannot be used, is refused with one line; a database that cannot be written (a read-only file
+or directory) opens read-only and says why in `read_only`.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
-from engine.conversation import Conversation, Message, title_of
+from engine.conversation import ROLES, Conversation, Message, title_of
 from engine.errors import StrataError
 
 DB_NAME = "conversations.sqlite3"
@@ -60,8 +66,12 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE messages ADD COLUMN cancelled INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE messages ADD COLUMN reply_to INTEGER",  # the seq of the prompt answered
     ),
+    # an answer written as it streams: 1 until its writer stores the final text
+    4: ("ALTER TABLE messages ADD COLUMN partial INTEGER NOT NULL DEFAULT 0",),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
+# what an older database read-only lacks reads as these (its rows predate the columns)
+_COLUMN_DEFAULTS = {"cancelled": "0", "reply_to": "NULL", "partial": "0"}
 # a reply reads right after its prompt, whatever another instance appended in between
 _IN_ORDER = "ORDER BY coalesce(reply_to, seq), seq"
 
@@ -72,6 +82,23 @@ class StoreError(StrataError):
 
 class _Unreadable(StoreError):
     """The file is not a healthy database of ours: `Store.open` moves it aside."""
+
+
+def _expected_tables() -> dict[str, set[str]]:
+    """Every table and its columns after all migrations (run once on an in-memory database:
+    the migrations are the one description of the schema)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        for version in sorted(MIGRATIONS):
+            for statement in MIGRATIONS[version]:
+                db.execute(statement)
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return {t: {r[1] for r in db.execute(f"PRAGMA table_info({t})")} for t in tables}
+    finally:
+        db.close()
+
+
+_TABLES = _expected_tables()
 
 
 def data_dir() -> Path:
@@ -93,11 +120,13 @@ class Store:
     """Reads and writes conversations; used from the UI thread only.
 
     `moved_aside` is where `open` put a file it could not use before starting clean (None
-    when the database opened as it was); the app says so once.
+    when the database opened as it was); `read_only` says why nothing can be written ("" when
+    it can). The app says each once.
     """
 
-    def __init__(self, db: sqlite3.Connection, path: Path, moved_aside: Path | None = None):
-        self.db, self.path, self.moved_aside = db, path, moved_aside
+    def __init__(self, db: sqlite3.Connection, path: Path, moved_aside: Path | None = None,
+                 read_only: str = ""):
+        self.db, self.path, self.moved_aside, self.read_only = db, path, moved_aside, read_only
 
     @classmethod
     def open(cls, path: Path | None = None) -> Store:
@@ -108,32 +137,91 @@ class Store:
         """
         path = path or data_dir() / DB_NAME
         _make_dir(path.parent)
+        read_only = _not_writable(path)
+        if read_only and not path.exists():
+            raise StoreError(f"no history can be kept: {read_only}; make it writable, or set "
+                             "STRATA_DATA_DIR to use another directory")
         try:
             if not _sqlite_header(path):  # moved before SQLite opens it (or its -wal)
                 raise _Unreadable(f"{path}: not an SQLite database")
-            return cls._connect(path)
+            return cls._connect(path, read_only)
         except _Unreadable:
+            if read_only:
+                raise StoreError(
+                    f"{path} cannot be read as a conversation database and cannot be moved "
+                    f"aside ({read_only}); move it, or "
+                    "set STRATA_DATA_DIR to use another directory") from None
             moved = _move_aside(path)
         store = cls._connect(path)
         store.moved_aside = moved
         return store
 
     @classmethod
-    def _connect(cls, path: Path) -> Store:
+    def _connect(cls, path: Path, read_only: str = "") -> Store:
         try:
-            db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            if read_only:
+                db = _connect_read_only(path)
+            else:
+                db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         except sqlite3.Error as exc:
             raise StoreError(f"{path}: {exc}") from None
-        store = cls(db, path)
+        db.text_factory = _decode  # text that is not UTF-8 reads with replacement characters
+        store = cls(db, path, read_only=read_only)
         try:
             with store._errors():
                 db.execute("PRAGMA foreign_keys = ON")
-                store.migrate()  # first, so a database of something else is left as it was
-                db.execute("PRAGMA journal_mode = WAL")  # readers never wait for a writer
+                store._check()  # a damaged file is moved aside before anything is written
+                if read_only:
+                    store._read_older_schema()
+                else:
+                    store.migrate()  # first, so a database of something else is left as it was
+                    db.execute("PRAGMA journal_mode = WAL")  # readers never wait for a writer
+                store._check_tables()
         except BaseException:
             db.close()
             raise
         return store
+
+    def _check(self) -> None:
+        """Refuse (to move aside) a file SQLite finds damaged or whose schema_version is not
+        integers; a newer app's database is left to `migrate` to refuse."""
+        problems = [r[0] for r in self.db.execute("PRAGMA quick_check(3)")]
+        if problems != ["ok"]:
+            raise _Unreadable(f"{self.path}: damaged ({'; '.join(map(str, problems))})")
+        tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master")}
+        if "schema_version" in tables:
+            (bad,) = self.db.execute(
+                "SELECT count(*) FROM schema_version WHERE typeof(version) != 'integer'"
+            ).fetchone()
+            if bad:
+                raise _Unreadable(f"{self.path}: a schema version that is not an integer")
+
+    def _check_tables(self) -> None:
+        """Every table this version writes is there with its columns (else moved aside)."""
+        if self.version > SCHEMA_VERSION:
+            return  # refused by `migrate`; read-only, read with what is there
+        for table, columns in _TABLES.items():
+            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            missing = columns - have
+            if missing:
+                what = f"table {table}" if not have else f"{table}.{min(missing)}"
+                raise _Unreadable(f"{self.path}: not a strata conversation database ({what} "
+                                  "is missing)")
+
+    def _read_older_schema(self) -> None:
+        """Read-only, an older schema cannot be migrated: a temporary view stands in for its
+        messages, with the newer columns at their defaults (temp names come first)."""
+        tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master")}
+        if "schema_version" not in tables:
+            raise _Unreadable(f"{self.path}: not a strata conversation database")
+        if self.version >= SCHEMA_VERSION or "messages" not in tables:
+            return
+        have = {r[1] for r in self.db.execute("PRAGMA main.table_info(messages)")}
+        extra = [f"{v} AS {k}" for k, v in _COLUMN_DEFAULTS.items() if k not in have]
+        if extra:
+            self.db.execute(
+                f"CREATE TEMP VIEW messages AS SELECT *, {', '.join(extra)} FROM main.messages"
+            )
 
     @property
     def version(self) -> int:
@@ -167,14 +255,18 @@ class Store:
                     self.db.execute(statement)
                 self.db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
 
-    def append(self, conv: Conversation, message: Message, reply_to: int | None = None) -> int:
+    def append(self, conv: Conversation, message: Message, reply_to: int | None = None,
+               partial: bool = False) -> int:
         """Append `message` to `conv` in the database; returns the message's `seq`.
 
         The conversation row is created if missing (its title, once set, is kept); the seq is
         the next free one of the conversation, taken inside the write transaction. `reply_to`
-        is the seq of the prompt an answer belongs to.
+        is the seq of the prompt an answer belongs to; `partial`: an answer still being
+        generated, which `update` rewrites until it is complete.
         """
-        title = conv.title or (title_of(message.content) if message.role == "user" else "")
+        title = _storable(conv.title or (title_of(message.content) if message.role == "user"
+                                         else ""))
+        content = _storable(message.content)
         with self._write():
             self.db.execute(
                 "INSERT INTO conversations (id, title, created, updated) VALUES (?, ?, ?, ?) "
@@ -184,13 +276,26 @@ class Store:
             )
             (seq,) = self.db.execute(
                 "INSERT INTO messages "
-                "(conversation_id, seq, role, content, created, cancelled, reply_to) "
-                "SELECT ?1, coalesce(max(seq) + 1, 0), ?2, ?3, ?4, ?5, ?6 FROM messages "
+                "(conversation_id, seq, role, content, created, cancelled, reply_to, partial) "
+                "SELECT ?1, coalesce(max(seq) + 1, 0), ?2, ?3, ?4, ?5, ?6, ?7 FROM messages "
                 "WHERE conversation_id = ?1 RETURNING seq",
-                (conv.id, message.role, message.content, message.created,
-                 int(message.cancelled), reply_to),
+                (conv.id, message.role, content, message.created,
+                 int(message.cancelled), reply_to, int(partial)),
             ).fetchone()
         return int(seq)
+
+    def update(self, conv_id: str, seq: int, message: Message, partial: bool = False) -> None:
+        """Rewrite the text of a partial answer this instance appended (its final text when
+        `partial` is False); one short transaction, whatever the text's length."""
+        content = _storable(message.content)
+        with self._write():
+            self.db.execute(
+                "UPDATE messages SET content = ?, cancelled = ?, partial = ? "
+                "WHERE conversation_id = ? AND seq = ?",
+                (content, int(message.cancelled), int(partial), conv_id, seq),
+            )
+            self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?",
+                            (time.time(), conv_id))
 
     def withdraw(self, conv_id: str, seq: int) -> None:
         """Remove one message: a prompt that got no answer and went back to the input.
@@ -206,6 +311,7 @@ class Store:
                 f"{_IN_ORDER} LIMIT 1",
                 (conv_id,),
             ).fetchone()
+            first = (_text(first[0]),) if first else None
             left = self.db.execute(
                 "SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)
             ).fetchone()[0]
@@ -226,14 +332,16 @@ class Store:
             if row is None:
                 return None
             messages = [
-                Message(role, content, created, bool(cancelled))
-                for role, content, created, cancelled in self.db.execute(
-                    "SELECT role, content, created, cancelled FROM messages "
+                Message(_role(role), _text(content), _number(created), cancelled == 1,
+                        interrupted=partial == 1)
+                for role, content, created, cancelled, partial in self.db.execute(
+                    "SELECT role, content, created, cancelled, partial FROM messages "
                     f"WHERE conversation_id = ? {_IN_ORDER}",
                     (conv_id,),
                 )
             ]
-        return Conversation(id=row[0], messages=messages, title=row[1], created=row[2])
+        return Conversation(id=row[0], messages=messages, title=_text(row[1]),
+                            created=_number(row[2]))
 
     def last(self) -> Conversation | None:
         """The most recently updated conversation, if any."""
@@ -251,7 +359,8 @@ class Store:
                 "LEFT JOIN messages m ON m.conversation_id = c.id "
                 "GROUP BY c.id ORDER BY c.updated DESC"
             ).fetchall()
-        return [ConversationInfo(*row) for row in rows]
+        return [ConversationInfo(id, _text(title), _number(updated), n)
+                for id, title, updated, n in rows]
 
     def delete(self, conv_id: str) -> None:
         """Remove a conversation and its messages."""
@@ -261,7 +370,8 @@ class Store:
     def rename(self, conv_id: str, title: str) -> None:
         """Give a conversation a new title (its messages and times stay as they are)."""
         with self._write():
-            self.db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conv_id))
+            self.db.execute("UPDATE conversations SET title = ? WHERE id = ?",
+                            (_storable(title), conv_id))
 
     def close(self) -> None:
         self.db.close()
@@ -269,6 +379,8 @@ class Store:
     @contextmanager
     def _write(self) -> Iterator[None]:
         """One write transaction, holding the write lock from its start (BEGIN IMMEDIATE)."""
+        if self.read_only:
+            raise StoreError(f"history is read-only: {self.read_only}")
         with self._errors():
             self.db.execute("BEGIN IMMEDIATE")
             try:
@@ -288,6 +400,63 @@ class Store:
             if getattr(exc, "sqlite_errorname", "") in _NOT_A_DATABASE:
                 raise _Unreadable(f"{self.path}: {exc}") from None
             raise StoreError(f"{self.path}: {exc}") from None
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
+
+
+def _text(value: object) -> str:
+    """A stored value as text: bytes (a BLOB) decoded with replacement characters, NULL empty,
+    a number written out."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return _decode(value)
+    return "" if value is None else str(value)
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _role(value: object) -> str:
+    """A stored role; one the app does not know reads as an answer (shown, never a prompt)."""
+    return value if value in ROLES else "assistant"  # type: ignore[return-value]
+
+
+def _storable(text: str) -> str:
+    """`text` as UTF-8 can hold it: a lone surrogate (from a paste) becomes a replacement."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
+def _not_writable(path: Path) -> str:
+    """Why the database at `path` cannot be written ("" when it can): the directory (SQLite
+    writes its -wal and -shm beside it) or the file itself."""
+    directory = path.parent
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{directory} is not writable"
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"{path} is not writable"
+    return ""
+
+
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    """Open `path` for reading only. In WAL mode SQLite needs a -shm beside the file; where it
+    cannot make one (the directory is read-only) the file is read as immutable: nobody can
+    write it there either."""
+    uri = f"{path.resolve().as_uri()}?mode=ro"
+    db = sqlite3.connect(uri, uri=True, isolation_level=None)
+    try:
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.OperationalError:
+        db.close()
+        db = sqlite3.connect(f"{uri}&immutable=1", uri=True, isolation_level=None)
+    return db
 
 
 def _sqlite_header(path: Path) -> bool:

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 TITLE_CHARS = 60
+ROLES = ("system", "user", "assistant")
 
 
 def title_of(prompt: str) -> str:
@@ -17,12 +18,14 @@ def title_of(prompt: str) -> str:
 
 @dataclass
 class Message:
-    """One message; `cancelled` marks an answer cut short by the user (its text was shown)."""
+    """One message; `cancelled` marks an answer cut short by the user (its text was shown),
+    `interrupted` one whose writer was killed while it streamed (the text stored until then)."""
 
-    role: str  # "system" | "user" | "assistant"
+    role: str  # one of ROLES
     content: str
     created: float = field(default_factory=time.time)
     cancelled: bool = False
+    interrupted: bool = False
 
     def as_dict(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content}
@@ -58,6 +61,7 @@ class Conversation:
         """Export as Markdown: a heading per message."""
         lines = [f"# {self.title or 'Conversation'}", ""]
         for m in self.messages:
-            heading = f"## {m.role} (cancelled)" if m.cancelled else f"## {m.role}"
+            cut = " (cancelled)" if m.cancelled else " (interrupted)" if m.interrupted else ""
+            heading = f"## {m.role}{cut}"
             lines += [heading, "", m.content.rstrip(), ""]
         return "\n".join(lines)

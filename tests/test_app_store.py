@@ -4,10 +4,12 @@ durability, unusable files moved aside or refused, export."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from app.store import (
     data_dir,
     export_markdown,
 )
+from app.outbox import Entry, Outbox
 from engine.conversation import Conversation, Message
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,6 +292,287 @@ def test_a_prompt_is_on_disk_as_soon_as_append_returns(tmp_path: Path) -> None:
     proc.wait(timeout=10)
     assert proc.returncode == -signal.SIGKILL
     assert Store.open(tmp_path / DB).last().messages[0].content == "written before the crash"
+
+
+# -- damaged databases ---------------------------------------------------------------------
+def filled(path: Path, n: int = 40) -> Conversation:
+    """A closed database of ours with `n` messages of ~2 KB (dozens of pages, WAL merged)."""
+    store = Store.open(path)
+    conv = conversation(*[f"message {i} " + "x" * 2000 for i in range(n)])
+    store_all(store, conv)
+    store.close()
+    assert not Path(f"{path}-wal").exists()
+    return conv
+
+
+@pytest.mark.parametrize("damage", ["overwritten", "truncated"])
+def test_a_database_with_damaged_last_pages_is_moved_aside(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / DB
+    filled(path)
+    data = bytearray(path.read_bytes())
+    page = int.from_bytes(data[16:18], "big")
+    assert data.startswith(b"SQLite format 3\x00") and len(data) > 20 * page
+    if damage == "overwritten":  # the header stays valid; the last three pages are noise
+        data[-3 * page :] = bytes((i * 151 + 7) % 256 for i in range(3 * page))
+    else:
+        del data[-3 * page :]
+    path.write_bytes(bytes(data))
+    store = Store.open(path)
+    assert store.moved_aside is not None and store.moved_aside.read_bytes() == bytes(data)
+    assert store.list() == [] and store.version == SCHEMA_VERSION
+    store_all(store, conversation("after the damage"))
+    store.close()
+    again = Store.open(path)  # the next start opens the new one as it is
+    assert again.moved_aside is None
+    assert [m.content for m in again.last().messages] == ["after the damage"]
+
+
+@pytest.mark.parametrize("damage", ["messages dropped", "conversations dropped",
+                                    "column dropped", "schema_version abc", "schema_version 1.5"])
+def test_a_database_missing_a_table_or_with_a_bad_version_is_moved_aside(
+    tmp_path: Path, damage: str
+) -> None:
+    path = tmp_path / DB
+    filled(path, 3)
+    db = sqlite3.connect(path)
+    if damage.endswith("dropped"):
+        what = damage.split()[0]
+        statement = (f"DROP TABLE {what}" if what != "column"
+                     else "ALTER TABLE messages DROP COLUMN partial")
+        db.execute(statement)
+    else:
+        db.execute("UPDATE schema_version SET version = ? WHERE version = 1",
+                   (damage.split()[1],))
+    db.commit()
+    db.close()
+    store = Store.open(path)
+    assert store.moved_aside is not None and store.version == SCHEMA_VERSION
+    assert store.list() == []
+
+
+def test_rows_of_the_wrong_type_read_as_text(tmp_path: Path) -> None:
+    path = tmp_path / DB
+    store = Store.open(path)
+    conv = conversation("a real prompt")
+    store_all(store, conv)
+    db = sqlite3.connect(path)  # rows another program wrote: SQLite keeps any type in a column
+    rows_in = [(1, "assistant", b"caf\xc3\xa9 \xff bytes"), (2, "user", 42), (3, "user", 1.5),
+               (4, b"\x00role", "an unknown role"), (5, "assistant", "x")]
+    for seq, role, content in rows_in:
+        db.execute("INSERT INTO messages (conversation_id, seq, role, content, created) "
+                   "VALUES (?, ?, ?, ?, ?)", (conv.id, seq, role, content, "yesterday"))
+    # not-UTF-8 bytes stored as TEXT, a NULL and a BLOB where NOT NULL would refuse them
+    db.execute("UPDATE messages SET content = CAST(X'6F6BFE' AS TEXT) WHERE seq = 5")
+    db.execute("PRAGMA ignore_check_constraints = ON")
+    db.execute("UPDATE conversations SET title = X'C3A9FF'")
+    db.commit()
+    db.close()
+    loaded = store.load(conv.id)
+    assert [(m.role, m.content) for m in loaded.messages] == [
+        ("user", "a real prompt"), ("assistant", "café \ufffd bytes"), ("user", "42"),
+        ("user", "1.5"), ("assistant", "an unknown role"), ("assistant", "ok\ufffd")]
+    assert loaded.title == "é\ufffd" and all(m.created == 0.0 for m in loaded.messages[1:])
+    (info,) = store.list()
+    assert info.title == "é\ufffd" and info.n_messages == 6
+    assert store.last().id == conv.id
+
+
+def test_a_lone_surrogate_is_stored_as_a_replacement_not_a_traceback(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / DB)
+    conv = Conversation()
+    store.append(conv, Message("user", "half a pair: \ud800"))
+    assert store.load(conv.id).messages[0].content == "half a pair: ?"
+
+
+# -- answers kept as they stream -----------------------------------------------------------
+def test_a_partial_answer_is_rewritten_then_completed(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / DB)
+    conv = Conversation()
+    prompt = store.append(conv, Message("user", "tell me"))
+    other = store.append(conv, Message("user", "from another window"))  # between the two
+    seq = store.append(conv, Message("assistant", "Once"), prompt, partial=True)
+    store.update(conv.id, seq, Message("assistant", "Once upon"), partial=True)
+    (_, answer, _) = store.load(conv.id).messages
+    assert (answer.content, answer.interrupted, answer.cancelled) == ("Once upon", True, False)
+    store.update(conv.id, seq, Message("assistant", "Once upon a time"))
+    assert [(m.content, m.interrupted) for m in store.load(conv.id).messages] == [
+        ("tell me", False), ("Once upon a time", False), ("from another window", False)]
+    assert other == 1 and store.list()[0].n_messages == 3
+
+
+def test_kill_9_while_an_answer_streams_keeps_it_marked_interrupted(tmp_path: Path) -> None:
+    script = """
+        import sys, time
+        from pathlib import Path
+        from app.store import Store
+        from engine.conversation import Conversation, Message
+
+        store = Store.open(Path(sys.argv[1]))
+        conv = Conversation()
+        prompt = store.append(conv, Message("user", "a long question"))
+        text = "the answer so far"
+        seq = store.append(conv, Message("assistant", text), prompt, partial=True)
+        for word in (" grows", " word", " by word"):
+            text += word
+            store.update(conv.id, seq, Message("assistant", text), partial=True)
+        print("streaming", flush=True)
+        time.sleep(60)
+    """
+    proc = python(script, str(tmp_path / DB))
+    assert proc.stdout.readline() == "streaming\n", proc.stderr.read()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    store = Store.open(tmp_path / DB)
+    assert store.moved_aside is None
+    prompt, answer = store.last().messages
+    assert prompt.content == "a long question" and not prompt.interrupted
+    assert answer.content == "the answer so far grows word by word"
+    assert answer.interrupted and not answer.cancelled
+    assert "## assistant (interrupted)" in store.last().to_markdown()
+
+
+# -- a full disk -----------------------------------------------------------------------------
+def fill_disk(store: Store) -> None:
+    """SQLite's own disk-full path: the database may not grow by one page (SQLITE_FULL)."""
+    (pages,) = store.db.execute("PRAGMA page_count").fetchone()
+    store.db.execute(f"PRAGMA max_page_count = {pages}")
+
+
+def free_disk(store: Store) -> None:
+    store.db.execute("PRAGMA max_page_count = 1073741823")
+
+
+def test_messages_refused_by_a_full_disk_wait_in_order_and_are_written_later(
+    tmp_path: Path,
+) -> None:
+    store = Store.open(tmp_path / DB)
+    outbox = Outbox(store)
+    conv = Conversation()
+    first = Entry(conv, Message("user", "before the disk filled"))
+    assert outbox.put(first) and first.seq == 0
+    fill_disk(store)
+    prompt = Entry(conv, Message("user", "a long prompt " * 1000))  # needs new pages
+    answer = Entry(conv, Message("assistant", "partial"), reply_to=prompt, partial=True)
+    assert not outbox.put(prompt)
+    assert "database or disk is full" in outbox.error and "\n" not in outbox.error
+    assert not outbox.put(answer)
+    answer.message = Message("assistant", "the whole answer")  # it grew while it waited
+    answer.partial = False
+    assert not outbox.put(answer) and outbox.n_waiting == 2
+    assert not outbox.flush() and len(store.load(conv.id).messages) == 1
+    free_disk(store)
+    assert outbox.flush() and outbox.n_waiting == 0 and outbox.error == ""
+    assert (prompt.seq, answer.seq) == (1, 2)
+    assert [r[1:] for r in rows(tmp_path / DB)] == [
+        (0, "user", "before the disk filled", 0, None),
+        (1, "user", "a long prompt " * 1000, 0, None),
+        (2, "assistant", "the whole answer", 0, 1)]
+    assert [m.interrupted for m in store.load(conv.id).messages] == [False] * 3
+
+
+def test_a_withdrawn_exchange_that_waited_is_never_written(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / DB)
+    outbox = Outbox(store)
+    conv = Conversation()
+    fill_disk(store)
+    prompt = Entry(conv, Message("user", "failed request " * 1000))
+    assert not outbox.put(prompt)
+    assert outbox.withdraw(prompt) and outbox.n_waiting == 0  # nothing left to write
+    free_disk(store)
+    kept = Entry(conv, Message("user", "kept"))
+    answer = Entry(conv, Message("assistant", "so far"), reply_to=kept, partial=True)
+    assert outbox.put(kept) and outbox.put(answer) and answer.seq == 1
+    assert outbox.withdraw(answer) and outbox.withdraw(kept)  # written rows are removed
+    assert rows(tmp_path / DB) == [] and store.list() == []
+
+
+# -- read-only -------------------------------------------------------------------------------
+READ_ONLY = """
+    import sys
+    from pathlib import Path
+    from app.store import Store, StoreError
+    from engine.conversation import Message
+
+    drop_root()
+    store = Store.open(Path(sys.argv[1]))
+    print(store.read_only)
+    conv = store.last()
+    print([(m.content, m.cancelled) for m in conv.messages])
+    try:
+        store.append(conv, Message("user", "more"))
+    except StoreError as exc:
+        print(exc)
+"""
+
+
+# root writes anywhere: a script run as root becomes nobody once its imports are done (the
+# interpreter's own files may be out of nobody's reach)
+DROP_ROOT = """
+import os
+
+def drop_root():
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+"""
+
+
+def as_another_user(script: str, directory: Path) -> tuple[str, str]:
+    """Run `script` (it calls `drop_root()`) on `directory` made read-only."""
+    directory.chmod(0o555)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", DROP_ROOT + textwrap.dedent(script), str(directory / DB)],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )
+    finally:
+        directory.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_a_read_only_data_dir_opens_its_database_read_only(tmp_path: Path, old: bool) -> None:
+    directory = Path(tempfile.mkdtemp(dir="/tmp"))  # tmp_path is private to us
+    try:
+        path = directory / DB
+        store = Store.open(path)
+        store_all(store, conversation("kept here", "its answer"))
+        if old:  # a database from before the `partial` column: read all the same
+            store.db.execute("ALTER TABLE messages DROP COLUMN partial")
+            store.db.execute("DELETE FROM schema_version WHERE version = 4")
+        store.close()
+        path.chmod(0o644)
+        directory.chmod(0o755)
+        out, err = as_another_user(READ_ONLY, directory)
+        assert out.splitlines() == [
+            f"{directory} is not writable",
+            "[('kept here', False), ('its answer', False)]",
+            f"history is read-only: {directory} is not writable"], err
+        assert sorted(p.name for p in directory.iterdir()) == [DB]
+    finally:
+        shutil.rmtree(directory)
+
+
+def test_a_read_only_data_dir_without_a_database_is_one_line(tmp_path: Path) -> None:
+    directory = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        directory.chmod(0o755)
+        out, _ = as_another_user("""
+            import sys
+            from pathlib import Path
+            from app.store import Store, StoreError
+            drop_root()
+            try:
+                Store.open(Path(sys.argv[1]))
+            except StoreError as exc:
+                print(exc)
+        """, directory)
+        assert out == (f"no history can be kept: {directory} is not writable; make it writable,"
+                       " or set STRATA_DATA_DIR to use another directory\n")
+    finally:
+        shutil.rmtree(directory)
 
 
 # -- export --------------------------------------------------------------------------------
