@@ -1,10 +1,12 @@
 """`POST /v1/chat/completions`: validate, admit, run on the engine thread, answer as one JSON
 object or as server-sent chunks (OpenAI's `chat.completion` / `chat.completion.chunk`).
 
-Everything that can be refused is refused before the request takes a queue place (the body,
-its fields, the model, the prompt's length against --ctx); a client that leaves while it waits
-gives its place up, and one that leaves while it runs cancels it (the loan rolls back; the
-next request starts only when the engine is idle again).
+What costs nothing to check is refused before the request takes a queue place (the body, its
+fields, the model, the size of the messages' text against the prompt cap: 413); rendering and
+tokenizing the prompt is work, so it waits its turn (or is refused 429 with the rest) and runs
+on the engine thread, where a prompt longer than --ctx is refused before any answer starts. A
+client that leaves while it waits gives its place up, and one that leaves while it runs
+cancels it (the loan rolls back; the next request starts only when the engine is idle again).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -34,11 +36,7 @@ async def chat_completions(request: Request) -> Completion:
     worker = service.ready_worker()
     req = parse_chat(await service.read_body(request), service.config.params)
     service.check_model(req.model)
-    try:
-        n_prompt = await anyio.to_thread.run_sync(worker.prompt_tokens, req)
-    except StrataError as exc:  # the chat template refused the messages
-        raise RequestError(f"messages: {exc}", "messages") from None
-    max_new = fit_max_tokens(req, n_prompt, worker.loop.options.ctx, service.config.max_new)
+    service.check_prompt(req.text_bytes)
     try:
         ticket = service.admission.enter()
     except QueueFull as exc:
@@ -47,7 +45,11 @@ async def chat_completions(request: Request) -> Completion:
                            headers={"Retry-After": str(exc.retry_after_s)}) from None
     except Closed:
         raise service.stopping_error() from None
-    return Completion(service, req, max_new, ticket)
+
+    def fit(n_prompt: int) -> int:  # the engine thread, when the request's turn has come
+        return fit_max_tokens(req, n_prompt, worker.loop.options.ctx, service.config.max_new)
+
+    return Completion(service, req, fit, ticket)
 
 
 def fit_max_tokens(req: ChatRequest, n_prompt: int, ctx: int, default: int) -> int:
@@ -91,8 +93,9 @@ def timings(t: Timing) -> dict[str, Any]:
 class Completion:
     """The ASGI response of one admitted request: waits for its turn, runs, answers."""
 
-    def __init__(self, service: Service, req: ChatRequest, max_new: int, ticket: Ticket):
-        self.service, self.req, self.max_new, self.ticket = service, req, max_new, ticket
+    def __init__(self, service: Service, req: ChatRequest, fit: Callable[[int], int],
+                 ticket: Ticket):
+        self.service, self.req, self.fit, self.ticket = service, req, fit, ticket
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
 
@@ -107,8 +110,15 @@ class Completion:
             if not ok:  # the client left while waiting: its place goes to the next one
                 self.ticket.leave()
                 return
-            job = self.service.start(self.req, self.max_new, on_done=self.ticket.leave)
+            job = self.service.start(self.req, self.fit, on_done=self.ticket.leave)
             try:
+                ok, _ = await sse.first(job.accepted.wait(), gone)  # the prompt is tokenized
+                if not ok:
+                    return
+                failure = self._failure(job) if job.finished.is_set() else None
+                if failure is not None:  # refused (too long for --ctx) or failed: no answer
+                    await self._error(scope, receive, send, failure)
+                    return
                 if self.req.stream:
                     await self._stream(job, send, gone)
                 else:
@@ -193,10 +203,16 @@ class Completion:
                 "model": self.service.config.model_id, "system_fingerprint": None}
 
     def _failure(self, job: Job) -> RequestError | None:
-        """Why a finished request has no answer: the engine failed (500), or the server
-        stopped and cancelled it (503)."""
+        """Why a finished request has no answer: its prompt was refused (4xx), the engine
+        failed (500; a typed error's one line, else only where to look), or the server stopped
+        and cancelled it (503)."""
+        if isinstance(job.error, RequestError):
+            self.service.metrics.refused.labels("invalid").inc()
+            return job.error
         if job.error is not None:
-            return RequestError(f"the engine failed and rolled the request back: {job.error}",
+            why = (f": {job.error}" if isinstance(job.error, StrataError)
+                   else " (an internal error; the server's log has the details)")
+            return RequestError(f"the engine failed and rolled the request back{why}",
                                 status=500, kind="server_error", code="engine_error")
         assert job.reply is not None
         if job.reply.cancelled:

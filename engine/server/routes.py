@@ -19,29 +19,33 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from typing import Any
 
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from engine.errors import FlagError
+from engine import runtime_flags
+from engine.errors import FlagError, StrataError
 from engine.events import CacheChanged, Event, LedgerChanged, Ready
 from engine.sampler import SamplingParams
 from engine.server import codec, sse
 from engine.server.completions import chat_completions
 from engine.server.feed import EventFeed
 from engine.server.metrics import CONTENT_TYPE
+from engine.server.origin import SameOrigin
 from engine.server.schema import RequestError, parse_chat, parse_json
 from engine.server.service import Service
-from engine.server.worker import conversation
+from engine.server.worker import LOG_NAME, conversation
 
 PUBLIC_PATHS = ("/health",)
+log = logging.getLogger(LOG_NAME)
 
 
 def build_app(service: Service) -> Starlette:
@@ -60,9 +64,9 @@ def build_app(service: Service) -> Starlette:
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(BearerAuth, api_key=service.config.api_key)],
-        exception_handlers={
-            RequestError: _request_error, HTTPException: _http_error, Exception: _server_error},
+        middleware=[Middleware(LastResort), Middleware(BearerAuth, api_key=service.config.api_key),
+                    Middleware(SameOrigin, config=service.config)],
+        exception_handlers={RequestError: _request_error, HTTPException: _http_error},
     )
     app.state.service = service
     return app
@@ -115,9 +119,35 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _json_error(RequestError(message, status=exc.status_code, headers=exc.headers))
 
 
-async def _server_error(request: Request, exc: Exception) -> Response:
-    return _json_error(RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500,
-                                    kind="server_error"))
+class LastResort:
+    """ASGI middleware: an exception no handler answered (our bug) is a 500 JSON body that
+    does not repeat its text (the server's log has it, with the traceback, once), and the
+    connection stays usable. A client that left while its body was read needs no answer."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: sse.Receive, send: sse.Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except ClientDisconnect:
+            pass
+        except Exception:  # the last resort: answered, logged, not re-raised
+            log.exception("internal error answering %s %s", scope["method"], scope["path"])
+            if not started:  # past the start uvicorn closes the connection: nothing to say
+                err = RequestError("internal error; the server's log has the details",
+                                   status=500, kind="server_error", code="internal_error")
+                await _json_error(err)(scope, receive, send)
 
 
 def _service(request: Request) -> Service:
@@ -178,6 +208,7 @@ async def vram(request: Request) -> Response:
 async def flags(request: Request) -> Response:
     s = _service(request)
     loop = s.ready_worker().loop
+    said: list[str] = []  # an accepted change's warnings (a threshold clamped to 256)
     if request.method == "POST":
         body = parse_json(await s.read_body(request))
         try:
@@ -189,9 +220,10 @@ async def flags(request: Request) -> Response:
         violations = await anyio.to_thread.run_sync(loop.set_flags, new_flags, new_options)
         if violations:
             return _refused(violations)
+        said = runtime_flags.warnings(new_options, new_flags)
     return JSONResponse({"flags": codec.flags_json(loop.flags),
                          "options": codec.options_json(loop.options),
-                         "applies": "from the next request"})
+                         "applies": "from the next request", "warnings": said})
 
 
 def _refused(violations: list[str]) -> Response:
@@ -206,8 +238,8 @@ async def tokenize(request: Request) -> Response:
     content = parse_json(await s.read_body(request)).get("content")
     if not isinstance(content, str):
         raise RequestError("content must be a string: the text to tokenize", "content")
-    ids = await anyio.to_thread.run_sync(
-        lambda: loop.rt.model.tokenizer.encode(content, special=False))
+    s.check_prompt(len(content.encode()))
+    ids = await s.question(lambda: loop.rt.model.tokenizer.encode(content, special=False))
     return JSONResponse({"tokens": ids})
 
 
@@ -234,7 +266,13 @@ async def forecast(request: Request) -> Response:
             return _refused(exc.violations)
         return JSONResponse(codec.verdict_json(verdict))
     chat = parse_chat(raw, SamplingParams())  # the messages a chat completion would send
-    verdict = await anyio.to_thread.run_sync(loop.preview, conversation(chat), chat.prompt)
+    s.check_prompt(chat.text_bytes)
+    try:
+        verdict = await s.question(loop.preview, conversation(chat), chat.prompt)
+    except RequestError:
+        raise
+    except StrataError as exc:  # the chat template refused the messages
+        raise RequestError(f"messages: {exc}", "messages") from None
     return JSONResponse(codec.verdict_json(verdict))
 
 

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.errors import StrataError
+from engine.errors import FlagError, StrataError
 from engine.sampler import SamplingParams
 
 MAX_STOPS = 4  # OpenAI's limit on `stop`
 MAX_SEED = 2**63 - 1
+MAX_DIGITS = 20  # an integer longer than this fits no field (2**64 has 20 digits)
+# a \uD800-\uDFFF escape: the body may hold a lone surrogate, which is no UTF-8 text
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # roles a chat template knows; OpenAI's newer "developer" is a system message
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 UNSUPPORTED = {  # field -> (value that is harmless, why it is refused otherwise)
@@ -74,20 +78,78 @@ class ChatRequest:
     def prompt(self) -> str:
         return self.messages[-1][1]
 
+    @property
+    def text_bytes(self) -> int:
+        """The messages' text in UTF-8 bytes: what the prompt cap bounds before any work."""
+        return sum(len(text.encode()) for _, text in self.messages)
+
 
 def parse_json(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a RequestError saying where it is not."""
+    """The body as a JSON object, or a RequestError saying where it is not: not UTF-8, not
+    JSON, nested too deep, a number no field could hold (more than `MAX_DIGITS` digits, past
+    a float's range, NaN or Infinity), or a string that is no text (a lone surrogate)."""
     try:
-        value = json.loads(body.decode("utf-8"))
+        text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RequestError(f"the request body is not UTF-8 text (byte {exc.start}); send JSON "
                            "in UTF-8") from None
+    try:
+        value = json.loads(text, parse_int=_json_int, parse_float=_json_float,
+                           parse_constant=_json_constant)
     except json.JSONDecodeError as exc:
         raise RequestError(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                            f"column {exc.colno}") from None
+    except RecursionError:
+        raise RequestError("the request body nests lists or objects too deeply; a request "
+                           "needs a few levels") from None
+    if _SURROGATE_ESCAPE.search(text):  # rare: look at every string only then
+        _refuse_surrogates(value)
     if not isinstance(value, dict):
         raise RequestError(f"the request body must be a JSON object, not {_kind(value)}")
     return value
+
+
+def _json_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_DIGITS:
+        raise RequestError(f"the request body holds an integer of {len(digits):,} digits; "
+                           f"no field takes more than {MAX_DIGITS}")
+    return int(digits)
+
+
+def _json_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise RequestError(f"the request body holds the number {text[:40]}, past a float's "
+                           "range; send a finite number")
+    return v
+
+
+def _json_constant(name: str) -> float:
+    raise RequestError(f"the request body holds {name}, which is not JSON; send a finite number")
+
+
+def _refuse_surrogates(value: Any) -> None:
+    """A RequestError naming the first string (or key) that holds a lone surrogate."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, dict):
+            for k, item in v.items():
+                _text(k, f"{where}.{k!r}" if where else repr(k))
+                stack.append((item, f"{where}.{k}" if where else k))
+        elif isinstance(v, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(v))
+        elif isinstance(v, str):
+            _text(v, where)
+
+
+def _text(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{where or 'the body'} holds a lone surrogate (\\u{ord(s[exc.start]):x} "
+                           f"at character {exc.start}), which is not text; send valid UTF-16 "
+                           "pairs or UTF-8", where or None) from None
 
 
 def parse_chat(body: bytes, defaults: SamplingParams) -> ChatRequest:
@@ -110,13 +172,18 @@ def parse_chat(body: bytes, defaults: SamplingParams) -> ChatRequest:
     max_tokens = _int(d, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(d, "max_tokens", 1)
-    params = replace(
-        defaults,
-        temperature=_number(d, "temperature", 0.0, 2.0, defaults.temperature),
-        top_p=_number(d, "top_p", 0.0, 1.0, defaults.top_p, low_open=True),
-        top_k=_int(d, "top_k", 0) if "top_k" in d else defaults.top_k,  # llama.cpp's extension
-        seed=_int(d, "seed", 0, MAX_SEED) if "seed" in d else defaults.seed,
-    )  # fmt: skip
+    changes = {
+        "temperature": _number(d, "temperature", 0.0, 2.0, defaults.temperature),
+        "top_p": _number(d, "top_p", 0.0, 1.0, defaults.top_p, low_open=True),
+        "top_k": _int(d, "top_k", 0) if "top_k" in d else defaults.top_k,  # llama.cpp's
+        "seed": _int(d, "seed", 0, MAX_SEED) if "seed" in d else defaults.seed,
+    }
+    try:
+        params = replace(defaults, **changes)
+    except FlagError as exc:  # the sampler's own rule (it names its CLI option)
+        field = next((k for k in changes if k in str(exc) or k.replace("_", "-") in str(exc)),
+                     None)
+        raise RequestError(f"{field or 'sampling'}: {exc}", field) from None
     stream = _bool(d, "stream")
     options = d.get("stream_options", {})
     if not isinstance(options, dict):
@@ -141,8 +208,9 @@ def _messages(d: dict[str, Any]) -> tuple[tuple[str, str], ...]:
             raise RequestError(f"{where} must be an object with role and content, not "
                                f"{_kind(m)}", where)
         role = m.get("role")
-        if role not in ROLES:
-            raise RequestError(f"{where}.role {role!r} is not one of "
+        if not isinstance(role, str) or role not in ROLES:
+            shown = repr(role) if isinstance(role, str) else _kind(role)
+            raise RequestError(f"{where}.role {shown[:60]} is not one of "
                                f"{', '.join(ROLES)}", f"{where}.role")
         out.append((ROLES[role], _content(m.get("content"), f"{where}.content")))
     if out[-1][0] != "user":
@@ -192,7 +260,7 @@ def _int(d: dict[str, Any], name: str, low: int, high: int | None = None) -> int
         raise RequestError(f"{name} must be an integer, not {_kind(v)}", name)
     if v < low or (high is not None and v > high):
         bound = f"at least {low}" if high is None else f"in {low}..{high}"
-        raise RequestError(f"{name} {v} must be {bound}", name)
+        raise RequestError(f"{name} {str(v)[:24]} must be {bound}", name)
     return v
 
 
@@ -203,6 +271,11 @@ def _number(d: dict[str, Any], name: str, low: float, high: float, default: floa
     v = d[name]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise RequestError(f"{name} must be a number, not {_kind(v)}", name)
+    try:
+        v = float(v)
+    except OverflowError:  # an integer past a float's range
+        raise RequestError(f"{name} {str(v)[:24]}... must be in [{low:g}, {high:g}]",
+                           name) from None
     if not math.isfinite(v):
         raise RequestError(f"{name} must be a finite number, not {v}", name)
     if v > high or v < low or (low_open and v == low):

@@ -5,20 +5,26 @@ stopping, and failed (the engine's check after a request did not hold).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
+import anyio
 from starlette.requests import Request
 
 from engine.events import EventBus
 from engine.serve import ServeLoop
 from engine.server.admission import Admission
-from engine.server.config import ServerConfig
+from engine.server.config import PROMPT_BYTES_PER_TOKEN, ServerConfig
 from engine.server.feed import EventFeed
 from engine.server.metrics import Metrics
 from engine.server.schema import ChatRequest, RequestError
 from engine.server.worker import EngineWorker, Job
+
+T = TypeVar("T")
+N_QUESTIONS = 1  # questions (tokenize, forecast) tokenizing at once beside the engine thread
 
 
 class Service:
@@ -35,6 +41,7 @@ class Service:
         self.stopping = False
         self.created = int(time.time())  # /v1/models' `created`
         self._jobs: set[Job] = set()
+        self._questions: anyio.CapacityLimiter | None = None  # made on the event loop
 
     def attach(self, loop: ServeLoop, on_line: Callable[[str], None] | None = None) -> None:
         """The model is loaded: requests run on it from now on."""
@@ -80,30 +87,64 @@ class Service:
                                f"{self.config.model_id!r} (GET /v1/models)", "model",
                                status=404, code="model_not_found")
 
+    def check_prompt(self, n_bytes: int) -> None:
+        """Refuse (413) messages whose text is past the prompt cap, before any work."""
+        ctx = self.ready_worker().loop.options.ctx
+        limit = self.config.prompt_limit(ctx)
+        if n_bytes > limit:
+            basis = ("--max-prompt-kib" if self.config.max_prompt_bytes is not None else
+                     f"{PROMPT_BYTES_PER_TOKEN} bytes a token of --ctx {ctx:,}; strata serve "
+                     "--max-prompt-kib raises it")
+            raise RequestError(f"messages: the text is {n_bytes:,} bytes; the limit is "
+                               f"{limit:,} ({basis})", "messages", status=413,
+                               code="prompt_too_large", headers={"Connection": "close"})
+
     async def read_body(self, request: Request) -> bytes:
-        """The body, refused (413) past the size limit without reading the rest."""
+        """The body, refused (413) past the size limit without reading the rest, and (408)
+        when it does not arrive within --body-timeout."""
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise _too_large(int(declared), limit)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _too_large(size, limit)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise RequestError(f"the request body did not arrive within "
+                               f"{self.config.body_timeout_s:g} s ({size:,} bytes came; "
+                               "strata serve --body-timeout)", status=408,
+                               code="body_timeout", headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
+    async def question(self, call: Callable[..., T], *args: Any) -> T:
+        """Run a question that tokenizes (`/tokenize`, `/v1/forecast`) on a worker thread,
+        `N_QUESTIONS` at a time beside the engine thread; with --queue already waiting, 429."""
+        if self._questions is None:
+            self._questions = anyio.CapacityLimiter(N_QUESTIONS)
+        if self._questions.statistics().tasks_waiting >= self.config.queue_max:
+            self.metrics.refused.labels("queue_full").inc()
+            raise RequestError(f"the server is busy: {self.config.queue_max} questions wait "
+                               "already; retry in 1 s", status=429, code="queue_full",
+                               kind="rate_limit_error", headers={"Retry-After": "1"})
+        return await anyio.to_thread.run_sync(call, *args, limiter=self._questions)
+
     # -- actions -----------------------------------------------------------------------------------
-    def start(self, req: ChatRequest, max_new: int, on_done: Callable[[], None]) -> Job:
-        """Run an admitted request on the engine thread (on the event loop)."""
+    def start(self, req: ChatRequest, fit: Callable[[int], int],
+              on_done: Callable[[], None]) -> Job:
+        """Run an admitted request on the engine thread (on the event loop); `fit` gives the
+        tokens to generate for the prompt's length, or refuses it (`Job`)."""
         assert self.worker is not None
 
         def done() -> None:
             self._jobs.discard(job)
             on_done()
 
-        job = Job(req, max_new, done)
+        job = Job(req, fit, done)
         self._jobs.add(job)
         self.worker.start(job)
         return job
@@ -122,5 +163,5 @@ class Service:
 def _too_large(n_bytes: int, limit: int) -> RequestError:
     return RequestError(f"the request body is {n_bytes:,} bytes or more; the limit is "
                         f"{limit:,} (strata serve --max-body-mib)", status=413,
-                        code="body_too_large")
+                        code="body_too_large", headers={"Connection": "close"})
 

@@ -6,24 +6,31 @@ Every API request is one conversation to the serve loop: its KV keeps the prefix
 shares with the one before (`usage.prompt_tokens_details.cached_tokens`). A cancelled or
 failed request is rolled back by the serve loop; the worker then checks that the ledger is as
 it was when the request started, and refuses further work (with the reason) if it is not.
+
+The prompt is rendered and tokenized here, once the request has its turn: a costly prompt
+waits in the queue (or is refused 429) like any other, and never holds the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.conversation import Conversation
+from engine.errors import StrataError
 from engine.events import Event, PrefillProgress, RequestStarted
 from engine.serve import Reply, ServeLoop
-from engine.server.schema import ChatRequest
+from engine.server.schema import ChatRequest, RequestError
 from engine.timing import Timing
 
 API_CONVERSATION = "api"
+LOG_NAME = "strata.server"  # the server's own log (uvicorn's is `uvicorn.error`)
 Item = str | PrefillProgress  # text, or prefill progress
+log = logging.getLogger(LOG_NAME)
 
 
 def conversation(request: ChatRequest, with_prompt: bool = False) -> Conversation:
@@ -35,21 +42,27 @@ def conversation(request: ChatRequest, with_prompt: bool = False) -> Conversatio
 
 
 class Job:
-    """One request on its way through the engine thread: its items as they come (`take`),
-    then `finished` with the reply or the error.
+    """One request on its way through the engine thread: `accepted` once its prompt is
+    tokenized and fits (`fit(n_prompt_tokens)` gives the tokens to generate, or raises the
+    RequestError that refuses it), its items as they come (`take`), then `finished` with the
+    reply or the error (`accepted` is set then too).
 
     The engine thread only appends items; the server's event loop takes them at its own pace
     (a stream flushes `sse.FLUSH_HZ` times a second): waking the loop for every token would
     cost the engine thread the GIL (and, on a busy machine, a core) once a token."""
 
-    def __init__(self, request: ChatRequest, max_new: int, on_done: Callable[[], None]):
-        self.request, self.max_new = request, max_new
+    def __init__(self, request: ChatRequest, fit: Callable[[int], int],
+                 on_done: Callable[[], None]):
+        self.request, self.fit = request, fit
+        self.max_new = 0  # set by `fit` on the engine thread
         self.aio = asyncio.get_running_loop()
         self.cancel_event = threading.Event()
         self._items: deque[Item] = deque()  # appended on the engine thread, taken on the loop
+        self.accepted = asyncio.Event()
         self.finished = asyncio.Event()
         self.reply: Reply | None = None
         self.error: BaseException | None = None
+        self.refused = False  # the error came before generation: the request's own fault
         self._on_done = on_done
 
     def cancel(self) -> None:
@@ -66,16 +79,24 @@ class Job:
             out.append(self._items.popleft())
         return out
 
+    def accept(self) -> None:  # engine thread
+        """The prompt fits: the answer may start (`accepted` is set on the event loop)."""
+        self._on_loop(self.accepted.set)
+
     def finish(self, reply: Reply | None, error: BaseException | None) -> None:  # engine thread
         """The reply (or the error), after every item: `finished` is set on the event loop."""
 
         def done() -> None:
             self.reply, self.error = reply, error
             self.finished.set()
+            self.accepted.set()
             self._on_done()
 
+        self._on_loop(done)
+
+    def _on_loop(self, call: Callable[[], None]) -> None:
         try:
-            self.aio.call_soon_threadsafe(done)
+            self.aio.call_soon_threadsafe(call)
         except RuntimeError:  # the event loop has closed: nobody waits for this any more
             pass
 
@@ -100,8 +121,12 @@ class EngineWorker:
         self._pool.submit(self._run, job)
 
     def prompt_tokens(self, request: ChatRequest) -> int:
-        """The request's prompt length in tokens (any thread: the tokenizer locks itself)."""
-        return len(self.loop.prompt_ids(conversation(request, with_prompt=True)))
+        """The request's prompt length in tokens (any thread: the tokenizer locks itself); a
+        chat template that cannot render the messages is a RequestError naming them."""
+        try:
+            return len(self.loop.prompt_ids(conversation(request, with_prompt=True)))
+        except StrataError as exc:
+            raise RequestError(f"messages: {exc}", "messages") from None
 
     def close(self) -> None:
         """Cancel the running request and wait until the engine thread is idle."""
@@ -125,18 +150,27 @@ class EngineWorker:
         error: BaseException | None = None
         try:
             if self.fault is not None:
-                raise RuntimeError(self.fault)
+                raise StrataError(self.fault)
             if job.cancel_event.is_set():  # its client left before it started
                 reply = Reply("", Timing(), cancelled=True)
             else:
                 r = job.request
+                try:
+                    job.max_new = job.fit(self.prompt_tokens(r))
+                except RequestError:
+                    job.refused = True
+                    raise
+                job.accept()
                 reply = self.loop.chat(conversation(r), r.prompt, r.params, job.max_new,
                                        on_text=job.put, stop=r.stop, cancel=job.cancel_event)
         except Exception as exc:  # noqa: BLE001 - any failure is answered; the serve loop rolled back
             error = exc
+            if not isinstance(exc, StrataError):  # our bug: its text goes to the log only
+                log.error("a request failed on the engine thread", exc_info=exc)
         finally:
             self.current = None
-            self._after(reply, error)
+            if not job.refused:  # a refused prompt ran nothing: no outcome, nothing to check
+                self._after(reply, error)
             job.finish(reply, error)
 
     def _after(self, reply: Reply | None, error: BaseException | None) -> None:
