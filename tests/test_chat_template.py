@@ -7,7 +7,8 @@ import datetime
 import pytest
 
 from engine.errors import TokenizerError
-from engine.gguf.chat_template import CHATML_TEMPLATE, compile_template, render_chat
+from engine.gguf.chat_template import CHATML_TEMPLATE, compile_template
+from engine.gguf.template_renderer import render_chat
 
 # Qwen3's hybrid-thinking chat template (tokenizer_config.json of Qwen3-30B-A3B), written out
 # by hand: the revision that checks `message.content is string`.

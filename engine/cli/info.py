@@ -8,6 +8,7 @@ from collections import defaultdict
 
 from engine.gguf.hparams import read_hparams
 from engine.gguf.reader import open_gguf
+from engine.gguf.tokenizer import Tokenizer
 from engine.gguf.type_mix import file_type_name, mix_lines
 from engine.synth.demo import resolve_model
 
@@ -29,6 +30,7 @@ def tensor_group(name: str, n_layer: int) -> str:
 def describe(path: str) -> str:
     mf = open_gguf(resolve_model(path))
     hp = read_hparams(mf)
+    Tokenizer.from_metadata(mf.metadata).check_chat_template(mf.path.name)
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     qtypes: dict[str, set[str]] = defaultdict(set)
     for t in mf.tensors.values():

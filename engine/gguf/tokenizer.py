@@ -308,17 +308,35 @@ class Tokenizer:
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **context: Any
     ) -> str:
-        """Render `messages` with the file's chat template (ChatML when it has none)."""
-        from engine.gguf.chat_template import render_chat
+        """Render `messages` with the file's chat template (ChatML when it has none), in the
+        bounded renderer process (engine.gguf.template_renderer)."""
+        from engine.gguf.template_renderer import render_chat
 
         return render_chat(
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
-            eos_token=self.tokens[self.eos_id] if self.eos_id is not None else "",
+            bos_token=self._token_text(self.bos_id),
+            eos_token=self._token_text(self.eos_id),
             **context,
         )
+
+    def check_chat_template(self, source: str = "") -> None:
+        """Refuse, in one line (after `source`, the file's name), a chat template that cannot
+        render a probe conversation, or renders nothing, within the template limits: the
+        engine's load, `strata info` and `strata plan` run it."""
+        from engine.gguf.template_renderer import check_chat_template
+
+        try:
+            check_chat_template(self.chat_template, self._token_text(self.bos_id),
+                                self._token_text(self.eos_id))
+        except TokenizerError as exc:
+            if not source:
+                raise
+            raise TokenizerError(f"{source}: {exc}") from None
+
+    def _token_text(self, token_id: int | None) -> str:
+        return self.tokens[token_id] if token_id is not None else ""
 
     def _check_id(self, token_id: int) -> None:
         if not 0 <= token_id < len(self.tokens):

@@ -112,8 +112,10 @@ class PlanOptions:
 
 
 def chunk_count(n_tokens: int, chunk_tokens: int) -> int:
-    """How many chunks a prompt of `n_tokens` takes (the one place this is counted)."""
-    return -(-n_tokens // chunk_tokens)
+    """How many chunks a prompt of `n_tokens` takes (the one place this is counted). An empty
+    prompt is refused before it is planned (ServeLoop), so chunks of 0 tokens are our bug."""
+    assert n_tokens >= 0 and (chunk_tokens > 0 or n_tokens == 0), (n_tokens, chunk_tokens)
+    return -(-n_tokens // chunk_tokens) if n_tokens else 0
 
 
 @dataclass(frozen=True)
