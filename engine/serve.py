@@ -20,7 +20,7 @@ from engine.build.startup import build_runtime
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.devices import hardware_name
-from engine.errors import FlagError, StrataError
+from engine.errors import FlagError, StrataError, TokenizerError
 from engine.events import (
     EventBus,
     FlagsChanged,
@@ -152,8 +152,14 @@ class ServeLoop:
         return self._encode(conv.as_dicts())
 
     def _encode(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation's prompt ids through the chat template; a template that renders
+        no token for it is a TokenizerError (a prompt needs at least one token)."""
         tok = self.rt.model.tokenizer
-        return tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+        ids = tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+        if not ids:
+            raise TokenizerError("the chat template renders an empty prompt for this "
+                                 "conversation; fix tokenizer.chat_template in the model file")
+        return ids
 
     def preview(self, conv: Conversation, text: str) -> LoanVerdict:
         """What sending `text` in `conv` next would do: its prompt and fresh tokens, the loan it
@@ -309,6 +315,8 @@ class ServeLoop:
     ) -> Reply:
         """admit -> plan and prefill (the runtime) -> decode -> done; on cancel or failure
         roll back to the reused prefix and publish the outcome."""
+        if not ids:
+            raise StrataError("the prompt is empty; give at least one token")
         rt, tok = self.rt, self.rt.model.tokenizer
         req = self._admit(ids)
         verdict = self.verdict(len(ids), req.reused)

@@ -55,6 +55,7 @@ def load_model(path: str | Path, backend: Backend | None = None, build: bool = T
             f"{mf.path.name}: tokenizer has {tokenizer.n_vocab} tokens but token_embd has "
             f"{hp.n_vocab} rows; the file is inconsistent"
         )
+    tokenizer.check_chat_template(mf.path.name)
     model = Model(
         path=Path(path),
         mf=mf,
