@@ -10,7 +10,7 @@ import platform
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import FlagError
 from engine.memory.plan_types import ModelCosts
-from engine.memory.sizes import MiB, parse_size
+from engine.memory.sizes import MiB, format_size, parse_size
 from engine.process_memory import PeakSampler
 
 
@@ -32,7 +32,9 @@ def segment_bytes(options: EngineOptions, capacity_bytes: int) -> int:
 
 def vram_limit_bytes(options: EngineOptions) -> int | None:
     """`--vram-limit` in bytes (None without one); FlagError on a value that is not a size."""
-    return parse_size(options.vram_limit, what="--vram-limit") if options.vram_limit else None
+    if options.vram_limit is None:
+        return None
+    return parse_size(options.vram_limit, what="--vram-limit")  # '' too is not a size
 
 
 def sim_device(device: str, costs: ModelCosts, reserve_bytes: int, limit_bytes: int | None) -> str:
@@ -40,19 +42,41 @@ def sim_device(device: str, costs: ModelCosts, reserve_bytes: int, limit_bytes: 
     given (`sim:SIZE`) or `default_sim_bytes`, capped by `--vram-limit` as a GPU's budget is
     (`sim:N` in bytes). Other devices, and a size that does not parse (`make_backend` names
     it), are returned as they are."""
-    kind, _, size = device.partition(":")
+    kind, colon, size = device.partition(":")
     if kind.strip().lower() != "sim":
         return device
+    if colon and not size.strip():
+        raise FlagError(f"--device {device} has no size; write sim:SIZE (e.g. sim:8GiB) or sim")
     if not size:
         n_bytes = default_sim_bytes(costs, reserve_bytes)
-    elif limit_bytes is None:
-        return device
     else:
         try:
             n_bytes = parse_size(size)
         except FlagError:
             return device
+        check_host_room(device, n_bytes)
+        if limit_bytes is None:
+            return device
     return f"sim:{min(n_bytes, limit_bytes or n_bytes)}"
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_host_room(device: str, n_bytes: int) -> None:
+    """The simulated device lives in host memory: a size past the machine's physical memory
+    (`sim:1TiB`) is a FlagError naming what fits, not a failed map or a swapping host."""
+    host = host_memory_bytes()
+    if host is not None and n_bytes > host:
+        raise FlagError(
+            f"--device {device}: the simulated device lives in host memory and this machine "
+            f"has {format_size(host)}; give at most sim:{host // MiB}MiB"
+        )
 
 
 def default_sim_bytes(costs: ModelCosts, reserve_bytes: int) -> int:

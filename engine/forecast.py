@@ -31,18 +31,20 @@ import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 
 from engine.atomic_file import write_text_atomic
+from engine.bounded_input import InputFileError, load_json
 from engine.costs import Shapes, attention_flops, moe_flops
 from engine.experts.profile import ExpertProfile
 from engine.memory.plan_types import PromptGeometry, chunk_count
 
 FORMAT = "strata-prefill-rates"
 VERSION = 1
+MAX_RATES_BYTES = 4 << 20  # KEEP_TOTAL observations of a device take ~30 KB
 
 # Part -> the workload features its time is linear in ("one": a fixed cost).
 FEATURES: dict[str, tuple[str, ...]] = {
@@ -207,8 +209,36 @@ class Observation:
 
     @classmethod
     def from_json(cls, doc: dict) -> Observation:
-        return cls(Workload(**doc["workload"]), {p: float(doc["seconds"][p]) for p in PARTS},
-                   float(doc["prefill_s"]), float(doc.get("expected_bytes", 0.0)))
+        """An observation as `as_json` wrote it; ValueError or TypeError naming the first
+        field that is not a finite non-negative number of its kind (a file may be edited)."""
+        w = doc["workload"]
+        if not isinstance(w, dict) or set(w) != {f.name for f in fields(Workload)}:
+            raise ValueError("a workload without the fields of this version")
+        if w["kind"] not in LOAN_KINDS:
+            raise ValueError(f"workload kind {_shown(w['kind'])}")
+        for f in fields(Workload):
+            if f.name != "kind":
+                _count(w[f.name], f.name, f.type == "int")
+        seconds = {p: _count(doc["seconds"][p], p) for p in PARTS}
+        return cls(Workload(**w), seconds, _count(doc["prefill_s"], "prefill_s"),
+                   _count(doc.get("expected_bytes", 0.0), "expected_bytes"))
+
+
+LOAN_KINDS = (None, "startup", "repeat")
+
+
+def _count(value: object, name: str, integer: bool = False) -> float:
+    """`value` of field `name` when it is a finite number >= 0 (an int where `integer`)."""
+    kinds = (int,) if integer else (int, float)
+    if type(value) not in kinds or not 0 <= value < math.inf:  # NaN fails the comparison
+        raise ValueError(f"{name} {_shown(value)} is not a finite count")
+    return value  # type: ignore[return-value]
+
+
+def _shown(value: object) -> str:
+    """A value from a file, cut short for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 24 else text[:24] + "..."
 
 
 def measured_parts(workload: Workload, prefill_s: float, phases: Mapping[str, float],
@@ -398,31 +428,36 @@ def load_rates(path: Path, device: str) -> Rates:
     """The rates of `device` in the file at `path`; fresh rates when the file or the device's
     entry is absent. RatesError (one line) when the file is not a rates file."""
     rates = Rates.fresh(device)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if not path.exists() and not path.is_symlink():
         return rates
-    except OSError as e:
-        raise RatesError(f"prefill rates {path}: {e.strerror}") from None
     try:
-        doc = json.loads(text)
+        doc = load_json(path, MAX_RATES_BYTES, f"prefill rates {path}",
+                        "delete it to start again")
+    except InputFileError as e:
+        raise RatesError(str(e)) from None
+    try:
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-            raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
+            raise ValueError(f"format {_shown(doc.get('format'))} version "
+                             f"{_shown(doc.get('version'))}")
         entry = doc["devices"].get(device, [])
-        observations = tuple(Observation.from_json(o) for o in entry)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        if not isinstance(entry, list):
+            raise TypeError(f"the entry of {device!r} is not a list")
+        observations = tuple(Observation.from_json(o) for o in entry[-KEEP_TOTAL:])
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
         raise RatesError(f"prefill rates {path} is not a {FORMAT} file version {VERSION} "
-                         f"({e}); delete it to start again") from None
+                         f"({str(e)[:80]}); delete it to start again") from None
     return replace(rates, observations=observations)
 
 
 def save_rates(path: Path, rates: Rates) -> None:
     """Write `rates` into the file at `path` (other devices' entries kept), atomically."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = load_json(path, MAX_RATES_BYTES, f"prefill rates {path}")
         devices = doc["devices"] if doc.get("format") == FORMAT else {}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        devices = {}
+        if not isinstance(devices, dict):
+            devices = {}
+    except (InputFileError, TypeError, KeyError, AttributeError):
+        devices = {}  # absent or not ours: written anew
     devices[rates.device] = [o.as_json() for o in rates.observations]
     write_text_atomic(path, json.dumps({"format": FORMAT, "version": VERSION, "devices": devices}) + "\n")
 

@@ -9,7 +9,7 @@ directory when that is not writable.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -71,21 +71,28 @@ def _cached_path(model: Model) -> list[Path]:
     ]
 
 
-def cached_profile(model: Model) -> ExpertProfile | None:
-    """The model's calibration profile where an earlier run cached it, else None."""
+def cached_profile(model: Model, warn: Callable[[str], None] | None = None
+                   ) -> ExpertProfile | None:
+    """The model's calibration profile where an earlier run cached it, else None. A cached
+    file that cannot be used (stale, foreign, damaged or hostile: it is read with bounds) is
+    passed over with a one-line `warn`, so the caller records it again."""
     hp = model.hp
     for path in _cached_path(model):
         if path.exists():
             try:
                 return ExpertProfile.load(path, n_layer=hp.n_layer, n_expert=hp.n_expert)
-            except ProfileError:
-                pass  # stale or foreign: record again
+            except ProfileError as e:
+                if warn is not None:
+                    warn(f"strata: warning: {e} (ignored: the calibration profile is "
+                         "recorded again)")
     return None
 
 
-def default_profile(model: Model, experts: ExpertProvider | None = None) -> ExpertProfile:
-    """The model's calibration profile: loaded when cached, else recorded and cached."""
-    cached = cached_profile(model)
+def default_profile(model: Model, experts: ExpertProvider | None = None,
+                    warn: Callable[[str], None] | None = None) -> ExpertProfile:
+    """The model's calibration profile: loaded when cached, else recorded and cached (`warn`:
+    a cached one passed over)."""
+    cached = cached_profile(model, warn)
     if cached is not None:
         return cached
     profile = record_profile(model, [calibration_text()], CALIBRATION_TOKENS, experts)

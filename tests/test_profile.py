@@ -63,7 +63,7 @@ HEADER = {"format": "strata-expert-profile", "version": 1}
 @pytest.mark.parametrize(
     ("text", "words"),
     [
-        ("not json", "is not a strata-expert-profile JSON file"),
+        ("not json", "is not JSON"),
         ('{"format": "gguf"}', "has format 'gguf', expected 'strata-expert-profile'"),
         ('{"format": "strata-expert-profile", "version": 2}', "is version 2, this strata reads"),
         (

@@ -86,13 +86,14 @@ def pin_model_file(backend: Backend, data: np.ndarray | None, trace: Sink, warn:
           f"{time.perf_counter() - t0:.1f} s")
 
 
-def startup_profile(path: str | None, model: Model, backend: Backend) -> ExpertProfile:
+def startup_profile(path: str | None, model: Model, backend: Backend,
+                    warn: Sink | None = None) -> ExpertProfile:
     """The profile the cache is filled from: --expert-profile, else the calibration one
-    (routed on `backend`)."""
+    (routed on `backend`; `warn`: a cached one that cannot be used, recorded again)."""
     if path:
         profile = ExpertProfile.load(path)
         profile.check_model(model.hp.n_layer, model.hp.n_expert)
         return profile
     # the calibration pass streams every expert it routes to (the cache is not filled yet)
     stream = CachedExperts(None, model.experts, DecodedLRU(), backend)
-    return default_profile(model, stream)
+    return default_profile(model, stream, warn)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 
 from engine.errors import StrataError
 
@@ -36,10 +39,39 @@ def build_parser(extra: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+
+
+def _exit_interrupted(signum: int, frame: object) -> None:
+    os.write(2, b"strata: interrupted\n")  # no Python I/O: it may be mid-write
+    os._exit(INTERRUPTED)
+
+
+def quiet_startup() -> None:
+    """Ctrl+C while the sub-commands import (seconds: numpy, the engine) exits 130 with one
+    line instead of a KeyboardInterrupt traceback from deep inside an import; nothing has
+    started yet, so there is nothing to undo. `end_startup` gives Ctrl+C back to the command.
+    The console entry point calls this first; an inherited 'ignore' (`nohup`, `cmd &` in a
+    script) is kept."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):  # not ignored
+        signal.signal(signal.SIGINT, _exit_interrupted)
+
+
+def end_startup() -> None:
+    """Ctrl+C raises KeyboardInterrupt again (the commands undo their work on it)."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is _exit_interrupted):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None, extra: tuple[str, ...] = ()) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(extra)
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser(extra)
+        args = parser.parse_args(argv)
+    finally:  # argparse exits from inside parse_args on a bad argument
+        end_startup()
     if args.command is None:
         parser.print_help()
         return 0
@@ -50,7 +82,7 @@ def main(argv: list[str] | None = None, extra: tuple[str, ...] = ()) -> int:
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("strata: interrupted\n")
-        return 130
+        return INTERRUPTED
     except BrokenPipeError:
         return 0
 

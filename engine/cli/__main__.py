@@ -2,6 +2,7 @@
 
 import sys
 
-from engine.cli import main
+from engine.cli import main, quiet_startup
 
+quiet_startup()
 sys.exit(main())

@@ -25,10 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.bounded_input import InputFileError, load_json
 from engine.errors import StrataError
 
 FORMAT = "strata-expert-profile"
 VERSION = 1
+# The largest file `--expert-profile` reads: a 94-layer, 512-expert model's profile is ~0.5 MB
+MAX_PROFILE_BYTES = 16 << 20
 
 
 class ProfileError(StrataError):
@@ -108,26 +111,28 @@ class ExpertProfile:
         """Read a profile file; with `n_layer`/`n_expert`, also check it fits that model."""
         path = Path(path)
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise ProfileError(f"expert profile {path}: {e.strerror}; check --expert-profile")
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ProfileError(
-                f"expert profile {path} is not a {FORMAT} JSON file; record one with "
-                f"`strata profile`"
-            ) from None
+            doc = load_json(path, MAX_PROFILE_BYTES, f"expert profile {path}",
+                            "check --expert-profile, or record one with `strata profile`")
+        except InputFileError as e:
+            raise ProfileError(str(e)) from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ProfileError(
-                f"expert profile {path} has format {_get(doc, 'format')!r}, expected {FORMAT!r}; "
-                f"record one with `strata profile`"
+                f"expert profile {path} has format {_shown(_get(doc, 'format'))}, expected "
+                f"{FORMAT!r}; record one with `strata profile`"
             )
         if doc.get("version") != VERSION:
             raise ProfileError(
-                f"expert profile {path} is version {doc.get('version')!r}, this strata reads "
-                f"version {VERSION}; record a new one with `strata profile`"
+                f"expert profile {path} is version {_shown(doc.get('version'))}, this strata "
+                f"reads version {VERSION}; record a new one with `strata profile`"
             )
         counts = _counts(doc, path)
-        profile = cls(counts, int(doc.get("n_tokens", 0) or 0))
+        n_tokens = doc.get("n_tokens", 0)
+        if type(n_tokens) is not int or n_tokens < 0:
+            raise ProfileError(
+                f"expert profile {path} has n_tokens {_shown(n_tokens)}, expected a token "
+                f"count; record a new one with `strata profile`"
+            )
+        profile = cls(counts, n_tokens)
         if n_layer is not None and n_expert is not None:
             profile.check_model(n_layer, n_expert, source=f"expert profile {path}")
         return profile
@@ -151,20 +156,31 @@ class ProfileRecorder:
         return ExpertProfile(self.counts, self.n_tokens)
 
 
+def _shown(value: object) -> str:
+    """A value from the file, cut short for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 24 else text[:24] + "..."
+
+
 def _get(doc: object, key: str) -> object:
     return doc.get(key) if isinstance(doc, dict) else None
 
 
 def _counts(doc: dict, path: Path) -> np.ndarray:
     n_layer, n_expert, rows = doc.get("n_layer"), doc.get("n_expert"), doc.get("counts")
-    try:
-        counts = np.array(rows, dtype=np.int64)  # [L, E]
-    except (TypeError, ValueError, OverflowError):
-        counts = np.zeros(0)
+    counts = np.zeros(0)
+    if isinstance(rows, list) and all(
+        isinstance(row, list) and all(type(c) is int for c in row) for row in rows
+    ):  # integers only: numpy would truncate 1.5 and read "7" as 7
+        try:
+            counts = np.array(rows, dtype=np.int64)  # [L, E]
+        except (ValueError, OverflowError):  # ragged rows, a count past int64
+            pass
     if counts.ndim != 2 or counts.shape != (n_layer, n_expert) or (counts < 0).any():
         shape = "x".join(map(str, counts.shape)) if counts.ndim == 2 else "not a table"
         raise ProfileError(
-            f"expert profile {path} counts are {shape}, header says {n_layer}x{n_expert} of "
+            f"expert profile {path} counts are {shape}, header says {_shown(n_layer)}x"
+            f"{_shown(n_expert)} of "
             f"non-negative integers; record a new one with `strata profile`"
         )
     return counts

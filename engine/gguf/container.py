@@ -44,6 +44,7 @@ microseconds instead of allocating or looping.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -345,6 +346,19 @@ def read_container(path: str | Path) -> GGUFContainer:
     )
 
 
+def _check_overlaps(path: Path, tensors: list[TensorInfo]) -> None:
+    """No two tensors' payloads share a byte (writing one would change the other; llama.cpp
+    wants each right after the last). One sort by offset: O(n log n) for any table."""
+    spans = sorted((t for t in tensors if t.n_bytes), key=lambda t: t.offset)
+    for a, b in itertools.pairwise(spans):
+        if b.offset < a.offset + a.n_bytes:
+            raise GGUFError(
+                f"{path.name}: tensors '{a.name}' (bytes {a.offset:,}..{a.offset + a.n_bytes:,})"
+                f" and '{b.name}' (from byte {b.offset:,}) overlap; the file is corrupt, "
+                "download it again"
+            )
+
+
 def _parse(p: _Parser, path: Path, data: np.memmap) -> GGUFContainer:
     p.off = 4
     version = p.u32()
@@ -453,6 +467,7 @@ def _parse(p: _Parser, path: Path, data: np.memmap) -> GGUFContainer:
             shape = (*shape[:-1], shape[-1] // block_size * type_size)
         raw = data[offset:end].view(dtype).reshape(shape)
         tensors.append(TensorInfo(name, qtype, dims, offset, n_bytes, raw))
+    _check_overlaps(path, tensors)
 
     return GGUFContainer(
         version=version, metadata=metadata, value_types=value_types, tensors=tensors,

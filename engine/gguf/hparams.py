@@ -224,7 +224,8 @@ def optional_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensors(mf: ModelFile, hp: HParams) -> None:
-    """Raise on the first missing tensor, shape mismatch or unsupported quant type."""
+    """Raise on the first missing tensor, shape mismatch or unsupported quant type, and on a
+    tensor the model does not have (llama.cpp refuses one too: "wrong number of tensors")."""
     required = expected_shapes(hp)
     optional = optional_shapes(hp)
     for name, shape in {**required, **optional}.items():
@@ -243,3 +244,11 @@ def check_tensors(mf: ModelFile, hp: HParams) -> None:
                 f"{mf.path.name}: tensor '{name}' uses quant type {t.qtype.name}, which strata "
                 "does not support; use one of " + ", ".join(sorted(q.name for q in SUPPORTED_QTYPES))
             )
+    extra = [name for name in mf.tensors if name not in required and name not in optional]
+    if extra:
+        more = f" (and {len(extra) - 1:,} more)" if len(extra) > 1 else ""
+        raise GGUFError(
+            f"{mf.path.name}: tensor '{extra[0]}'{more} is not one a {mf.arch} model has "
+            "(llama.cpp refuses it too: wrong number of tensors); the file is corrupt or from "
+            "another converter"
+        )

@@ -32,20 +32,26 @@ _UNITS: dict[str, int] = {
     "gb": 1000**3,
     "tb": 1000**4,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# ASCII digits only (`\d` would take '١٢' and float() '1_0'); at most 18 of them
+_SIZE_RE = re.compile(r"^ *([0-9]{1,18}(?:\.[0-9]{1,18})?) *([a-zA-Z]*) *$", re.ASCII)
+MAX_SIZE_BYTES = 1 << 60  # an exbibyte: past any device, far below float's exactness limits
 
 
 def parse_size(text: str, *, what: str = "size") -> int:
     """Parse "8GiB", "512MiB", "1.5G" or "4096" into bytes; `what` names the flag in errors."""
-    m = _SIZE_RE.match(text)
+    m = _SIZE_RE.fullmatch(text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
+        shown = text if len(text) <= 40 else text[:40] + "..."
         raise FlagError(
-            f"{what} '{text}' is not a size; write it like 8GiB, 512MiB or 4096 (bytes)"
+            f"{what} '{shown}' is not a size; write it like 8GiB, 512MiB or 4096 (bytes)"
         )
     n_bytes = int(float(m.group(1)) * _UNITS[unit])
     if n_bytes <= 0:
         raise FlagError(f"{what} '{text}' is zero; give a positive size such as 512MiB")
+    if n_bytes > MAX_SIZE_BYTES:
+        raise FlagError(f"{what} '{text}' is more than 2**60 bytes, past any "
+                        "device; give a size such as 8GiB")
     return n_bytes
 
 
