@@ -222,7 +222,6 @@ def parse_auto_int(text: str, flag: str) -> int | str:
     """'auto' or a positive integer, for --prefill and --expert-cache."""
     if text == "auto":
         return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise FlagError(f"{flag} {text!r} must be 'auto' or an integer") from None
+    if not _INTEGER.fullmatch(text) or len(text) > 20:  # int() takes '1_0', ' 7', '١٢' too
+        raise FlagError(f"{flag} {text[:40]!r} must be 'auto' or an integer (ASCII digits)")
+    return int(text)

@@ -75,7 +75,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
     token_graph = token_graph_wanted(backend, options.no_token_graph)
     cache, plan, plan_options = make_cache(
         ledger, model.experts, planned.plan, costs, planned.plan_options,
-        profile=lambda: startup_profile(options.expert_profile, model, backend),
+        profile=lambda: startup_profile(options.expert_profile, model, backend, report.warn),
         token_graph=token_graph, faults=faults, trace=report.trace, warn=report.warn,
     )
     experts = CachedExperts(cache, model.experts, DecodedLRU(), backend)

@@ -3,11 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import math
+import re
 from dataclasses import fields
 
 from engine.backend.array_ops import KV_KINDS
 from engine.config import CACHE_POLICIES, DENSE_FORMATS, EngineOptions, LoanFlags, parse_auto_int
+from engine.errors import FlagError
 from engine.sampler import SamplingParams
+
+# ASCII only: int() and float() also take '1_000', ' 7 ' and Unicode digits such as '١٢'
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+MAX_INTEGER_DIGITS = 20  # 2**64 - 1 (a seed) has 20
+MAX_NUMBER_CHARS = 40
+
+
+def integer(text: str) -> int:
+    """argparse type: an integer written in ASCII digits, with an optional sign."""
+    if not _INTEGER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not an integer in ASCII digits 0-9")
+    if len(text.lstrip("+-")) > MAX_INTEGER_DIGITS:
+        raise argparse.ArgumentTypeError(
+            f"{_shown(text)} ({len(text):,} digits) is too large for any option")
+    return int(text)
+
+
+def number(text: str) -> float:
+    """argparse type: a finite decimal number in ASCII ('0.7', '1e-3'); never nan or inf."""
+    if len(text) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{_shown(text)} is not a decimal number in ASCII digits such as 0.7")
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is too large (not a finite number)")
+    return value
+
+
+def _shown(text: str) -> str:
+    return repr(text if len(text) <= 24 else text[:24] + "...")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -24,8 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto, sim, sim:SIZE (e.g. sim:8GiB), cuda or cuda:N (default auto)")
     g.add_argument("--expert-cache", default="auto", help="expert-cache slots: auto or N")
     g.add_argument("--expert-profile", help="expert profile JSON (see `strata profile`)")
-    g.add_argument("--vram-segment-mib", type=int, help="ledger segment size in MiB")
-    g.add_argument("--vram-reserve-mib", type=int, default=0, help="MiB kept free")
+    g.add_argument("--vram-segment-mib", type=integer, help="ledger segment size in MiB")
+    g.add_argument("--vram-reserve-mib", type=integer, default=0, help="MiB kept free")
     g.add_argument("--vram-elastic", action="store_true",
                    help="back the expert cache and decode-only regions with elastic segments")
     g.add_argument("--vram-limit", help="plan as if the device had only SIZE (CUDA)")
@@ -50,15 +84,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-always", action="store_true",
                    help="draft on every step (default: only while drafted steps are measured "
                         "faster per token than plain ones; sampled requests always draft)")
-    s.add_argument("--draft-vocab", type=int, default=0, help="draft head rows (0: all)")
+    s.add_argument("--draft-vocab", type=integer, default=0, help="draft head rows (0: all)")
     s.add_argument("--serve", action="store_true", help="the serialized serve loop (loans)")
-    s.add_argument("--batch-slots", type=int, default=1, help="concurrent requests (1)")
+    s.add_argument("--batch-slots", type=integer, default=1, help="concurrent requests (1)")
     s.add_argument("--prefill-head-alias", action="store_true",
                    help="alias the prompt path onto the output head (refused with loans)")
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """EngineOptions from parsed arguments (raises FlagError on bad values)."""
+    empty = [f"{flag} is empty; give {what}" for flag, value, what in (
+        ("--model", args.model, "a .gguf path or a preset name such as 'demo'"),
+        ("--vram-limit", args.vram_limit, "a size such as 8GiB"),
+        ("--expert-profile", args.expert_profile, "the path of a profile (see `strata profile`)"),
+    ) if value is not None and not value.strip()]
+    if empty:
+        raise FlagError(empty)
     return EngineOptions(
         model=args.model, device=args.device, ctx=args.ctx, kv=args.kv,
         prefill=parse_auto_int(str(args.prefill), "--prefill"),
@@ -96,10 +137,10 @@ def loan_flags() -> LoanFlags:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=number, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=integer, default=40)
+    p.add_argument("--top-p", type=number, default=0.95)
+    p.add_argument("--seed", type=integer, default=0)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

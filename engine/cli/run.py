@@ -7,8 +7,8 @@ import argparse
 import codecs
 import re
 import sys
-from pathlib import Path
 
+from engine.bounded_input import read_capped
 from engine.cli.options import (
     add_engine_args,
     add_sampling_args,
@@ -40,17 +40,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 _WORD = re.compile(rb"\S+")  # whitespace as bytes.split sees it: ASCII only
 TOKENS_FILE_FORMAT = "token ids in ASCII decimal separated by whitespace, such as '5 17 300'"
+# Bytes a token id may take in a `--tokens-file`: 18 digits and room for whitespace.
+TOKEN_FILE_BYTES = 32
 
 
-def read_tokens_file(path: str) -> list[int]:
+def tokens_file_limit(ctx: int) -> int:
+    """The most bytes a `--tokens-file` may hold: what a prompt that fits `--ctx` takes, at
+    TOKEN_FILE_BYTES a token, and never less than a MiB."""
+    return max(MiB, ctx * TOKEN_FILE_BYTES)
+
+
+def read_tokens_file(path: str, limit_bytes: int = MiB) -> list[int]:
     """The token ids of a `--tokens-file` (TOKENS_FILE_FORMAT): a raw prompt, no chat
-    template. Anything else is a StrataError naming the file, the line and byte offset."""
+    template. A file that is not a regular file, or holds more than `limit_bytes`, is refused
+    before it is read; anything else is a StrataError naming the file, the line and byte
+    offset."""
     if not path:
         raise StrataError("--tokens-file is empty; give the path of a file of token ids")
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise StrataError(f"--tokens-file {path}: {exc.strerror}") from None
+    data = read_capped(path, limit_bytes, f"--tokens-file {path}",
+                       "give a file of token ids that fits --ctx (raise --ctx for a longer one)")
     ids = []
     start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # Notepad's
     for m in _WORD.finditer(data, start):
@@ -153,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         stderr_line(f"strata: warning: {w}")
     ids: list[int] = []
     if args.tokens_file is not None:  # read before the engine is built
-        ids = read_tokens_file(args.tokens_file)
+        ids = read_tokens_file(args.tokens_file, tokens_file_limit(options.ctx))
         if len(ids) + args.max_new > options.ctx:
             raise StrataError(
                 f"--tokens-file holds {len(ids)} tokens; with --max-new {args.max_new} that "
