@@ -13,6 +13,7 @@ from engine.experts.host import FileExperts
 from engine.gguf.hparams import HParams, read_hparams
 from engine.gguf.reader import ModelFile, open_gguf
 from engine.gguf.tokenizer import Tokenizer
+from engine.gguf.weight_values import check_values
 from engine.model.transformer import Transformer
 from engine.model.weights import dense_bytes
 
@@ -49,6 +50,7 @@ def load_model(path: str | Path, backend: Backend | None = None, build: bool = T
     memory is planned. Experts stay memory-mapped."""
     mf = open_gguf(path)
     hp = read_hparams(mf)
+    check_values(mf)  # NaN or infinity in a norm or a scale would turn the reply into NULs
     tokenizer = Tokenizer.from_metadata(mf.metadata)
     if tokenizer.n_vocab != hp.n_vocab:
         raise ModelError(
