@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -16,6 +19,7 @@ from textual.widgets import Footer, Header, Input, TextArea
 from app.commands import FlagCommands
 from app.config import ChatConfig
 from app.engine_link import EngineLink, LocalLink
+from app.outbox import Entry, Outbox
 from app.remote_link import RemoteLink
 from app.screens import ConversationsScreen, HelpScreen, LoadingScreen
 from app.store import Store, StoreError, export_markdown
@@ -33,6 +37,12 @@ from engine.forecast import LoanVerdict
 
 NARROW_COLUMNS = 100  # below this the dashboard and the chat take turns
 WHAT_IF_TOKENS = 4096  # the flags panel's what-if when the input holds no message
+# an answer's text so far goes to the store this often while it streams (one short
+# transaction): a kill -9 loses at most this much of what was shown
+PARTIAL_SAVE_S = 0.5
+RETRY_S = 5.0  # messages the store refused are tried again this often (and with each write)
+# quit as Ctrl+Q does (the answer so far stored first) on these; SIGHUP: the terminal closed
+QUIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def what_if_text(new: LoanVerdict, old: LoanVerdict, applied: bool) -> Text:
@@ -87,8 +97,11 @@ class StrataApp(App[None]):
         self.export_dir = export_dir
         self.conv = Conversation()
         self.error_line = ""
-        self._prompt_seq: int | None = None  # the stored seq of the prompt being answered
+        self._outbox: Outbox | None = None  # None until the store is open
+        self._prompt: Entry | None = None  # the prompt being answered, and its answer so far
+        self._answer: Entry | None = None
         self._quitting = False  # quitting: a late reply is no longer recorded
+        self._signals: list[signal.Signals] = []
         # engine batches go to these many times a second: looked up once, not per batch
         self._chat = ChatLog()
         self._views: list[EventView | EventLog] = []
@@ -106,7 +119,18 @@ class StrataApp(App[None]):
         self._views = [*self.query(EventView), *self.query(EventLog)]
         self.push_screen(LoadingScreen(self.config.options.model, self.config.connect))
         self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
+        self._catch_signals()
         self.call_after_refresh(self._start)
+
+    def _catch_signals(self) -> None:
+        """SIGTERM and SIGHUP quit as Ctrl+Q does: the answer so far is stored first."""
+        try:
+            loop = asyncio.get_running_loop()
+            for sig in QUIT_SIGNALS:
+                loop.add_signal_handler(sig, self.call_later, self.action_quit)
+                self._signals.append(sig)
+        except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
+            pass
 
     async def _start(self) -> None:
         """After the first frame (the loading dialog): the engine loads in a worker while the
@@ -126,11 +150,24 @@ class StrataApp(App[None]):
                 severity="warning",
                 timeout=20,
             )
+        if self.store.read_only:
+            self.notify(f"history is read-only: {self.store.read_only}; new messages are "
+                        "not saved.", title="Conversations", severity="warning", timeout=20)
+        else:
+            self._outbox = Outbox(self.store)
+            self.set_interval(PARTIAL_SAVE_S, self._save_partial, name="save-partial")
+            self.set_interval(RETRY_S, self._retry_saves, name="retry-saves")
         await self._chat.show(self.conv)
         self.query_one(Composer).input.focus()
 
     def on_unmount(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self._signals:
+            loop.remove_signal_handler(sig)
         self.link.close()
+        outbox = self._outbox
+        if outbox is not None and not outbox.flush() and outbox.n_waiting:
+            self.error_line = f"{outbox.n_waiting} message(s) could not be saved: {outbox.error}"
         if self.store is not None:
             self.store.close()
 
@@ -224,7 +261,9 @@ class StrataApp(App[None]):
         self.query_one(Composer).clear()
         await self._take_in_stored()
         # stored before the engine starts: a crash or kill during the request keeps the prompt
-        self._prompt_seq = self._record(self.conv, Message("user", message.prompt))
+        self._prompt = Entry(self.conv, Message("user", message.prompt))
+        self._answer = None
+        self._save(lambda outbox: outbox.put(self._prompt))
         await self.query_one(ChatLog).begin_exchange(message.prompt)
         cfg = self.config
         self.link.send(self.conv, message.prompt, message.draft, cfg.params, cfg.max_new)
@@ -245,9 +284,7 @@ class StrataApp(App[None]):
             self.query_one(Composer).restore(message.draft)
             self.notify("Cancelled; your prompt is back in the input.")
         else:
-            prompt_seq, self._prompt_seq = self._prompt_seq, None
-            answer = message.conversation.messages[-1]
-            self._record(message.conversation, answer, reply_to=prompt_seq)
+            self._keep_answer(message.conversation.messages[-1])
             await chat.finish(reply.text, cancelled=reply.cancelled)
             if reply.cancelled:
                 self.notify("Cancelled; the answer so far is kept.", timeout=3)
@@ -265,25 +302,54 @@ class StrataApp(App[None]):
         self.running = False
 
     # -- store -------------------------------------------------------------------------------
-    def _record(self, conv: Conversation, msg: Message, reply_to: int | None = None) -> int | None:
-        """Append one message to the store as it happens; returns its seq (None: not saved)."""
-        if self._quitting or self.store is None:
-            return None
-        try:
-            return self.store.append(conv, msg, reply_to)
-        except StoreError as exc:
-            self._store_failed(exc, "Not saved")
-            return None
+    def _save(self, write: Callable[[Outbox], bool]) -> None:
+        """One write through the outbox; say when messages start waiting in memory for the
+        store (and how many), and when the ones that waited are written."""
+        outbox = self._outbox
+        if self._quitting or outbox is None:
+            return
+        before = outbox.n_waiting
+        if write(outbox):
+            if before:
+                self.notify(f"The {before} message(s) that waited are saved.", title="Saved")
+        elif outbox.n_waiting > before:
+            self.notify(
+                f"{outbox.n_waiting} message(s) wait in memory: {outbox.error}. They are "
+                f"written when the database takes them (tried every {RETRY_S:.0f} s).",
+                title="Not saved yet", severity="warning", timeout=10,
+            )
+
+    def _retry_saves(self) -> None:
+        self._save(Outbox.flush)
+
+    def _save_partial(self) -> None:
+        """While an answer streams, its text so far into the store (a row marked partial)."""
+        if not self.running or self._prompt is None:
+            return
+        text = self._chat.partial
+        answer = self._answer
+        if not text or answer is not None and answer.message.content == text:
+            return
+        if answer is None:
+            answer = self._answer = Entry(self.conv, Message("assistant", text),
+                                          reply_to=self._prompt, partial=True)
+        else:
+            answer.message = Message("assistant", text, answer.message.created)
+        self._save(lambda outbox: outbox.put(answer))
+
+    def _keep_answer(self, answer: Message) -> None:
+        """Store the answer's final text (over its partial row, if one was written)."""
+        entry = self._answer or Entry(self.conv, answer, reply_to=self._prompt)
+        entry.message, entry.partial = answer, False
+        self._prompt = self._answer = None
+        self._save(lambda outbox: outbox.put(entry))
 
     def _withdraw(self, conv: Conversation) -> None:
-        """Remove the stored prompt of a request that ended without an answer."""
-        seq, self._prompt_seq = self._prompt_seq, None
-        if seq is None or self._quitting or self.store is None:
-            return
-        try:
-            self.store.withdraw(conv.id, seq)
-        except StoreError as exc:
-            self._store_failed(exc)
+        """Remove the stored prompt (and partial answer) of a request that ended without one."""
+        entries = [e for e in (self._answer, self._prompt) if e is not None]
+        self._prompt = self._answer = None
+        for entry in entries:  # the answer first: its row names the prompt
+            self._save(lambda outbox, entry=entry: outbox.withdraw(entry))
 
     def _store_failed(self, exc: StoreError, title: str = "Conversations") -> None:
         self.notify(str(exc), title=title, severity="error", timeout=10)
@@ -310,8 +376,8 @@ class StrataApp(App[None]):
         """
         chat = self.query_one(ChatLog)
         text = chat.partial
-        if self._prompt_seq is not None and text:
-            self._record(self.conv, Message("assistant", text, cancelled=True), self._prompt_seq)
+        if self._prompt is not None and text:
+            self._keep_answer(Message("assistant", text, cancelled=True))
         self._quitting = True  # the late reply is neither recorded nor shown
         await chat.finish(text, cancelled=True)  # closes the stream
 
@@ -433,14 +499,22 @@ class StrataApp(App[None]):
 
     async def on_conversations_screen_deleted(self, message: ConversationsScreen.Deleted) -> None:
         assert self.store is not None
-        self.store.delete(message.conv_id)
+        try:
+            self.store.delete(message.conv_id)
+        except StoreError as exc:
+            self._store_failed(exc)
+            return
         if message.conv_id == self.conv.id:  # the open one: a new conversation takes its place
             self.conv = Conversation()
             await self._chat.show(self.conv)
 
     def on_conversations_screen_renamed(self, message: ConversationsScreen.Renamed) -> None:
         assert self.store is not None
-        self.store.rename(message.conv_id, message.title)
+        try:
+            self.store.rename(message.conv_id, message.title)
+        except StoreError as exc:
+            self._store_failed(exc)
+            return
         if message.conv_id == self.conv.id:
             self.conv.title = message.title  # the next save keeps it
 

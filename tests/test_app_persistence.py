@@ -10,19 +10,21 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 from test_app_flows import MAX_NEW, SIZE, Gate, async_test, make_app, send
+from test_app_store import run_read_only
 from textual.notifications import Notify
-from textual.widgets import Label
+from textual.widgets import Label, Markdown
 
-from app.app import StrataApp
+from app.app import RETRY_S, StrataApp
 from app.config import ChatConfig
 from app.main import run_app
 from app.scenes import wait_ready, wait_until
 from app.store import DB_NAME, SCHEMA_VERSION, Store
-from app.widgets.chat_log import ChatLog, MessageView
+from app.widgets.chat_log import SHOWN_CHARS, ChatLog, MessageView, ShowAll
 from app.widgets.prompt_input import Composer, PromptInput
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation, Message
@@ -252,26 +254,6 @@ async def test_quitting_mid_answer_keeps_what_was_shown(tmp_path: Path) -> None:
     assert stored(tmp_path) == [("user", "hello", 0, None), ("assistant", shown, 1, 0)]
 
 
-@async_test
-async def test_a_database_that_is_not_one_is_moved_aside_with_one_notification(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("STRATA_DATA_DIR", str(tmp_path))
-    junk = b"my notes, not a database\n" * 100
-    (tmp_path / DB_NAME).write_bytes(junk)
-    app = StrataApp(ChatConfig(EngineOptions(model="tiny"), LoanFlags(), max_new=MAX_NEW))
-    notes: list[Notify] = []
-    async with app.run_test(size=SIZE, message_hook=notes.append) as pilot:
-        await wait_ready(pilot)
-        await send(pilot, "hello")
-    (moved,) = tmp_path.glob(f"{DB_NAME}.bad-*")
-    assert moved.read_bytes() == junk
-    said = [n.notification.message for n in notes if isinstance(n, Notify)]
-    assert len([m for m in said if "moved to" in m]) == 1
-    assert any(str(moved) in m for m in said)
-    assert stored(tmp_path)[0][:2] == ("user", "hello")
-
-
 def test_a_data_directory_that_is_a_file_is_one_line_and_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -299,7 +281,9 @@ def test_a_database_from_a_newer_app_is_one_line_and_exit_2(
 
 
 @async_test
-async def test_a_failed_write_is_a_notification_and_the_chat_goes_on(tmp_path: Path) -> None:
+async def test_a_write_refused_by_a_lock_waits_and_goes_with_the_next_message(
+    tmp_path: Path,
+) -> None:
     app = make_app(tmp_path)
     notes: list[Notify] = []
     async with app.run_test(size=SIZE, message_hook=notes.append) as pilot:
@@ -308,10 +292,248 @@ async def test_a_failed_write_is_a_notification_and_the_chat_goes_on(tmp_path: P
         holder = sqlite3.connect(tmp_path / DB_NAME)
         holder.execute("BEGIN IMMEDIATE")  # another writer that does not let go
         await send(pilot, "hello")
+        assert said(notes, "Not saved yet") == [
+            f"{n} message(s) wait in memory: {tmp_path / DB_NAME}: database is locked. They are "
+            f"written when the database takes them (tried every {RETRY_S:.0f} s)."
+            for n in (1, 2)]  # the prompt, then the answer
+        assert app.query(MessageView).last().content == app.conv.messages[1].content
         holder.rollback()
         holder.close()
-        titles = [n.notification.title for n in notes if isinstance(n, Notify)]
-        assert titles.count("Not saved") == 2  # the prompt and the answer
-        assert app.query(MessageView).last().content == app.conv.messages[1].content
-        await send(pilot, "again")  # the database is free again: saved as usual
-        assert [r[1] for r in stored(tmp_path)] == ["again", app.conv.messages[3].content]
+        await send(pilot, "again")  # the database is free again: what waited goes first
+        assert said(notes, "Saved") == ["The 2 message(s) that waited are saved."]
+        assert stored(tmp_path) == [
+            ("user", "hello", 0, None), ("assistant", app.conv.messages[1].content, 0, 0),
+            ("user", "again", 0, None), ("assistant", app.conv.messages[3].content, 0, 2)]
+
+
+def said(notes: list, title: str) -> list[str]:
+    return [n.notification.message for n in notes
+            if isinstance(n, Notify) and n.notification.title == title]
+
+
+@async_test
+async def test_an_exchange_made_while_the_disk_is_full_is_written_when_it_has_room(
+    tmp_path: Path
+) -> None:
+    app = make_app(tmp_path)
+    notes: list[Notify] = []
+    prompt = "a prompt too long for the pages left " * 200
+    async with app.run_test(size=SIZE, message_hook=notes.append) as pilot:
+        await wait_ready(pilot)
+        db = app.store.db
+        (pages,) = db.execute("PRAGMA page_count").fetchone()
+        db.execute(f"PRAGMA max_page_count = {pages}")  # SQLite's disk-full path: SQLITE_FULL
+        app.query_one(PromptInput).insert(prompt)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: not app.running and len(app.conv.messages) == 2)
+        app._retry_saves()  # what the timer does every RETRY_S: still full
+        assert stored(tmp_path) == []
+        (first, second) = said(notes, "Not saved yet")
+        assert first.startswith("1 message(s) wait") and second.startswith("2 message(s) wait")
+        assert "database or disk is full" in second
+        db.execute("PRAGMA max_page_count = 1073741823")  # room again: the next retry writes
+        app._retry_saves()
+        await pilot.pause()
+        assert said(notes, "Saved") == ["The 2 message(s) that waited are saved."]
+    assert stored(tmp_path) == [("user", prompt, 0, None),
+                                ("assistant", app.conv.messages[1].content, 0, 0)]
+
+
+# -- an answer streaming when the app is killed or told to quit ----------------------------
+APP_STREAMING = """
+    import asyncio, os, sys, threading
+    from pathlib import Path
+    from app.app import StrataApp
+    from app.config import ChatConfig
+    from app.scenes import wait_ready
+    from app.store import DB_NAME, Store
+    from engine.config import EngineOptions, LoanFlags
+    from engine.events import Token
+
+    config = ChatConfig(EngineOptions(model="tiny"), LoanFlags(), max_new=8)
+    app = StrataApp(config, store=Store.open(Path(sys.argv[1]) / DB_NAME))
+    held, n_texts = threading.Event(), [0]
+
+    def hold(event):  # the engine thread stops after two tokens of text, until the signal
+        if isinstance(event, Token) and event.text:
+            n_texts[0] += 1
+            if n_texts[0] == 2:
+                os.write(1, b"streaming\\n")
+                held.wait(60)
+
+    app.link.bus.subscribe(hold)
+
+    async def main():
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_ready(pilot)
+            await pilot.press(*"tell me a story", "enter")
+            while app.is_running:
+                await asyncio.sleep(0.05)
+        held.set()
+        print("exited", app.return_code, flush=True)
+
+    asyncio.run(main())
+"""
+
+
+def with_partial(tmp_path: Path) -> list[tuple]:
+    """(role, content, cancelled, reply_to, partial) of every stored message."""
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    try:
+        return db.execute("SELECT role, content, cancelled, reply_to, partial FROM messages "
+                          "ORDER BY seq").fetchall()
+    finally:
+        db.close()
+
+
+def streaming_app(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A child app whose answer has streamed some text, stored as a partial row (its text)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(APP_STREAMING), str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    assert ready and proc.stdout.readline() == b"streaming\n", proc.stderr.read1()
+    rows: list[tuple] = []
+    for _ in range(200):  # the app writes what it shows every PARTIAL_SAVE_S
+        rows = with_partial(tmp_path)
+        if len(rows) == 2:
+            break
+        time.sleep(0.05)
+    prompt, answer = rows
+    assert prompt == ("user", "tell me a story", 0, None, 0)
+    assert answer[0] == "assistant" and answer[2:] == (0, 0, 1) and answer[1]
+    return proc, answer[1]
+
+
+def test_kill_9_mid_answer_keeps_the_answer_so_far_marked_interrupted(tmp_path: Path) -> None:
+    proc, text = streaming_app(tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    full = answer_after(Conversation(), "tell me a story")
+    assert full.startswith(text) and len(text) < len(full)
+    assert with_partial(tmp_path)[1] == ("assistant", text, 0, 0, 1)
+
+    @async_test
+    async def reopened() -> None:  # the next start shows it as an interrupted answer
+        app = make_app(tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_ready(pilot)
+            _, view = app.query(MessageView)
+            assert view.content == text and "interrupted" in label(view)
+            assert view.has_class("-cancelled")
+            assert app.conv.messages[1].interrupted
+
+    reopened()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_mid_answer_saves_it_and_exits_cleanly(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    proc, text = streaming_app(tmp_path)
+    os.kill(proc.pid, sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out == b"exited 0\n", err
+    (_, answer) = with_partial(tmp_path)
+    assert answer[0] == "assistant" and answer[2:] == (1, 0, 0)  # cancelled, complete
+    assert answer[1].startswith(text)
+    assert answer_after(Conversation(), "tell me a story").startswith(answer[1])
+
+
+# -- what the store cannot be trusted with -------------------------------------------------
+@async_test
+async def test_wrong_types_and_a_huge_message_are_drawn_truncated_with_show_all(
+    tmp_path: Path,
+) -> None:
+    store = Store.open(tmp_path / DB_NAME)
+    conv = Conversation()
+    huge = "".join(f"paragraph {i}: {'word ' * 80}\n\n" for i in range(250))  # 100 KB
+    seq = store.append(conv, Message("user", "a question"))
+    store.append(conv, Message("assistant", huge), reply_to=seq)
+    store.db.execute("INSERT INTO messages (conversation_id, seq, role, content, created) "
+                     "VALUES (?, 2, 'user', X'FF00626C6F62', 1.0)", (conv.id,))
+    store.close()
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        _, answer, blob = app.query(MessageView)
+        assert blob.content == "\ufffd\x00blob" and app.conv.messages[2].content == blob.content
+        shown = answer.query_one(Markdown).source
+        assert len(shown) == SHOWN_CHARS and huge.startswith(shown)
+        more = answer.query_one(ShowAll)
+        assert f"{len(huge) - SHOWN_CHARS:,} more characters" in str(more.render())
+        more.focus()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: not answer.query(ShowAll))
+        assert answer.query_one(Markdown).source == huge
+        assert app.conv.messages[1].content == huge  # the context keeps the whole answer
+
+
+@pytest.mark.parametrize("damage", ["not a database", "damaged last pages"])
+@async_test
+async def test_a_database_that_is_not_one_is_moved_aside_with_one_notification(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    monkeypatch.setenv("STRATA_DATA_DIR", str(tmp_path))
+    if damage == "not a database":
+        junk = b"my notes, not a database\n" * 100
+    else:
+        store = Store.open(tmp_path / DB_NAME)
+        for i in range(30):
+            store.append(Conversation(), Message("user", f"{i} " + "x" * 3000))
+        store.close()
+        junk = (tmp_path / DB_NAME).read_bytes()
+        junk = junk[:-8192] + b"\xa5" * 8192  # a valid header, noise in the last pages
+    (tmp_path / DB_NAME).write_bytes(junk)
+    app = StrataApp(ChatConfig(EngineOptions(model="tiny"), LoanFlags(), max_new=MAX_NEW))
+    notes: list[Notify] = []
+    async with app.run_test(size=SIZE, message_hook=notes.append) as pilot:
+        await wait_ready(pilot)
+        await send(pilot, "hello")
+    (moved,) = tmp_path.glob(f"{DB_NAME}.bad-*")
+    assert moved.read_bytes() == junk
+    said = [n.notification.message for n in notes if isinstance(n, Notify)]
+    assert len([m for m in said if "moved to" in m]) == 1
+    assert any(str(moved) in m for m in said)
+    assert stored(tmp_path)[0][:2] == ("user", "hello")
+
+
+APP_READ_ONLY = """
+    import asyncio, sys
+    from pathlib import Path
+    from textual.notifications import Notify
+    from app.app import StrataApp
+    from app.config import ChatConfig
+    from app.scenes import wait_ready
+    from app.store import Store
+    from engine.config import EngineOptions, LoanFlags
+
+    app = StrataApp(ChatConfig(EngineOptions(model="tiny"), LoanFlags(), max_new=8),
+                    store=Store.open(Path(sys.argv[1])))
+    notes = []
+
+    async def main():
+        async with app.run_test(size=(120, 40), message_hook=notes.append) as pilot:
+            await wait_ready(pilot)
+            print([v.content for v in app.query("MessageView")], flush=True)
+        for n in notes:
+            if isinstance(n, Notify):
+                print(n.notification.title, "|", n.notification.message, flush=True)
+
+    asyncio.run(main())
+"""
+
+
+def test_a_read_only_data_dir_shows_its_history_and_says_so(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / DB_NAME)
+    seq = store.append(Conversation(), Message("user", "kept here"))
+    store.append(store.last(), Message("assistant", "its answer"), reply_to=seq)
+    store.close()
+    proc = run_read_only(tmp_path, APP_READ_ONLY, str(tmp_path / DB_NAME))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "['kept here', 'its answer']",
+        (f"Conversations | history is read-only: {tmp_path} is not writable; new messages "
+         "are not saved.")]

@@ -4,18 +4,18 @@ durability, unusable files moved aside or refused, export."""
 from __future__ import annotations
 
 import os
-import shutil
+import shlex
 import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from app.outbox import Entry, Outbox
 from app.store import (
     MIGRATIONS,
     SCHEMA_VERSION,
@@ -24,7 +24,6 @@ from app.store import (
     data_dir,
     export_markdown,
 )
-from app.outbox import Entry, Outbox
 from engine.conversation import Conversation, Message
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -494,7 +493,6 @@ READ_ONLY = """
     from app.store import Store, StoreError
     from engine.conversation import Message
 
-    drop_root()
     store = Store.open(Path(sys.argv[1]))
     print(store.read_only)
     conv = store.last()
@@ -506,73 +504,51 @@ READ_ONLY = """
 """
 
 
-# root writes anywhere: a script run as root becomes nobody once its imports are done (the
-# interpreter's own files may be out of nobody's reach)
-DROP_ROOT = """
-import os
-
-def drop_root():
+def run_read_only(directory: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run `script` with `directory` read-only: root writes anywhere, so for root it is a
+    read-only bind mount in a mount namespace of the child's own; for others, mode 555."""
+    argv = [sys.executable, "-c", textwrap.dedent(script), *args]
     if os.geteuid() == 0:
-        os.setgid(65534)
-        os.setuid(65534)
-"""
-
-
-def as_another_user(script: str, directory: Path) -> tuple[str, str]:
-    """Run `script` (it calls `drop_root()`) on `directory` made read-only."""
+        d = shlex.quote(str(directory))
+        mount = f'mount --bind {d} {d} && mount -o remount,bind,ro {d} && exec "$0" "$@"'
+        argv = ["unshare", "-m", "sh", "-c", mount, *argv]
     directory.chmod(0o555)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", DROP_ROOT + textwrap.dedent(script), str(directory / DB)],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
-        )
+        return subprocess.run(argv, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     finally:
         directory.chmod(0o755)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout, proc.stderr
 
 
 @pytest.mark.parametrize("old", [False, True])
 def test_a_read_only_data_dir_opens_its_database_read_only(tmp_path: Path, old: bool) -> None:
-    directory = Path(tempfile.mkdtemp(dir="/tmp"))  # tmp_path is private to us
-    try:
-        path = directory / DB
-        store = Store.open(path)
-        store_all(store, conversation("kept here", "its answer"))
-        if old:  # a database from before the `partial` column: read all the same
-            store.db.execute("ALTER TABLE messages DROP COLUMN partial")
-            store.db.execute("DELETE FROM schema_version WHERE version = 4")
-        store.close()
-        path.chmod(0o644)
-        directory.chmod(0o755)
-        out, err = as_another_user(READ_ONLY, directory)
-        assert out.splitlines() == [
-            f"{directory} is not writable",
-            "[('kept here', False), ('its answer', False)]",
-            f"history is read-only: {directory} is not writable"], err
-        assert sorted(p.name for p in directory.iterdir()) == [DB]
-    finally:
-        shutil.rmtree(directory)
+    path = tmp_path / DB
+    store = Store.open(path)
+    store_all(store, conversation("kept here", "its answer"))
+    if old:  # a database from before the `partial` column: read all the same
+        store.db.execute("ALTER TABLE messages DROP COLUMN partial")
+        store.db.execute("DELETE FROM schema_version WHERE version = 4")
+    store.close()
+    proc = run_read_only(tmp_path, READ_ONLY, str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"{tmp_path} is not writable",
+        "[('kept here', False), ('its answer', False)]",
+        f"history is read-only: {tmp_path} is not writable"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [DB]
 
 
 def test_a_read_only_data_dir_without_a_database_is_one_line(tmp_path: Path) -> None:
-    directory = Path(tempfile.mkdtemp(dir="/tmp"))
-    try:
-        directory.chmod(0o755)
-        out, _ = as_another_user("""
-            import sys
-            from pathlib import Path
-            from app.store import Store, StoreError
-            drop_root()
-            try:
-                Store.open(Path(sys.argv[1]))
-            except StoreError as exc:
-                print(exc)
-        """, directory)
-        assert out == (f"no history can be kept: {directory} is not writable; make it writable,"
-                       " or set STRATA_DATA_DIR to use another directory\n")
-    finally:
-        shutil.rmtree(directory)
+    proc = run_read_only(tmp_path, """
+        import sys
+        from pathlib import Path
+        from app.store import Store, StoreError
+        try:
+            Store.open(Path(sys.argv[1]))
+        except StoreError as exc:
+            print(exc)
+    """, str(tmp_path / DB))
+    assert proc.stdout == (f"no history can be kept: {tmp_path} is not writable; make it "
+                           "writable, or set STRATA_DATA_DIR to use another directory\n")
 
 
 # -- export --------------------------------------------------------------------------------

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, Markdown, Static
 
@@ -13,6 +16,9 @@ from app.widgets.answer_stream import AnswerStream, StreamTail
 from engine.conversation import Conversation
 
 USER_PREVIEW_LINES = 12
+# a message longer than this shows its start until asked: drawing 50 MB of Markdown took 35 s
+# and 1.6 GB before the first frame
+SHOWN_CHARS = 64 * 1024
 # C0/C1 control characters other than tab and newline: models can emit them; terminals must not
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
@@ -23,15 +29,40 @@ def printable(text: str) -> str:
 
 def user_preview(text: str) -> Text:
     """The first lines of a user message; long pastes say how much is hidden."""
-    lines = text.splitlines() or [""]
+    lines = text[:SHOWN_CHARS].splitlines() or [""]
+    n_lines = len(lines) + text.count("\n", SHOWN_CHARS)  # counted without a copy
     shown = Text(printable("\n".join(lines[:USER_PREVIEW_LINES])))
-    if len(lines) > USER_PREVIEW_LINES:
-        shown.append(f"\n… {len(lines) - USER_PREVIEW_LINES:,} more lines", style="dim italic")
+    if n_lines > USER_PREVIEW_LINES:
+        shown.append(f"\n… {n_lines - USER_PREVIEW_LINES:,} more lines", style="dim italic")
     return shown
 
 
+class ShowAll(Static, can_focus=True):
+    """'… N more characters': a click or Enter shows the whole message."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("enter", "show_all", "Show all", show=False)]
+    DEFAULT_CSS = """
+    ShowAll { color: $text-muted; text-style: italic; padding: 0 1; }
+    ShowAll:hover, ShowAll:focus { color: $text-accent; text-style: italic underline; }
+    """
+
+    def __init__(self, n_hidden: int) -> None:
+        super().__init__(f"… {n_hidden:,} more characters (click, or Enter, to show all)")
+
+    async def action_show_all(self) -> None:
+        view = self.parent
+        assert isinstance(view, MessageView)
+        await view.show_all()
+
+    async def on_click(self, event: events.Click) -> None:
+        event.stop()
+        await self.action_show_all()
+
+
 class MessageView(Vertical):
-    """One message: a role label and its body; an answer cut short is marked cancelled."""
+    """One message: a role label and its body; an answer cut short is marked cancelled, one
+    whose writer was killed is marked interrupted. A long body shows its first SHOWN_CHARS
+    characters until the user asks for all of it."""
 
     DEFAULT_CSS = """
     MessageView {
@@ -47,10 +78,13 @@ class MessageView(Vertical):
     }
     """
 
-    def __init__(self, role: str, content: str = "", cancelled: bool = False) -> None:
+    def __init__(self, role: str, content: str = "", cancelled: bool = False,
+                 interrupted: bool = False) -> None:
         super().__init__(classes=f"-{role}")
         self.role, self.content, self.cancelled = role, content, cancelled
-        self.set_class(cancelled, "-cancelled")
+        self.interrupted = interrupted
+        self.shown_chars = SHOWN_CHARS
+        self.set_class(cancelled or interrupted, "-cancelled")
 
     def compose(self) -> ComposeResult:
         yield Label(self._label())
@@ -58,8 +92,27 @@ class MessageView(Vertical):
             yield Static(user_preview(self.content))
         else:
             yield Static("", classes="status")
-            yield Markdown(printable(self.content))
+            yield Markdown(printable(self.content[: self.shown_chars]))
             yield StreamTail()  # the block being generated, until it is finished
+        if len(self.content) > self.shown_chars:
+            yield ShowAll(len(self.content) - self.shown_chars)
+
+    async def set_content(self, content: str) -> None:
+        """Replace an answer's text (its start, when it is long)."""
+        self.content = content
+        await self.query(ShowAll).remove()
+        await self.query_one(Markdown).update(printable(content[: self.shown_chars]))
+        if len(content) > self.shown_chars:
+            await self.mount(ShowAll(len(content) - self.shown_chars))
+
+    async def show_all(self) -> None:
+        """Draw the whole message (as long as that takes: the user asked)."""
+        self.shown_chars = len(self.content)
+        await self.query(ShowAll).remove()
+        if self.role == "user":
+            self.query_one(Static).update(Text(printable(self.content)))
+        else:
+            await self.query_one(Markdown).update(printable(self.content))
 
     def set_status(self, text: str) -> None:
         status = self.query_one(".status", Static)
@@ -74,7 +127,9 @@ class MessageView(Vertical):
 
     def _label(self) -> str:
         label = "you" if self.role == "user" else self.role
-        return f"{label} · cancelled" if self.cancelled else label
+        if self.cancelled:
+            return f"{label} · cancelled"
+        return f"{label} · interrupted" if self.interrupted else label
 
 
 WELCOME = "Type a message and press Enter.  F1 shows every key."
@@ -121,7 +176,8 @@ class ChatLog(VerticalScroll):
         await self._stop_stream()
         self._pending = []
         await self.remove_children(MessageView)
-        await self.mount_all([MessageView(m.role, m.content, m.cancelled) for m in conv.messages])
+        await self.mount_all([MessageView(m.role, m.content, m.cancelled, m.interrupted)
+                              for m in conv.messages])
         self.query_one("#chat-empty").display = not conv.messages
         self.scroll_end(animate=False)
 
@@ -168,10 +224,9 @@ class ChatLog(VerticalScroll):
         if self._pending:
             answer = self._pending[-1]
             answer.set_status("" if reply else "(no text: the model ended at once)")
-            answer.content = reply
             if cancelled:
                 answer.mark_cancelled()
-            await answer.query_one(Markdown).update(printable(reply))
+            await answer.set_content(reply)
         self._pending = []
 
     async def withdraw(self) -> None:
