@@ -258,7 +258,9 @@ class Tokenizer:
         with self._hf_lock:
             # True: control-token text is not split out, it goes through BPE as plain text
             self._hf.encode_special_tokens = not special
-            ids = self._hf.encode(text, add_special_tokens=False).ids
+            # encode_batch lets go of the GIL while it works (encode holds it: a long prompt
+            # would stall every other thread, the server's event loop among them)
+            ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise TokenizerError(f"add_bos was requested but the file has no {KEY_BOS}")
