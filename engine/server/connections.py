@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import socket
 from collections import OrderedDict
 from typing import Any
 
@@ -104,9 +105,16 @@ class BoundedH11Protocol(H11Protocol):
         self._forget()
         super().connection_lost(exc)
 
+    def timeout_keep_alive_handler(self) -> None:
+        if not self._unread():
+            super().timeout_keep_alive_handler()
+
     def close(self, why: str) -> bool:
         """Close this connection (a head too late, or room for another); False when it was
         closing already."""
+        if why == "timed out" and self._unread():  # see `_unread`: look again shortly
+            self._deadline = self.loop.call_later(0.5, self.close, why)
+            return False
         self._forget()
         if self.transport.is_closing():
             return False
@@ -137,6 +145,19 @@ class BoundedH11Protocol(H11Protocol):
         self._cancel()
         self.bounds.idle.pop(self, None)
         return True
+
+    def _unread(self) -> bool:
+        """Whether bytes wait in the socket that the event loop has not read: a loop held up
+        (a long tokenization holding the GIL) runs a timer that fell due meanwhile before it
+        reads them, and closing then would reset a request that came in time."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is None or self.transport.is_closing():
+            return False
+        try:
+            with socket.fromfd(sock.fileno(), sock.family, sock.type) as peek:
+                return bool(peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:  # nothing waiting (EAGAIN), or no descriptor left to look with
+            return False
 
     def _cancel(self) -> None:
         if self._deadline is not None:
