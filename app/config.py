@@ -41,9 +41,10 @@ class ChatConfig:
 
 
 # The app exists to show the loan: unless told otherwise it starts on the serialized serve
-# path with elastic segments and MTP drafts (T = 2), and with every loan flag on when no
-# STRATA_PREFILL_* variable is set (set any of them, or use the flags panel, to change that).
-APP_DEFAULTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 2}
+# path with elastic segments and MTP drafts (T = 2) whose memory serves the expert cache over
+# plain spans (--cache-lend), and with every loan flag on when no STRATA_PREFILL_* variable is
+# set (set any of them, or use the flags panel, to change that). --plain: none of it.
+APP_DEFAULTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 2, "cache_lend": True}
 APP_FLAGS = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
                            retain_startup_chunk=True, repeat_loan=True)
 
@@ -83,7 +84,7 @@ def chat_config(args: argparse.Namespace) -> ChatConfig:
     if not args.plain and not any(k.startswith("STRATA_PREFILL_") for k in os.environ):
         flags = APP_FLAGS if options.mtp else LoanFlags.make(
             elastic_loan=True, retain_startup_chunk=True, repeat_loan=True)
-    for warning in flags.warnings:
+    for warning in flags.warnings_for(options):
         sys.stderr.write(f"strata: warning: {warning}\n")
     return ChatConfig(options, flags, sampling_params(args), args.max_new)
 

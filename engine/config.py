@@ -7,6 +7,7 @@ guards' job (`engine.guards.validate`).
 from __future__ import annotations
 
 import difflib
+import operator
 import os
 import re
 from collections.abc import Mapping
@@ -16,6 +17,8 @@ from engine.errors import FlagError
 
 REPEAT_MIN_DEFAULT = 1024
 REPEAT_MIN_FLOOR = 256
+# Above a C int no prompt can reach the threshold: a typo, refused rather than kept
+REPEAT_MIN_CEILING = 2**31 - 1
 AUTO = "auto"  # STRATA_PREFILL_REPEAT_MIN_TOKENS=auto: the forecast decides the repeat loan
 
 ENV_NAMES = {
@@ -50,8 +53,9 @@ class LoanFlags:
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        if self.repeat_min_tokens < 0:
-            raise FlagError(_negative_repeat_min(self.repeat_min_tokens))
+        # values from users come through `make` (clamped, or refused); this is our own check
+        assert REPEAT_MIN_FLOOR <= self.repeat_min_tokens <= REPEAT_MIN_CEILING, (
+            f"LoanFlags(repeat_min_tokens={self.repeat_min_tokens}): use LoanFlags.make")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LoanFlags:
@@ -68,19 +72,15 @@ class LoanFlags:
             if raw is None:
                 continue
             if name == "repeat_min_tokens":
-                if raw.strip().lower() == AUTO:
-                    values["repeat_auto"] = True
+                try:
+                    threshold = parse_threshold(raw)
+                except FlagError as e:
+                    errors += e.violations
                     continue
-                n = _parse_count(raw)
-                if n is None:
-                    errors.append(
-                        f"{var}={raw!r} is not an integer; give a token count such as "
-                        "1024, or auto (the forecast decides)"
-                    )
-                elif n < 0:
-                    errors.append(_negative_repeat_min(n))
-                else:
-                    values[name] = n
+                if threshold == AUTO:
+                    values["repeat_auto"] = True
+                elif threshold is not None:  # empty is unset, as an empty boolean is off
+                    values[name] = threshold
                 continue
             value = raw.strip().lower()
             if value in TRUE_SPELLINGS:
@@ -98,23 +98,39 @@ class LoanFlags:
 
     @classmethod
     def make(cls, **values: object) -> LoanFlags:
-        """Construct with the repeat threshold clamped to >= 256 (with a warning); a negative
-        threshold is a FlagError."""
-        n = int(values.get("repeat_min_tokens", REPEAT_MIN_DEFAULT))  # type: ignore[arg-type]
-        if n < 0:
-            raise FlagError(_negative_repeat_min(n))
-        warnings = []
+        """Construct with the repeat threshold clamped to >= 256, a negative one included
+        (seed 000; the warning is in `warnings`); one above 2**31 - 1 is a FlagError."""
+        n = operator.index(
+            values.get("repeat_min_tokens", REPEAT_MIN_DEFAULT))  # type: ignore[arg-type]
+        if n > REPEAT_MIN_CEILING:
+            raise FlagError(_too_large(n))
+        warnings: tuple[str, ...] = ()
         if n < REPEAT_MIN_FLOOR:
-            warnings.append(
-                f"{ENV_NAMES['repeat_min_tokens']}={n} is below the minimum; clamped to "
-                f"{REPEAT_MIN_FLOOR}"
-            )
+            var = ENV_NAMES["repeat_min_tokens"]
+            line = (f"{var}={_shown(n)} is below the minimum of {REPEAT_MIN_FLOOR} tokens; "
+                    f"clamped to {REPEAT_MIN_FLOOR}")
+            warnings = (line,)
             n = REPEAT_MIN_FLOOR
         values = {**values, "repeat_min_tokens": n}
-        return cls(**values, warnings=tuple(warnings))  # type: ignore[arg-type]
+        return cls(**values, warnings=warnings)  # type: ignore[arg-type]
 
     def with_changes(self, **changes: object) -> LoanFlags:
+        """These flags with `changes` (a runtime change), checked as `make` checks; the new
+        flags' `warnings` are those of the change alone."""
         return LoanFlags.make(**{**self.as_kwargs(), **changes})
+
+    def warnings_for(self, options: EngineOptions) -> tuple[str, ...]:
+        """`warnings`, and what these flags mean for an engine with `options`: a repeat
+        threshold above the context, which no message can reach."""
+        out = self.warnings
+        if (self.elastic_loan and self.repeat_loan and not self.repeat_auto
+                and self.repeat_min_tokens > options.ctx):
+            var = ENV_NAMES["repeat_min_tokens"]
+            line = (f"{var}={self.repeat_min_tokens} is above the context (--ctx "
+                    f"{options.ctx}): no message reaches it, so no repeat loan runs; lower it, "
+                    "or raise --ctx")
+            out += (line,)
+        return out
 
     def as_kwargs(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "warnings"}
@@ -159,7 +175,9 @@ class EngineOptions:
     no_token_graph: bool = False
     dense: str = "auto"  # dense linear weights: quant, float, or auto (quant on CUDA)
     no_borrow: bool = False
-    no_cache_lend: bool = False  # keep the MTP regions resident over plain spans (cache_lend)
+    # lend the MTP regions to the expert cache over plain spans (engine/loan/cache_lend.py);
+    # off unless asked, so an engine without it runs the default path unchanged
+    cache_lend: bool = False
     cache_policy: str = "auto"  # adaptive: decode steps promote misses; static; auto: by device
     batch_slots: int = 1
     prefill_head_alias: bool = False
@@ -192,21 +210,43 @@ class EngineOptions:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-def _parse_count(raw: str) -> int | None:
-    """An integer written in ASCII digits (with an optional sign), else None."""
+def parse_threshold(raw: str) -> int | str | None:
+    """STRATA_PREFILL_REPEAT_MIN_TOKENS as written (the variable, the app's flags panel): None
+    when empty (as if unset), AUTO, or a count in ASCII digits, not yet clamped (`make` does
+    that). FlagError, naming the value, for anything else or a count above 2**31 - 1."""
     text = raw.strip()
+    if not text:
+        return None
+    if text.lower() == AUTO:
+        return AUTO
     if not _INTEGER.fullmatch(text):
-        return None
-    try:
-        return int(text)
-    except ValueError:  # more digits than Python converts
-        return None
+        raise FlagError(f"{ENV_NAMES['repeat_min_tokens']}={raw!r} is not an integer; give a "
+                        "token count such as 1024, or auto (the forecast decides)")
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    if len(digits) > _MAX_DIGITS:  # int() refuses past 4,300 digits; the sign is what matters
+        n = (-1 if text[0] == "-" else 1) * 10**_MAX_DIGITS
+    else:
+        n = int(text)
+    if n > REPEAT_MIN_CEILING:
+        raise FlagError(_too_large(n))
+    return n
 
 
-def _negative_repeat_min(n: int) -> str:
+_MAX_DIGITS = 4000
+
+
+def _shown(n: int) -> str:
+    """A count as a message shows it: cut short when long, so the message stays one line."""
+    if abs(n) >= 10**_MAX_DIGITS:  # parse_threshold's stand-in for a longer number
+        return f"{'-' if n < 0 else ''}<more than {_MAX_DIGITS:,} digits>"
+    text = str(n)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
+
+
+def _too_large(n: int) -> str:
     return (
-        f"{ENV_NAMES['repeat_min_tokens']}={n} is negative; give a token count such as 1024 "
-        f"(values below {REPEAT_MIN_FLOOR} are raised to {REPEAT_MIN_FLOOR})"
+        f"{ENV_NAMES['repeat_min_tokens']}={_shown(n)} is larger than any prompt; give a token "
+        f"count up to {REPEAT_MIN_CEILING:,} (such as 1024), or auto"
     )
 
 

@@ -171,9 +171,11 @@ class TraceLine(Event):
 
 @dataclass(frozen=True)
 class FlagsChanged(Event):
-    """Flags accepted; they apply from the next request."""
+    """Flags accepted; they apply from the next request. `warnings`: what the change says
+    (a repeat threshold clamped to 256, one no message reaches: runtime_flags.warnings)."""
 
     flags: tuple[tuple[str, str], ...]
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,21 @@ class Faults:
     def __init__(self) -> None:
         self.armed: set[str] = set()
         self.seen: list[str] = []
+        self._after: dict[str, int] = {}  # armed step -> hits that pass before it raises
 
-    def arm(self, step: str) -> None:
+    def arm(self, step: str, after: int = 0) -> None:
+        """`step` raises once, at its first hit after `after` hits that pass (a step hit in a
+        loop: `arm('refill:slot', after=2)` fails a refill at its third slot)."""
         self.armed.add(step)
+        self._after[step] = after
 
     def hit(self, step: str) -> None:
         self.seen.append(step)
         if step in self.armed:
+            left = self._after.get(step, 0)
+            if left:
+                self._after[step] = left - 1
+                return
             self.armed.discard(step)
+            self._after.pop(step, None)
             raise InjectedFault(f"fault injected at {step}")

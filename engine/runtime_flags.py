@@ -18,7 +18,7 @@ from engine.runtime import Runtime
 RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profile",
                   "vram_segment_mib", "vram_reserve_mib", "vram_limit", "mtp", "draft_vocab",
                   "no_borrow", "batch_slots", "prefill_head_alias", "vram_elastic", "serve",
-                  "dense", "no_cache_lend")
+                  "dense", "cache_lend")
 
 
 def validate(rt: Runtime, options: EngineOptions, flags: LoanFlags) -> list[str]:
@@ -39,6 +39,13 @@ def validate(rt: Runtime, options: EngineOptions, flags: LoanFlags) -> list[str]
         except StrataError as e:
             v.append(f"--prefill {options.prefill}: {e}")
     return v
+
+
+def warnings(options: EngineOptions, flags: LoanFlags) -> list[str]:
+    """What an accepted change says besides taking effect: a repeat threshold clamped to 256
+    (a negative one too), or one above the context that no message reaches. The serve loop
+    prints them and puts them on its FlagsChanged event; `POST /v1/flags` returns them."""
+    return list(flags.warnings_for(options))
 
 
 def prompt_plan(rt: Runtime, prefill: int | str) -> PromptGeometry:

@@ -221,7 +221,9 @@ class ServeLoop:
     def set_flags(self, flags: LoanFlags, options: EngineOptions | None = None) -> list[str]:
         """Validate new flags/options with the guards; apply them from the next request.
 
-        Returns the violations (empty when accepted). Never changes a running request.
+        Returns the violations (empty when accepted). Never changes a running request. An
+        accepted change's warnings (`runtime_flags.warnings`: a clamped threshold) are printed
+        as warning lines and carried on its FlagsChanged event.
         """
         with self._flags_lock:
             options = options or self.options
@@ -230,8 +232,11 @@ class ServeLoop:
                 self.bus.publish(FlagsRefused(tuple(violations)))
                 return violations
             self._pending_flags, self._pending_options = flags, options
+            said = runtime_flags.warnings(options, flags)
+            for w in said:
+                self.rt.report.warn(f"strata: warning: {w}")
             self.bus.publish(FlagsChanged(tuple(sorted(flags.as_env().items())) + (
-                ("spec", str(options.spec)), ("prefill", str(options.prefill)))))
+                ("spec", str(options.spec)), ("prefill", str(options.prefill))), tuple(said)))
         return []
 
     def chat(

@@ -19,8 +19,8 @@ from engine.config import EngineOptions
 from engine.serve import ServeLoop
 
 CONFIGS = {
+    "--mtp --spec 2 --cache-lend": {"mtp": True, "spec": 2, "cache_lend": True},
     "--mtp --spec 2": {"mtp": True, "spec": 2},
-    "--mtp --spec 2 --no-cache-lend": {"mtp": True, "spec": 2, "no_cache_lend": True},
     "no MTP": {},
 }
 

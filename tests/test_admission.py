@@ -222,7 +222,8 @@ def test_the_mtp_lend_fills_its_slots_with_what_decoding_uses(random_demo_path: 
     """Lending the MTP regions to the cache (engine/loan/cache_lend.py) fills the new slots by
     the admission scores: the experts decoding used most that the cache lacks."""
     opts = EngineOptions(model=str(random_demo_path), device="sim:40MiB", ctx=2048, mtp=True,
-                         spec=2, draft_vocab=3000, expert_cache=40, cache_policy="adaptive")
+                         spec=2, draft_vocab=3000, expert_cache=40, cache_policy="adaptive",
+                         cache_lend=True)
     loop = ServeLoop.create(opts)
     rt = loop.rt
     cache, adm = rt.cache, rt.experts.admission

@@ -4,12 +4,14 @@ the end of a request, and the tokens are those of an engine that never lends."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from engine.bench import prompt_tokens
-from engine.config import EngineOptions
+from engine.config import EngineOptions, LoanFlags
+from engine.loan.cache_lend import PREFIX
 from engine.serve import ServeLoop
 from engine.spec.policy import PLAIN, DraftPolicy
 
@@ -19,7 +21,7 @@ REGIONS = ("mtp.experts", "mtp.draft_head")
 def make(path: Path, lend: bool, lines: list[str] | None = None) -> ServeLoop:
     # random weights: drafts are never accepted; 40 of the 128 experts cached
     opts = EngineOptions(model=str(path), device="sim:40MiB", ctx=2048, mtp=True, spec=2,
-                         draft_vocab=3000, expert_cache=40, no_cache_lend=not lend)
+                         draft_vocab=3000, expert_cache=40, cache_lend=lend)
     return ServeLoop.create(opts, on_trace=None if lines is None else lines.append)
 
 
@@ -76,8 +78,9 @@ def test_a_plain_span_lends_and_the_tokens_stay(random_demo_path: Path, max_new:
         out[lend] = reply
     assert out[True].text == out[False].text and out[True].timing.generated == max_new
     assert out[True].timing.decode_hits > out[False].timing.decode_hits
-    assert any("decoding plain: lent mtp experts" in ln for ln in lines)
-    assert any("drafting again: mtp experts, draft head restored" in ln for ln in lines)
+    assert any(ln.startswith("strata lend: decoding plain: lent mtp experts") for ln in lines)
+    assert any(ln.startswith("strata lend: drafting again: mtp experts, draft head restored")
+               for ln in lines)
 
 
 def test_drafts_get_the_memory_back_before_they_run(random_demo_path: Path) -> None:
@@ -177,3 +180,68 @@ def test_a_probe_whose_catch_up_costs_too_much_waits(random_demo_path: Path) -> 
     assert replies[None].timing.drafted_steps > 0  # the probe after the span (it measures)
     assert replies[1.0].timing.drafted_steps == 0
     assert replies[1.0].text == replies[None].text
+
+
+# -- an explicit option, off by default, its lines named apart (issue 27 item 10) -------------
+
+def test_off_by_default_the_mtp_regions_stay_resident(random_demo_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no STRATA_PREFILL_* variable and no --cache-lend, the default path is unchanged: a
+    long plain span lends nothing, the MTP regions never leave the ledger, and no line says
+    'strata loan:' or 'strata lend:'."""
+    from engine.events import EventBus, LedgerChanged
+
+    for var in [v for v in os.environ if v.startswith("STRATA_PREFILL_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("STRATA_TRACE", "1")
+    assert EngineOptions().cache_lend is False
+    bus, lines = EventBus(), []
+    seen: list[set[str]] = []
+    bus.subscribe(lambda e: seen.append({r.name for r in e.regions})
+                  if isinstance(e, LedgerChanged) else None)
+    opts = EngineOptions(model=str(random_demo_path), device="sim:40MiB", ctx=2048, mtp=True,
+                         spec=2, draft_vocab=3000, expert_cache=40)
+    loop = ServeLoop.create(opts, LoanFlags.from_env(), bus, on_trace=lines.append)
+    assert loop.rt.spec.lender is None and not loop.flags.elastic_loan
+    settled_plain(loop)
+    n0 = loop.rt.cache.n_slots
+    seen.clear()  # from here on: the request
+    reply = loop.complete(prompt_tokens(loop, 300), max_new=40)
+    assert reply.timing.drafted_steps == 0 and loop.rt.cache.n_slots == n0
+    assert all(set(REGIONS) <= names for names in seen) and set(REGIONS) <= regions(loop)
+    assert not [ln for ln in lines if ln.startswith(("strata loan:", "strata lend:"))]
+
+
+def test_its_trace_lines_say_lend_not_loan(random_demo_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cache-lend on, the prefill loan off: the lend's lines begin 'strata lend:' and no
+    line claims a prefill loan."""
+    monkeypatch.setenv("STRATA_TRACE", "1")
+    lines: list[str] = []
+    loop = make(random_demo_path, lend=True, lines=lines)
+    settled_plain(loop)
+    loop.complete(prompt_tokens(loop, 300), max_new=40)
+    lend = [ln for ln in lines if "decoding plain" in ln or "drafting again" in ln]
+    assert lend and all(ln.startswith(PREFIX) for ln in lend), lend
+    assert not [ln for ln in lines if ln.startswith("strata loan:")]
+
+
+def test_the_option_on_the_command_line_and_in_the_app() -> None:
+    """`--cache-lend` (documented in its help) asks for it; the chat app turns it on with its
+    loan defaults, `--plain` leaves it off."""
+    from app.config import add_chat_args, chat_config
+    from engine.cli import OneLineParser
+    from engine.cli.options import add_engine_args, engine_options, options_argv
+
+    p = OneLineParser(prog="t")
+    add_engine_args(p)
+    assert not engine_options(p.parse_args([])).cache_lend
+    on = engine_options(p.parse_args(["--mtp", "--spec", "2", "--cache-lend"]))
+    assert on.cache_lend and options_argv(on) == ["--mtp", "--spec", "2", "--cache-lend"]
+    text = " ".join(p.format_help().split())  # as wrapped for the terminal
+    assert "--cache-lend with --mtp --spec: lend the MTP experts" in text
+    assert "'strata lend:'; default: off" in text
+    app = OneLineParser(prog="chat")
+    add_chat_args(app)
+    assert chat_config(app.parse_args([])).options.cache_lend
+    assert not chat_config(app.parse_args(["--plain"])).options.cache_lend

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def test_fault_at_every_step_rolls_back(demo_path: Path, texts: list[str], kind:
     probe.seen.clear()
     converse(loop, texts[:1])
     steps = list(dict.fromkeys(probe.seen))
-    assert {"plan", "grow", "lent", "refill", "shrink", "logits"} <= set(steps)
+    assert {"plan", "grow", "lent", "refill", "refill:slot", "shrink", "logits"} <= set(steps)
     assert any(s.startswith("release:") for s in steps) and any(s.startswith("chunk:") for s in steps)
     for step in steps:
         faults = Faults()
@@ -112,9 +113,9 @@ def test_fault_at_every_step_rolls_back(demo_path: Path, texts: list[str], kind:
             loop.chat(conv, texts[1], max_new=10)
         before = state(loop, conv)
         faults.arm(step)
-        # a one-shot device fault on restore is retried; a failed lend to the expert cache is
-        # undone (the request goes on without it)
-        if step.startswith(("restore:", "cache-repay:", "cache-lend:")):
+        # a one-shot device fault on restore or on a refilled slot is retried; a failed lend
+        # to the expert cache is undone (the request goes on without it)
+        if step.startswith(("restore:", "cache-repay:", "cache-lend:", "refill:slot")):
             loop.chat(conv, texts[0], max_new=10)
             loop.rt.check_integrity()
             continue
@@ -202,3 +203,73 @@ def test_a_one_token_answer_does_not_inflate_the_next_fresh_count(demo_path: Pat
             want.timing.reused_tokens, want.timing.fresh_tokens), got.timing.line()
     assert want.timing.reused_tokens > 1000
     assert not [s for s in steps[n:] if s.step == "release"]  # 40 fresh tokens: no repeat loan
+
+
+REFILL_FAILED = re.compile(r"strata trace: refill of (\d+) slots \[(\d+)\.\.(\d+)\] failed after "
+                           r"(\d+) in \d+\.\d ms, (\d+) still lent \(fault injected at "
+                           r"refill:slot\)")
+REFILLED = re.compile(r"strata trace: refilled (\d+) slots \[(\d+)\.\.(\d+)\] in \d+\.\d ms, "
+                      r"(\d+) still lent(?: \((\d+) on this attempt, (\d+) before it failed\))?")
+
+
+def refill_lines(lines: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    for ln in lines:
+        for kind, pattern in (("failed", REFILL_FAILED), ("refilled", REFILLED)):
+            m = pattern.fullmatch(ln)
+            if m:
+                out.append((kind, tuple(int(g) for g in m.groups() if g is not None)))
+    return out
+
+
+def test_a_failed_refill_attempt_says_so_and_the_retry_counts_both(
+        demo_path: Path, texts: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27 item 9: a refill that fails after two slots prints a trace line and a warning
+    with the slots still lent; the retry's line counts the slots of both attempts, and says 0
+    still lent only when every slot is back. The reply is a clean run's."""
+    monkeypatch.setenv("STRATA_TRACE", "1")
+    clean = converse(make(demo_path), texts[:1])
+    faults, lines = Faults(), []
+    loop = ServeLoop.create(EngineOptions(model=str(demo_path), **OPTS), FLAGS,  # type: ignore[arg-type]
+                            faults=faults, on_trace=lines.append)
+    faults.arm("refill:slot", after=2)
+    assert converse(loop, texts[:1]) == clean
+    (failed, (n, a, b, back, still)), (refilled, done) = refill_lines(lines)
+    assert (failed, refilled, back, still) == ("failed", "refilled", 2, n - 2)
+    assert n == b - a + 1 > 2
+    assert done == (n, a, b, 0, n - 2, 2)  # all back: the retry's n - 2 and the first's 2
+    warning = (f"strata: warning: refilling the lent expert-cache slots failed (fault injected "
+               f"at refill:slot); {n - 2} of {n} still lent, retrying once")
+    assert warning in lines and loop.rt.report.warnings == [warning]
+
+
+def test_a_refill_that_fails_twice_rolls_back_and_counts_what_is_still_lent(
+        demo_path: Path, texts: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both attempts fail (after 2 slots, then 1 more): the request rolls back, each failure
+    says how many are still lent (n - 2, then n - 3), and the undo path's refill brings the
+    rest back (0 still lent); the next request is a clean run's."""
+    monkeypatch.setenv("STRATA_TRACE", "1")
+    clean = converse(make(demo_path), texts[:1])
+    faults, lines = Faults(), []
+
+    def line(text: str) -> None:
+        lines.append(text)
+        if text.endswith("retrying once"):  # the retry fails too, one slot further
+            faults.arm("refill:slot", after=1)
+
+    loop = ServeLoop.create(EngineOptions(model=str(demo_path), **OPTS), FLAGS,  # type: ignore[arg-type]
+                            faults=faults, on_trace=line)
+    conv = Conversation()
+    before = state(loop, conv)
+    faults.arm("refill:slot", after=2)
+    with pytest.raises(InjectedFault):
+        loop.chat(conv, texts[0], max_new=10)
+    assert state(loop, conv) == before
+    loop.rt.check_integrity()
+    got = refill_lines(lines)
+    n = got[0][1][0]
+    assert [(kind, v[-2:] if kind == "failed" else v[3:]) for kind, v in got] == [
+        ("failed", (2, n - 2)), ("failed", (3, n - 3)), ("refilled", (0, n - 3, 3))]
+    assert any(ln.endswith(f"{n - 3} of {n} still lent, giving up; the request rolls back")
+               for ln in lines)
+    assert loop.chat(conv, texts[0], max_new=10).text == clean[0]

@@ -11,7 +11,7 @@ from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation
 from engine.devices import deferred_regions
-from engine.events import EventBus, FlagsRefused, LoanStep, PlanChosen
+from engine.events import EventBus, FlagsChanged, FlagsRefused, LoanStep, PlanChosen
 from engine.faults import Faults, InjectedFault
 from engine.serve import ServeLoop
 
@@ -191,3 +191,58 @@ def test_a_failed_restore_keeps_the_old_flags(demo_path: Path,
     text = loop.chat(conv, two_messages[0], max_new=6).text
     assert loop.rt.flags == NONE and loop.rt.resources.all_resident()
     assert text == _fresh_run(demo_path, NONE, two_messages)[0][0]
+
+
+# -- the repeat threshold changed at runtime: the seed's clamp, said (issue 27 item 9) -------
+
+def test_a_clamped_threshold_says_so_in_the_log_and_the_event(demo_path: Path) -> None:
+    """Seed 000's clamp at runtime: 100 (or -5) is taken as 256 and the warning is a printed
+    line, kept by the reporter, and on the FlagsChanged event (the app's event log)."""
+    bus = EventBus()
+    changed: list[FlagsChanged] = []
+    bus.subscribe(lambda e: changed.append(e) if isinstance(e, FlagsChanged) else None)
+    lines: list[str] = []
+    loop = ServeLoop.create(LOAN_OPTS.with_changes(model=str(demo_path)), ALL, bus,
+                            on_trace=lines.append)
+    for asked in (100, -5):
+        assert loop.set_flags(loop.flags.with_changes(repeat_min_tokens=asked)) == []
+        assert loop.flags.repeat_min_tokens == 256
+        want = (f"STRATA_PREFILL_REPEAT_MIN_TOKENS={asked} is below the minimum of 256 tokens; "
+                "clamped to 256")
+        assert changed[-1].warnings == (want,)
+        assert lines[-1] == loop.rt.report.warnings[-1] == f"strata: warning: {want}"
+        assert "\n" not in lines[-1]
+    assert loop.set_flags(loop.flags.with_changes(repeat_min_tokens=2048)) == []
+    assert changed[-1].warnings == () and loop.flags.repeat_min_tokens == 2048
+    far = loop.flags.with_changes(repeat_min_tokens=50_000)  # above --ctx 4096: never taken
+    assert loop.set_flags(far) == []
+    assert "is above the context (--ctx 4096)" in changed[-1].warnings[0]
+    assert runtime_flags.warnings(loop.options, far) == list(changed[-1].warnings)
+    loop.close()
+
+
+def test_post_flags_returns_the_clamp_warning(demo_path: Path) -> None:
+    """POST /v1/flags: a clamped threshold answers 200 with the warning in `warnings`; one past
+    any prompt is refused naming the value; the event carries the warning too."""
+    from servers import running
+
+    with running(str(demo_path)) as srv:  # every loan flag on, --ctx 1024
+        changed: list[FlagsChanged] = []
+        srv.bus.subscribe(lambda e: changed.append(e) if isinstance(e, FlagsChanged) else None)
+        with srv.client() as c:
+            r = c.post("/v1/flags", json={"flags": {"repeat_min_tokens": 100}})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["flags"]["repeat_min_tokens"] == 256
+            want = ("STRATA_PREFILL_REPEAT_MIN_TOKENS=100 is below the minimum of 256 tokens; "
+                    "clamped to 256")
+            assert body["warnings"] == [want] and changed[-1].warnings == (want,)
+            assert srv.loop.rt.report.warnings[-1] == f"strata: warning: {want}"
+            r = c.post("/v1/flags", json={"flags": {"repeat_min_tokens": 2**31}})
+            assert r.status_code == 422 and "larger than any prompt" in r.json()["error"]["message"]
+            r = c.post("/v1/flags", json={"flags": {"repeat_min_tokens": 10**30}})
+            assert r.status_code in (400, 422)  # the body's parser may refuse it first
+            assert srv.loop.flags.repeat_min_tokens == 256
+            r = c.post("/v1/flags", json={"flags": {"repeat_min_tokens": 512}})
+            assert r.status_code == 200 and r.json()["warnings"] == []
+            assert c.get("/v1/flags").json()["warnings"] == []

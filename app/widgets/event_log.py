@@ -31,7 +31,10 @@ def event_line(event: Event) -> Text | None:
         return Text(LOAN_PREFIX + event.detail, style=style)
     if isinstance(event, FlagsChanged):
         shown = " ".join(f"{k.removeprefix('STRATA_PREFILL_')}={v}" for k, v in event.flags)
-        return Text(f"flags accepted (next message): {shown}", style="green")
+        line = Text(f"flags accepted (next message): {shown}", style="green")
+        for w in event.warnings:
+            line.append(f"\nwarning: {w}", style="yellow")
+        return line
     if isinstance(event, FlagsRefused):
         return Text("flags refused: " + "; ".join(event.violations), style="bold red")
     if isinstance(event, Ready):

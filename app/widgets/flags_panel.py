@@ -19,7 +19,14 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Input, Label, Select, Static, Switch
 
-from engine.config import AUTO, ENV_NAMES, EngineOptions, LoanFlags
+from engine.config import (
+    AUTO,
+    ENV_NAMES,
+    REPEAT_MIN_DEFAULT,
+    EngineOptions,
+    LoanFlags,
+    parse_threshold,
+)
 from engine.errors import FlagError
 
 SWITCHES = ("elastic_loan", "mtp_loan", "head_loan", "retain_startup_chunk", "repeat_loan")
@@ -128,7 +135,7 @@ class FlagsPanel(Widget):
     def accepted(self, flags: LoanFlags, options: EngineOptions) -> None:
         self.show(flags, options)
         message = Text("accepted: applies from the next message", style="green")
-        for warning in flags.warnings:
+        for warning in flags.warnings_for(options):
             message.append(f"\n{warning}", style="yellow")
         self.status = message
 
@@ -188,7 +195,7 @@ class FlagsPanel(Widget):
         event.stop()
         try:
             flags = threshold_flags(self.flags, event.value)
-        except FlagError as exc:  # not a count, or a negative one
+        except FlagError as exc:  # not a count, or one past any prompt
             self.refused(exc.violations)
             return
         if flags != self.flags or flags.warnings:  # a clamped count says so when accepted
@@ -219,14 +226,11 @@ class FlagsPanel(Widget):
 
 
 def threshold_flags(flags: LoanFlags, text: str) -> LoanFlags:
-    """`flags` with STRATA_PREFILL_REPEAT_MIN_TOKENS as typed: 'auto' or a count (FlagError
-    naming the value otherwise, as the variable is refused on the command line)."""
-    value = text.strip().lower()
+    """`flags` with STRATA_PREFILL_REPEAT_MIN_TOKENS as typed, read as the variable is
+    (`parse_threshold`: 'auto', a count clamped to >= 256, empty for the default; FlagError
+    naming the value otherwise)."""
+    value = parse_threshold(text)
     if value == AUTO:
         return flags.with_changes(repeat_auto=True)
-    try:
-        n = int(value)
-    except ValueError:
-        raise FlagError(f"{ENV_NAMES['repeat_min_tokens']}={text!r} is not an integer; give "
-                        "a count or auto") from None
+    n = REPEAT_MIN_DEFAULT if value is None else int(value)  # empty: as if the variable were unset
     return flags.with_changes(repeat_min_tokens=n, repeat_auto=False)

@@ -98,7 +98,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
         if spec is not None:
             session.on_hidden = spec.collect
     resources = ResourceSet(items)
-    if spec is not None and cache is not None and not options.no_cache_lend:
+    if spec is not None and cache is not None and options.cache_lend:
         spec.lender = CacheLend(resources, cache, ledger, faults, report, experts.ranking)
     rt = Runtime(options=options, flags=flags, model=model, backend=backend, ledger=ledger,
                  plan=plan, costs=costs, plan_options=plan_options, cache=cache,

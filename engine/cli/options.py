@@ -78,9 +78,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding and serving")
     s.add_argument("--mtp", action="store_true", help="use the model's MTP (nextn) layer")
     s.add_argument("--spec", type=int, default=0, help="speculative window T (2..8; 0 off)")
-    s.add_argument("--no-cache-lend", action="store_true",
-                   help="keep the MTP experts and draft head resident while the drafting "
-                        "policy decodes plain (default: lend them to the expert cache)")
+    s.add_argument("--cache-lend", action="store_true",
+                   help="with --mtp --spec: lend the MTP experts and draft head to the expert "
+                        "cache while the drafting policy decodes plain, back before a draft "
+                        "(trace lines 'strata lend:'; default: off, they stay resident; "
+                        "the chat app turns it on unless --plain)")
     s.add_argument("--spec-always", action="store_true",
                    help="draft on every step (default: only while drafted steps are measured "
                         "faster per token than plain ones; sampled requests always draft)")
@@ -109,7 +111,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         vram_limit=args.vram_limit, serve=args.serve, mtp=args.mtp, spec=args.spec,
         spec_always=args.spec_always,
         draft_vocab=args.draft_vocab, no_token_graph=args.no_token_graph, dense=args.dense,
-        no_cache_lend=args.no_cache_lend, cache_policy=args.cache_policy,
+        cache_lend=args.cache_lend, cache_policy=args.cache_policy,
         no_borrow=args.no_borrow, batch_slots=args.batch_slots,
         prefill_head_alias=args.prefill_head_alias,
     )

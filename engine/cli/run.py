@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     options = engine_options(args)
     flags = loan_flags()
-    for w in flags.warnings:
+    for w in flags.warnings_for(options):
         stderr_line(f"strata: warning: {w}")
     ids: list[int] = []
     if args.tokens_file is not None:  # read before the engine is built

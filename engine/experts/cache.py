@@ -113,6 +113,10 @@ class ExpertCache:
     def n_lent(self) -> int:
         return int((self._states == LENT).sum())
 
+    def lent_in(self, lent: LentRange) -> int:
+        """How many slots of `lent` are still lent (a refill that failed leaves some)."""
+        return int((self._states[lent.first : lent.last + 1] == LENT).sum())
+
     @property
     def borrowing_available(self) -> bool:
         """The prompt path may borrow the tail: the table was staged for the borrow reader."""
@@ -269,21 +273,26 @@ class ExpertCache:
         self._trace(trace)
         return LentRange(first, last, view, chunk_tokens, ms, trace)
 
-    def refill(self, lent: LentRange) -> RefillResult:
+    def refill(self, lent: LentRange, on_slot: Callable[[], None] | None = None) -> RefillResult:
         """Upload each still-lent slot of `lent` back into the same slot and restore its row.
 
         On a failed upload the slots refilled so far stay refilled and the rest stay lent, so
-        calling `refill` again finishes the job.
+        calling `refill` again finishes the job; its trace line then counts the range's slots
+        back across the attempts. `on_slot` runs before each slot (the prompt path's fault
+        point).
         """
         t0 = time.perf_counter()
         before = self.backend.stats.snapshot()
         n_done = n_uploaded = 0
+        n_earlier = lent.n_slots - self.lent_in(lent)  # refilled by an attempt that failed
         for slot in range(lent.first, lent.last + 1):
             if self._states[slot] != LENT:
                 continue
             owner = self._lent_owner[slot]
             self._states[slot] = REFILLING
             try:
+                if on_slot is not None:
+                    on_slot()
                 if owner is not None:
                     self._put(slot, *owner)
             except BaseException:
@@ -298,9 +307,11 @@ class ExpertCache:
         ms = (time.perf_counter() - t0) * 1e3
         still = self.n_lent
         trace = (
-            f"strata trace: refilled {n_done} slots [{lent.first}..{lent.last}] in {ms:.1f} ms, "
-            f"{still} still lent"
+            f"strata trace: refilled {n_earlier + n_done} slots [{lent.first}..{lent.last}] in "
+            f"{ms:.1f} ms, {still} still lent"
         )
+        if n_earlier:
+            trace += f" ({n_done} on this attempt, {n_earlier} before it failed)"
         self._trace(trace)
         h2d = (self.backend.stats.snapshot() - before).h2d_bytes
         return RefillResult(n_done, lent.first, lent.last, n_uploaded, h2d, ms, still, trace)

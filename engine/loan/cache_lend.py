@@ -10,7 +10,10 @@ and restores the regions (from their page-locked host copies) before the draft m
 again, and at the end of every request: between requests every decode-only region is
 resident, as the prefill loan's invariant says.
 
-Trace lines (STRATA_TRACE=1) say what moved; the ledger's and the cache's change events draw it.
+An option of its own (`--cache-lend`, `EngineOptions.cache_lend`), off by default: it is no part
+of the seed's prefill loan, whose default path is unchanged when no STRATA_PREFILL_* flag is set.
+Trace lines (STRATA_TRACE=1) begin `strata lend:`, apart from the prefill loan's `strata loan:`;
+the ledger's and the cache's change events draw what moved.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from engine.memory.sizes import format_mib
 from engine.report import Reporter
 
 REGIONS = frozenset({"mtp.experts", "mtp.draft_head"})
+PREFIX = "strata lend: "  # its trace lines, named apart from the prefill loan's
 
 
 class CacheLend:
@@ -77,7 +81,7 @@ class CacheLend:
             filled = self.cache.fill_tail(n, self.ranking() if self.ranking else None)
         self.n_lends += 1
         parts = ", ".join(f"{LABELS[r.region]} {format_mib(r.n_bytes)} MiB" for r in items)
-        self._say(f"strata loan: decoding plain: lent {parts} to the expert cache: {n} more "
+        self._say(f"{PREFIX}decoding plain: lent {parts} to the expert cache: {n} more "
                   f"slots, {filled} filled in {(time.perf_counter() - t0) * 1e3:.1f} ms")
 
     def repay(self) -> None:
@@ -101,7 +105,7 @@ class CacheLend:
                         raise
         parts = ", ".join(LABELS[r.region] for r in self.lent)
         self.lent = []
-        self._say(f"strata loan: drafting again: {parts} restored from the expert cache in "
+        self._say(f"{PREFIX}drafting again: {parts} restored from the expert cache in "
                   f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
 
     def _say(self, line: str) -> None:

@@ -8,6 +8,7 @@ from the owned `prompt.*` regions. Counters report bytes streamed, experts strea
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -128,20 +129,38 @@ class PromptPath:
 
     def refill_pending(self) -> str:
         """Give back every slot the prompt path still holds (a one-shot device fault gets one
-        retry); returns the refill's trace line."""
+        retry); returns the refill's trace line. A failed attempt says so (a trace line and a
+        warning, with the slots still lent); the retry's line counts the slots of both."""
         lent, self.lent = self.lent, None
         trace = ""
         if self.cache is not None and lent is not None and self.cache.n_lent:
             for attempt in (1, 2):
+                t0 = time.perf_counter()
                 try:
-                    done = self.cache.refill(lent)
+                    done = self.cache.refill(lent, on_slot=self._refill_slot)
                     trace = done.trace
                     self.report.publish(LoanStep("refill", trace, done.h2d_bytes,
                                                  done.elapsed_ms))
                     break
-                except Exception:
+                except Exception as e:
+                    self._refill_failed(lent, attempt, e, time.perf_counter() - t0)
                     if attempt == 2:
                         self.lent = lent
                         raise
         self.report.cache(self.cache)
         return trace
+
+    def _refill_slot(self) -> None:
+        self.faults.hit("refill:slot")
+
+    def _refill_failed(self, lent: LentRange, attempt: int, e: Exception,
+                       seconds: float) -> None:
+        assert self.cache is not None
+        still = self.cache.n_lent
+        back = lent.n_slots - self.cache.lent_in(lent)
+        then = "retrying once" if attempt == 1 else "giving up; the request rolls back"
+        self.report.trace(f"strata trace: refill of {lent.n_slots} slots [{lent.first}.."
+                          f"{lent.last}] failed after {back} in {seconds * 1e3:.1f} ms, "
+                          f"{still} still lent ({e})")
+        self.report.warn(f"strata: warning: refilling the lent expert-cache slots failed "
+                         f"({e}); {still} of {lent.n_slots} still lent, {then}")
