@@ -113,7 +113,7 @@ def test_a_client_killed_mid_prefill_rolls_the_loan_back(server: Running, demo_p
     gate = Gate(server.bus, lambda e: isinstance(e, PrefillProgress) and e.chunk < e.n_chunks)
     body = json.dumps(_body(LONG, 8)).encode()
     with socket.create_connection(_addr(server)) as sock:  # a bare client, killed below
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         assert gate.reached.wait(30), "the prefill never started"
@@ -175,7 +175,8 @@ def test_a_waiting_client_that_leaves_gives_its_place_up(server: Running) -> Non
         assert gate.reached.wait(30)
         with socket.create_connection(_addr(server)) as sock:  # waits, then leaves
             body = json.dumps(_body("What is a cat?")).encode()
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: "
                          b"%d\r\n\r\n%s" % (len(body), body))
             _wait(lambda: len(server.service.admission.waiting) == 1, "the second to wait")
         _wait(lambda: not server.service.admission.waiting, "the place to be given up")
