@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import re
-import resource
 import signal
 import socket
 import subprocess
@@ -76,8 +75,8 @@ HOSTILE = [  # (path, body, status, param, words): each answered 500 with its ex
      "messages[0].role", "an object"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
      "messages[0].content", "lone surrogate (\\ud800 at character 1)"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
-     '"stop": ["\\udc00"]}', 400, "stop[0]", "lone surrogate"),
+    ("/v1/chat/completions", ('{"messages": [{"role": "user", "content": "hi"}], '
+                              '"stop": ["\\udc00"]}'), 400, "stop[0]", "lone surrogate"),
     ("/tokenize", '{"content": "\\ud800"}', 400, "content", "lone surrogate"),
     ("/v1/flags", '{"options": {"ctx": 1' + "0" * 30 + "}}", 400, None, "31 digits"),
 ]
@@ -294,13 +293,12 @@ def test_past_the_open_files_limit_the_cap_holds_and_the_log_stays_short(
 ) -> None:
     """1,100 idle sockets under a 1,024 limit once wrote 126,140 tracebacks: here 300 under
     256, with `strata serve` as a user runs it."""
-    def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-
+    low_limit = ("import resource, runpy; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256));"
+                 " runpy.run_module('engine.cli', run_name='__main__')")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", "--model", str(demo_path), "--ctx", "256",
+        [sys.executable, "-c", low_limit, "serve", "--model", str(demo_path), "--ctx", "256",
          "--port", "0", "--max-connections", "1000", "--header-timeout", "1",
-         "--idle-timeout", "1"], stderr=subprocess.PIPE, text=True, preexec_fn=low_limit)
+         "--idle-timeout", "1"], stderr=subprocess.PIPE, text=True)
     socks: list[socket.socket] = []
     try:
         assert proc.stderr is not None
