@@ -73,10 +73,12 @@ def refusal(template: str, limits: TemplateLimits = LOW,
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_a_hostile_template_ends_bounded_in_one_line(case: str) -> None:
     template, words = HOSTILE[case]
+    # the memory cases test the memory bound: time enough for a loaded machine to reach it
+    limits = replace(LOW, time_s=10) if "MiB" in words else LOW
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.monotonic()
-    message = refusal(template)
-    assert time.monotonic() - t0 < LOW.time_s + 3, case
+    message = refusal(template, limits)
+    assert time.monotonic() - t0 < limits.time_s + 3, case
     assert words in message, message
     assert message.startswith("chat template "), message
     # the work ran in the child: this process did not grow (ru_maxrss is in KiB)

@@ -136,25 +136,27 @@ class TemplateRenderer:
 
     def _exchange(self, request: bytes, limits: TemplateLimits, max_chars: int) -> dict:
         deadline = time.monotonic() + limits.time_s
-        for attempt in (0, 1):
+        try:
             proc = self._child(limits.memory_mib)
+            assert proc.stdin is not None
             try:
-                assert proc.stdin is not None
                 proc.stdin.write(request)
                 proc.stdin.flush()
-            except BrokenPipeError:  # it died since the last render (killed from outside)
+            except BrokenPipeError:  # it died since its last reply (killed from outside)
                 self._stop(kill=True)
-                if attempt:
-                    raise TokenizerError(self._died_message(proc, limits)) from None
-                continue
+                raise TokenizerError(self._died_message(proc, limits)) from None
             # JSON escapes make a reply up to 6 characters per output character
             line = self._read_line(proc, deadline, 6 * max_chars + 4096, limits)
-            try:
-                return json.loads(line)
-            except ValueError:
-                self._stop(kill=True)
-                raise AssertionError(f"renderer reply is not JSON: {line[:200]!r}") from None
-        raise AssertionError("unreachable")
+        except BaseException:
+            # a limit, Ctrl+C or our bug between request and reply: the child may still
+            # answer, and no later render may read that answer as its own
+            self._stop(kill=True)
+            raise
+        try:
+            return json.loads(line)
+        except ValueError:
+            self._stop(kill=True)
+            raise AssertionError(f"renderer reply is not JSON: {line[:200]!r}") from None
 
     def _read_line(self, proc: subprocess.Popen[bytes], deadline: float, max_bytes: int,
                    limits: TemplateLimits) -> bytes:
@@ -284,6 +286,11 @@ def _answer(line: bytes) -> dict[str, Any]:
 
 def main() -> None:
     """The child: JSON lines in, JSON lines out, until its input ends."""
+    import signal
+    import warnings
+
+    warnings.simplefilter("ignore")  # its stderr is read only once it has ended
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's (it kills mid-render)
     _limit_self(int(sys.argv[1]))
     sys.stdout.buffer.write(READY)
     sys.stdout.buffer.flush()
