@@ -17,6 +17,7 @@ from engine.cli.options import (
     add_engine_args,
     add_sampling_args,
     engine_options,
+    integer,
     loan_flags,
     sampling_params,
 )
@@ -52,7 +53,8 @@ APP_FLAGS = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
 def add_chat_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_sampling_args(p)
-    p.add_argument("--max-new", type=int, default=256, help="tokens per answer (default 256)")
+    p.add_argument("--max-new", type=integer, default=256,
+                   help="tokens per answer (default 256)")
     p.add_argument("--plain", action="store_true",
                    help="start without the loan defaults (no --serve/--mtp, flags from the env)")
     p.add_argument("--connect", metavar="URL",

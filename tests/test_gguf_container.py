@@ -228,16 +228,16 @@ def test_empty_and_odd_arrays_match_gguf_reader(tmp_path: Path) -> None:
 
 def test_zero_dim_and_empty_tensors_match_gguf_reader(tmp_path: Path) -> None:
     p = tmp_path / "t.gguf"
-    payload = np.arange(4, dtype=np.float32).tobytes()
+    payload = np.arange(12, dtype=np.float32).tobytes()
     p.write_bytes(gguf_bytes([], [
         tinfo("scalar", (), Q.F32, 0),
         tinfo("empty", (0, 3), Q.F32, 0),  # offsets are multiples of the alignment, even here
         tinfo("empty_q", (0, 2), Q.Q8_0, 0),
-        tinfo("vec", (3,), Q.F32, 0),
+        tinfo("vec", (3,), Q.F32, 32),  # not over the scalar: overlapping tensors are refused
     ], payload=payload))
     new, ref = open_gguf(p), reference_open(p)
     assert_same_model_file(new, ref)
-    assert new.tensors["scalar"].raw.shape == () and new.tensors["vec"].raw.tolist() == [0, 1, 2]
+    assert new.tensors["scalar"].raw.shape == () and new.tensors["vec"].raw.tolist() == [8, 9, 10]
 
 
 def test_invalid_utf8_value_is_replaced(tmp_path: Path) -> None:

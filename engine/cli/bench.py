@@ -21,15 +21,15 @@ from engine.bench import (
 from engine.bench_forecast import as_json as forecast_json
 from engine.bench_forecast import markdown as forecast_markdown
 from engine.bench_forecast import run_forecast_bench
-from engine.cli.options import add_engine_args, engine_options
+from engine.cli.options import add_engine_args, engine_options, integer, number
 from engine.errors import StrataError
 
 
 def token_counts(text: str) -> list[int]:
     """'8192,31258' -> [8192, 31258]: counts >= 1, comma separated."""
     try:
-        counts = [int(part) for part in text.split(",")]
-    except ValueError:
+        counts = [integer(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a token count or a comma-separated list of them") from None
     if any(n < 1 for n in counts):
@@ -45,18 +45,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=token_counts, default=[4096], metavar="N[,N...]",
                    help="fresh prompt tokens; a list runs each size (the soak cycles its long "
                         "messages through it)")
-    p.add_argument("--max-new", type=int, default=32, help="completion cap")
-    p.add_argument("--runs", type=int, default=3, help="runs per configuration (median, range)")
+    p.add_argument("--max-new", type=integer, default=32, help="completion cap")
+    p.add_argument("--runs", type=integer, default=3, help="runs per configuration (median, range)")
     p.add_argument("--json", help="also write the samples as JSON to this path")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the unmeasured short request before the runs")
-    p.add_argument("--h2d-gbs", type=float,
+    p.add_argument("--h2d-gbs", type=number,
                    help="host-to-device GB/s (e.g. from strata gpu-probe): adds prefill / lower bound")
-    p.add_argument("--peak-tflops", type=float,
+    p.add_argument("--peak-tflops", type=number,
                    help="the device's peak dense fp16 TFLOP/s, with --h2d-gbs")
-    p.add_argument("--soak", type=int, metavar="N",
+    p.add_argument("--soak", type=integer, metavar="N",
                    help="instead: N requests alternating long and short messages (repeat loan)")
-    p.add_argument("--short-tokens", type=int, default=64, help="soak: short message tokens")
+    p.add_argument("--short-tokens", type=integer, default=64, help="soak: short message tokens")
     p.add_argument("--auto", action="store_true",
                    help="soak: STRATA_PREFILL_REPEAT_MIN_TOKENS=auto (the forecast decides); "
                         "every decision is checked against the prompt run the other way")

@@ -13,6 +13,7 @@ from engine.cli.options import (
     add_engine_args,
     add_sampling_args,
     engine_options,
+    integer,
     loan_flags,
     options_argv,
     sampling_params,
@@ -27,8 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench-serve", help="decode speed through strata serve vs strata run")
     add_engine_args(p)
     add_sampling_args(p)
-    p.add_argument("--runs", type=int, default=5, help="runs per runner (default 5)")
-    p.add_argument("--max-new", type=int, default=256, help="tokens per answer (default 256)")
+    p.add_argument("--runs", type=integer, default=5, help="runs per runner (default 5)")
+    p.add_argument("--max-new", type=integer, default=256, help="tokens per answer (default 256)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
     # random weights answer up to --max-new; the trained demo ends its answers within ~50 tokens
     p.set_defaults(func=bench_serve, model="random-demo")

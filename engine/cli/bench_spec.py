@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.cli.options import add_sampling_args, sampling_params
+from engine.cli.options import add_sampling_args, integer, sampling_params
 from engine.errors import FlagError, StrataError
 from engine.experts.provider import DirectExperts
 from engine.gguf.tokenizer import TokenType
@@ -32,10 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench-spec", help="benchmark MTP speculative decoding (--spec windows)")
     p.add_argument("--model", default="demo", help="a .gguf path, or a preset name such as 'demo'")
     p.add_argument("--spec", default="0,2,4", help="comma-separated windows; 0 is plain decoding")
-    p.add_argument("--runs", type=int, default=3, help="runs per window (default 3)")
-    p.add_argument("--max-new", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--runs", type=integer, default=3, help="runs per window (default 3)")
+    p.add_argument("--max-new", type=integer, default=64, help="tokens to generate (default 64)")
     p.add_argument(
-        "--prompt-tokens", type=int, default=32, help="random prompt length (default 32)"
+        "--prompt-tokens", type=integer, default=32, help="random prompt length (default 32)"
     )
     p.add_argument(
         "--prompt", action="append", default=[], metavar="MESSAGE",
@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--spec-always", action="store_true",
                    help="draft every step (default: the drafting policy decides)")
-    p.add_argument("--draft-vocab", type=int, default=0, help="draft head rows (0: all)")
+    p.add_argument("--draft-vocab", type=integer, default=0, help="draft head rows (0: all)")
     p.add_argument("--kv", choices=("f16", "int8", "q4_0"), default="f16")
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -78,8 +78,8 @@ class BenchRow:
 
 def parse_specs(text: str) -> list[int]:
     try:
-        specs = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
+        specs = [integer(s.strip()) for s in text.split(",") if s.strip()]
+    except argparse.ArgumentTypeError:
         raise FlagError(f"--spec '{text}' must be comma-separated integers, e.g. 0,2,4") from None
     for s in specs:
         if s:

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from engine.cli.options import integer
 from engine.kernels import dequantize, gemv
 from engine.kernels.bench import random_quant_bytes
 from engine.kernels.warmup import warm_up
@@ -109,5 +110,5 @@ def probe(device: int = 0) -> str:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gpu-probe", help="check the CUDA device: memory, VMM, PCIe, kernels")
-    p.add_argument("--device", type=int, default=0, help="GPU index (default 0)")
+    p.add_argument("--device", type=integer, default=0, help="GPU index (default 0)")
     p.set_defaults(func=lambda a: print(probe(a.device)))

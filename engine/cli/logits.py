@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 
+from engine.cli.options import integer
 from engine.errors import StrataError
 from engine.model.loader import load_model
 from engine.session import Session
@@ -19,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 5,17,300")
     p.add_argument("--out", required=True, help="output .npy path")
     p.add_argument("--kv", choices=("f16", "int8", "q4_0"), default="f16")
-    p.add_argument("--chunk", type=int, default=0, help="prefill chunk tokens (0: one pass)")
+    p.add_argument("--chunk", type=integer, default=0, help="prefill chunk tokens (0: one pass)")
     p.set_defaults(func=run)
 
 

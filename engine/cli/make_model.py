@@ -7,6 +7,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from engine.cli.options import integer
 from engine.errors import FlagError, StrataError
 from engine.gguf.reader import SUPPORTED_QTYPES
 from engine.memory.sizes import GiB
@@ -35,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out", help="output .gguf path")
     p.add_argument("--preset", choices=sorted(PRESETS), default="random-demo")
     for flag in SHAPE_FLAGS:
-        p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None)
+        p.add_argument(f"--{flag.replace('_', '-')}", type=integer, default=None)
     p.add_argument("--tied-output", action="store_true", help="no output.weight (tied head)")
     p.add_argument(
         "--qtype",

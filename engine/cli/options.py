@@ -46,7 +46,7 @@ def _shown(text: str) -> str:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="a .gguf path, or a preset name such as 'demo'")
-    p.add_argument("--ctx", type=int, default=8192, help="KV cache cells (default 8192)")
+    p.add_argument("--ctx", type=integer, default=8192, help="KV cache cells (default 8192)")
     p.add_argument("--kv", choices=KV_KINDS, default="f16", help="KV cache storage type")
 
 
@@ -77,7 +77,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "quant on CUDA, float on the simulated device")
     s = p.add_argument_group("speculative decoding and serving")
     s.add_argument("--mtp", action="store_true", help="use the model's MTP (nextn) layer")
-    s.add_argument("--spec", type=int, default=0, help="speculative window T (2..8; 0 off)")
+    s.add_argument("--spec", type=integer, default=0, help="speculative window T (2..8; 0 off)")
     s.add_argument("--cache-lend", action="store_true",
                    help="with --mtp --spec: lend the MTP experts and draft head to the expert "
                         "cache while the drafting policy decodes plain, back before a draft "

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.cli.options import integer
 from engine.errors import StrataError
 from engine.model.loader import load_model
 from engine.profile_record import calibration_text, record_profile
@@ -18,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="a .gguf path or a preset name")
     p.add_argument("prompts", nargs="*", help="text files to route (default: calibration text)")
     p.add_argument("--out", required=True, help="output profile path (.json)")
-    p.add_argument("--max-tokens", type=int, default=8192, help="tokens per prompt file")
+    p.add_argument("--max-tokens", type=integer, default=8192, help="tokens per prompt file")
     p.set_defaults(func=run)
 
 

@@ -13,6 +13,7 @@ from engine.cli.options import (
     add_engine_args,
     add_sampling_args,
     engine_options,
+    integer,
     loan_flags,
     sampling_params,
 )
@@ -30,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", help="user message (rendered with the chat template)")
     src.add_argument("--tokens-file",
                      help="file of whitespace-separated decimal token ids (a raw prompt)")
-    p.add_argument("--max-new", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--max-new", type=integer, default=64, help="tokens to generate (default 64)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the answer before this text (repeatable)")
     add_engine_args(p)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.atomic_file import write_text_atomic
 from engine.bounded_input import InputFileError, load_json
 from engine.errors import StrataError
 
@@ -102,7 +103,9 @@ class ExpertProfile:
             "n_tokens": self.n_tokens,
             "counts": self.counts.tolist(),
         }
-        Path(path).write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
+        # atomic: a reader never sees half a file, and a symlink in the way (to /dev/zero, say)
+        # is replaced rather than written through
+        write_text_atomic(Path(path), json.dumps(doc, separators=(",", ":")) + "\n")
 
     @classmethod
     def load(
