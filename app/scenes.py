@@ -14,7 +14,7 @@ from pathlib import Path
 from textual.pilot import Pilot
 
 from app.app import StrataApp
-from app.config import ChatConfig
+from app.config import APP_DEFAULTS, ChatConfig
 from app.store import Store
 from app.widgets.prompt_input import Composer, PromptInput
 from engine.config import EngineOptions, LoanFlags
@@ -164,8 +164,9 @@ LOAN_FLAGS = LoanFlags(elastic_loan=True, mtp_loan=True, head_loan=True,
                        retain_startup_chunk=True, repeat_loan=True)
 
 def loan_ready(model: str) -> EngineOptions:
-    """The app's own defaults: loan-ready, MTP drafts checked by the verifier."""
-    return EngineOptions(model=model, serve=True, vram_elastic=True, mtp=True, spec=2)
+    """The app's own defaults (app.config.APP_DEFAULTS): loan-ready, MTP drafts checked by the
+    verifier, their memory lent to the expert cache over plain spans."""
+    return EngineOptions(model=model, **APP_DEFAULTS)  # type: ignore[arg-type]
 
 
 def drafting_always(model: str) -> EngineOptions:
