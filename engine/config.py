@@ -203,6 +203,8 @@ class EngineOptions:
             errors.append(f"--batch-slots {self.batch_slots} must be >= 1")
         if self.vram_segment_mib is not None and self.vram_segment_mib < 1:
             errors.append(f"--vram-segment-mib {self.vram_segment_mib} must be >= 1")
+        if self.vram_reserve_mib < 0:
+            errors.append(f"--vram-reserve-mib {self.vram_reserve_mib} must be >= 0")
         if errors:
             raise FlagError(errors)
 

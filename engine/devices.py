@@ -49,6 +49,8 @@ def sim_device(device: str, costs: ModelCosts, reserve_bytes: int, limit_bytes: 
         raise FlagError(f"--device {device} has no size; write sim:SIZE (e.g. sim:8GiB) or sim")
     if not size:
         n_bytes = default_sim_bytes(costs, reserve_bytes)
+        check_host_room(device, n_bytes, "this model with these options (--ctx, "
+                        "--vram-reserve-mib) needs a simulated device of")
     else:
         try:
             n_bytes = parse_size(size)
@@ -68,15 +70,20 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def check_host_room(device: str, n_bytes: int) -> None:
+def check_host_room(device: str, n_bytes: int, needs: str = "") -> None:
     """The simulated device lives in host memory: a size past the machine's physical memory
-    (`sim:1TiB`) is a FlagError naming what fits, not a failed map or a swapping host."""
+    (`sim:1TiB`, or the default size of a `--ctx` of 10**19) is a FlagError naming what fits,
+    not a failed map or a swapping host. `needs` says where the size came from."""
     host = host_memory_bytes()
-    if host is not None and n_bytes > host:
-        raise FlagError(
-            f"--device {device}: the simulated device lives in host memory and this machine "
-            f"has {format_size(host)}; give at most sim:{host // MiB}MiB"
-        )
+    if host is None or n_bytes <= host:
+        return
+    if needs:
+        raise FlagError(f"--device {device}: {needs} {format_size(n_bytes)}, more than this "
+                        f"machine's {format_size(host)} of memory; lower them")
+    raise FlagError(
+        f"--device {device}: the simulated device lives in host memory and this machine "
+        f"has {format_size(host)}; give at most sim:{host // MiB}MiB"
+    )
 
 
 def default_sim_bytes(costs: ModelCosts, reserve_bytes: int) -> int:

@@ -64,6 +64,8 @@ VALUE_CASES = [
     (["--vram-limit", "99999999999GiB"], "is more than 2**60 bytes"),
     (["--device", "sim:1TiB"], "--device sim:1TiB: the simulated device lives in host memory"),
     (["--device", "sim:"], "--device sim: has no size"),
+    (["--ctx", "9" * 19], "needs a simulated device of"),
+    (["--vram-reserve-mib", "-100"], "--vram-reserve-mib -100 must be >= 0"),
     (["--expert-profile", ""], "--expert-profile is empty"),
     (["--expert-profile", "/dev/zero"],
      "expert profile /dev/zero is a character device, not a regular file"),
