@@ -2,10 +2,11 @@
 or in a quantized block's scale, and float weights past float16's range.
 
 A NaN in a norm, a router or a block scale does not fail anywhere later: every activation after
-it turns NaN and the reply comes out as NUL bytes. llama.cpp checks only with --check-tensors;
-we refuse such a file in one line naming the tensor. The bound for float tensors is float16's
-largest finite value, ±65,504: on the GPU dense weights are float16, so a larger one is
-infinity there (and a norm of 1e30 overflows float32 activations on the CPU a few layers on).
+it turns NaN and the reply comes out as NUL bytes. llama.cpp checks only when asked (its
+check_tensors option); we refuse such a file in one line naming the tensor. The bound for
+float tensors is float16's largest finite value, ±65,504: on the GPU dense weights are
+float16, so a larger one is infinity there (and a norm of 1e30 overflows float32 activations
+on the CPU a few layers on).
 
 What is read, so the check stays cheap (Qwen3-30B-A3B's shapes, 17 GiB: 0.3 s with the file
 in the page cache, 1.9 s from a cold one, on a 2-core VM):
