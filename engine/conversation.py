@@ -4,10 +4,32 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from engine.errors import StrataError
 
 TITLE_CHARS = 60
 ROLES = ("system", "user", "assistant")
+# a prompt's text cap: this many bytes a token of --ctx (English runs ~4-5 bytes a token, code
+# and CJK more): text past it is refused before the chat template or the tokenizer sees it
+PROMPT_BYTES_PER_TOKEN = 16
+
+
+def check_text_fits(texts: Iterable[str], ctx: int) -> None:
+    """Refuse, in one line, text that cannot be a prompt of `ctx` tokens: more than
+    PROMPT_BYTES_PER_TOKEN bytes a token. Cheap: characters bound the bytes from below."""
+    limit, n_bytes = PROMPT_BYTES_PER_TOKEN * ctx, 0
+    for text in texts:
+        n_bytes += len(text)  # >= 1 byte a character
+        if n_bytes > limit:
+            break
+        n_bytes += len(text.encode("utf-8", "surrogatepass")) - len(text)
+    if n_bytes > limit:
+        raise StrataError(
+            f"the text is over {limit:,} bytes ({PROMPT_BYTES_PER_TOKEN} a token of --ctx "
+            f"{ctx:,}), more than the context can hold; start a new conversation, shorten "
+            "the message or raise --ctx")
 
 
 def title_of(prompt: str) -> str:

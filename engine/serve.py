@@ -18,7 +18,7 @@ from engine import runtime_flags
 from engine.build.cache import startup_profile
 from engine.build.startup import build_runtime
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
+from engine.conversation import Conversation, check_text_fits
 from engine.devices import hardware_name
 from engine.errors import FlagError, StrataError, TokenizerError
 from engine.events import (
@@ -146,6 +146,8 @@ class ServeLoop:
         return self._busy.locked()
 
     def count_tokens(self, text: str) -> int:
+        """Tokens of `text` (no template); text that cannot fit --ctx is refused unread."""
+        check_text_fits([text], self.options.ctx)
         return len(self.rt.model.tokenizer.encode(text, special=False))
 
     def prompt_ids(self, conv: Conversation) -> list[int]:
@@ -154,6 +156,7 @@ class ServeLoop:
     def _encode(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation's prompt ids through the chat template; a template that renders
         no token for it is a TokenizerError (a prompt needs at least one token)."""
+        check_text_fits((m["content"] for m in messages), self.options.ctx)
         tok = self.rt.model.tokenizer
         ids = tok.encode(tok.render_chat(messages, add_generation_prompt=True))
         if not ids:

@@ -25,11 +25,12 @@ from engine.cli.options import (
     sampling_params,
 )
 from engine.cli.run import stderr_line
+from engine.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.errors import StrataError
 from engine.events import EventBus
 from engine.memory.sizes import MiB, format_mib
 from engine.serve import ServeLoop
-from engine.server.config import API_KEY_ENV, PROMPT_BYTES_PER_TOKEN, ServerConfig
+from engine.server.config import API_KEY_ENV, ServerConfig
 from engine.server.runner import ServerThread
 from engine.server.service import Service
 from engine.synth.demo import is_model_name

@@ -6,14 +6,12 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
+from engine.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.errors import FlagError
 from engine.memory.sizes import MiB
 from engine.sampler import SamplingParams
 
 API_KEY_ENV = "STRATA_API_KEY"
-# a prompt's text cap when --max-prompt-kib is not given: this many bytes a token of --ctx
-# (English runs ~4-5 bytes a token, code and CJK more; past 16 the prompt cannot fit anyway)
-PROMPT_BYTES_PER_TOKEN = 16
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 ANY_HOST = "*"
 

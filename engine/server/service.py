@@ -14,10 +14,11 @@ from typing import Any, TypeVar
 import anyio
 from starlette.requests import Request
 
+from engine.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.events import EventBus
 from engine.serve import ServeLoop
 from engine.server.admission import Admission
-from engine.server.config import PROMPT_BYTES_PER_TOKEN, ServerConfig
+from engine.server.config import ServerConfig
 from engine.server.feed import EventFeed
 from engine.server.metrics import Metrics
 from engine.server.schema import ChatRequest, RequestError

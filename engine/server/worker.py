@@ -163,7 +163,7 @@ class EngineWorker:
                 job.accept()
                 reply = self.loop.chat(conversation(r), r.prompt, r.params, job.max_new,
                                        on_text=job.put, stop=r.stop, cancel=job.cancel_event)
-        except Exception as exc:  # noqa: BLE001 - any failure is answered; the serve loop rolled back
+        except Exception as exc:
             error = exc
             if not isinstance(exc, StrataError):  # our bug: its text goes to the log only
                 log.error("a request failed on the engine thread", exc_info=exc)
