@@ -17,9 +17,10 @@ from engine.events import CacheChanged, EventBus, GpuStats, TraceLine
 from engine.experts.cache import LENT, ExpertCache
 from engine.gguf.type_mix import layer_ranges, layers_by_value
 from engine.memory.ledger import Ledger
-from engine.telemetry import Telemetry
+from engine.telemetry import Sampler, Telemetry
 
 Sink = Callable[[str], None]
+GPU_SAMPLE_S = 0.5  # on CUDA a GpuStats reading at least this often, requests or not
 
 
 class Reporter:
@@ -37,7 +38,9 @@ class Reporter:
                          if trace_on is None else trace_on)
         self.warnings: list[str] = []
         self._telemetry: Any = None  # engine.telemetry.Telemetry; False without NVML
+        self._sampler: Sampler | None = None
         self._gpu_t = 0.0
+        self._ledger_bytes, self._limit_bytes = 0, None  # the last engine-thread reading's
 
     def publish(self, event: Any) -> None:
         self.bus.publish(event)
@@ -77,7 +80,9 @@ class Reporter:
         """On CUDA, at most twice a second unless `force`: measure again what the process
         holds outside the ledger (`CudaBackend.refresh_outside`: growth comes off the pool's
         limit; with STRATA_TRACE=1 and `force` its memory line), then an NVML reading as a
-        GpuStats event with the whole-process limit."""
+        GpuStats event with the whole-process limit. The first call also starts the sampler
+        thread: between these calls (decoding, idle) it publishes a reading every
+        `GPU_SAMPLE_S` with the ledger bytes and limit measured here last."""
         if backend.device_index is None:
             return
         now = time.monotonic()
@@ -89,13 +94,25 @@ class Reporter:
             self.trace(backend.memory_line())  # type: ignore[attr-defined]
         if self._telemetry is None:
             self._telemetry = Telemetry.open(backend.device_index) or False
+            if self._telemetry:
+                self._sampler = Sampler(self._telemetry, GPU_SAMPLE_S, self._sampled).start()
         if self._telemetry:
-            used = sum(r.used_bytes for r in ledger.snapshot().regions)
-            limit = backend.mem_info().total_bytes
-            self.bus.publish(GpuStats(self._telemetry.snapshot(), used, limit))
+            self._ledger_bytes = sum(r.used_bytes for r in ledger.snapshot().regions)
+            self._limit_bytes = backend.mem_info().total_bytes
+            self.bus.publish(GpuStats(self._telemetry.snapshot(), self._ledger_bytes,
+                                      self._limit_bytes))
+
+    def _sampled(self, reading: Any) -> None:
+        # the sampler's thread: the ledger is the engine thread's, so its last figures are used
+        if time.monotonic() - self._gpu_t >= GPU_SAMPLE_S / 2:  # no reading just published
+            self.bus.publish(GpuStats(reading, self._ledger_bytes, self._limit_bytes))
 
     def close(self) -> None:
-        """Release the NVML handle (a closed engine publishes no more readings)."""
+        """Stop the sampler and release the NVML handle (a closed engine publishes no more
+        readings)."""
+        if self._sampler is not None:
+            self._sampler.stop()
+            self._sampler = None
         if self._telemetry:
             self._telemetry.close()
         self._telemetry = False

@@ -1,7 +1,8 @@
 """GPU telemetry through NVML (`pynvml`, from the nvidia-ml-py package): memory, PCIe, load.
 
 `Telemetry.open(index)` returns None where NVML cannot be used (no package, no driver, no such
-device), so callers on CPU-only machines need no special case. Memory comes from
+device), so callers on CPU-only machines need no special case. `Sampler` reads a GPU on its own
+thread at a fixed rate (the app's GPU strip plots those readings; no UI thread waits on NVML). Memory comes from
 `nvmlDeviceGetMemoryInfo_v2` where the driver has it (its `used` excludes memory the driver
 reserves, which v2 reports apart), else from v1; `memory_api` says which. Fields a device or
 driver does not report (power on some boards, per-process memory inside some containers) are
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,10 @@ class GpuSnapshot:
     mem_util_pct: int | None
     temperature_c: int | None
     power_w: float | None
+    # defaults: a reading decoded from a server that predates these fields
+    power_limit_w: float | None = None  # the enforced board power limit
+    sm_clock_mhz: int | None = None  # current clocks
+    mem_clock_mhz: int | None = None
 
 
 def _nvml() -> Any | None:
@@ -120,6 +126,7 @@ class Telemetry:
         driver = _text(_call(self._nvml, "nvmlSystemGetDriverVersion"))
         util = self._maybe("nvmlDeviceGetUtilizationRates")
         power_mw = self._maybe("nvmlDeviceGetPowerUsage")
+        limit_mw = self._maybe("nvmlDeviceGetEnforcedPowerLimit")
         return GpuSnapshot(
             index=self.index,
             name=_text(name),
@@ -138,7 +145,42 @@ class Telemetry:
             mem_util_pct=None if util is None else int(util.memory),
             temperature_c=self._maybe("nvmlDeviceGetTemperature", self._nvml.NVML_TEMPERATURE_GPU),
             power_w=None if power_mw is None else power_mw / 1000.0,
+            power_limit_w=None if limit_mw is None else limit_mw / 1000.0,
+            sm_clock_mhz=self._maybe("nvmlDeviceGetClockInfo", self._nvml.NVML_CLOCK_SM),
+            mem_clock_mhz=self._maybe("nvmlDeviceGetClockInfo", self._nvml.NVML_CLOCK_MEM),
         )
+
+
+class Sampler:
+    """Reads `telemetry` every `period_s` on a daemon thread and hands each reading to
+    `on_reading` (from that thread). `stop()` ends the thread before it returns, so the handle
+    can be closed after it. A reading NVML refuses (the GPU lost) ends the sampling: the
+    engine's own next device call says what happened."""
+
+    def __init__(self, telemetry: Telemetry, period_s: float,
+                 on_reading: Callable[[GpuSnapshot], None]) -> None:
+        assert period_s > 0, period_s
+        self._telemetry, self.period_s, self._on_reading = telemetry, period_s, on_reading
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpu-telemetry", daemon=True)
+
+    def start(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        nvml_error = self._telemetry._nvml.NVMLError
+        while not self._stop.wait(self.period_s):
+            try:
+                reading = self._telemetry.snapshot()
+            except nvml_error:
+                return
+            self._on_reading(reading)
 
 
 def _call(nvml: Any, fn: str) -> Any:
@@ -176,6 +218,8 @@ def format_snapshot(s: GpuSnapshot | None) -> str:
     proc = "n/a" if s.process_bytes is None else f"{s.process_bytes / MiB:,.0f} MiB"
     reserved = "" if s.reserved_bytes is None else f", reserved {s.reserved_bytes / MiB:,.0f} MiB"
     power = "n/a" if s.power_w is None else f"{s.power_w:.0f} W"
+    if s.power_limit_w is not None:
+        power += f" of {s.power_limit_w:.0f} W"
     return "\n".join(
         [
             f"gpu {s.index}        {s.name} (driver {s.driver_version})",
@@ -192,5 +236,6 @@ def format_snapshot(s: GpuSnapshot | None) -> str:
                 f"load         gpu {opt(s.gpu_util_pct, '%')}, memory {opt(s.mem_util_pct, '%')}, "
                 f"{opt(s.temperature_c, ' C')}, {power}"
             ),
+            f"clocks       sm {opt(s.sm_clock_mhz, ' MHz')}, memory {opt(s.mem_clock_mhz, ' MHz')}",
         ]
     )

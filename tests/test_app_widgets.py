@@ -42,6 +42,7 @@ from engine.events import (
     PrefillProgress,
     RegionInfo,
     RequestDone,
+    RequestStarted,
     Token,
     TraceLine,
 )
@@ -172,6 +173,7 @@ def test_loan_timeline_orders_phases_with_their_durations() -> None:
     widget = LoanTimeline()
     t0 = 100.0
     events = (
+        RequestStarted(7, 1400, 1400, t=t0 - 0.01),
         LoanStep("release", "verifier, head", n_bytes=12 * MIB, ms=4.0, t=t0),
         LoanStep("plan", "512 / 16", ms=0.5, t=t0 + 0.01),
         PlanChosen(512, 16, True, 3, 1400, t=t0 + 0.02),
@@ -186,7 +188,7 @@ def test_loan_timeline_orders_phases_with_their_durations() -> None:
     # the lend arrives after the prefill row opens; it is drawn before it
     assert steps == ["release", "plan", "lend", "prefill", "refill", "restore"]
     assert "250 ms" in text and "9.0 ms" in text and fmt_bytes(12 * MIB) in text
-    assert widget.border_title == "Loan timeline · loan on"
+    assert widget.border_title == "Loan timeline · request 7 · prompt 1,400 tokens · loan on"
     # the next request starts a new timeline
     widget2 = LoanTimeline()
     text2 = feed(widget2, *events, PlanChosen(256, 8, False, 1, 20, t=t0 + 1))
@@ -343,7 +345,7 @@ def test_gpu_panel_appears_with_nvml_readings() -> None:
     assert not panel.has_class("-live")
     text = feed(panel, GpuStats(snap, 4 * 1024 * MIB, 8 * 1024 * MIB), size=(80, 20))
     assert panel.has_class("-live")
-    assert f"outside ledger  {fmt_bytes(1024 * MIB)}" in text  # process - ledger
+    assert f"outside ledger {fmt_bytes(1024 * MIB)}" in text  # process - ledger
     assert f"{fmt_bytes(5 * 1024 * MIB)} of {fmt_bytes(8 * 1024 * MIB)}" in text  # of the limit
     assert "gen 5 x16" in text and "87%" in text and "412 W" in text
 

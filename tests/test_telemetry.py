@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 import pytest
 
-from engine.telemetry import GpuSnapshot, Telemetry, format_snapshot, snapshot
+from engine.telemetry import GpuSnapshot, Sampler, Telemetry, format_snapshot, snapshot
 
 
 def test_without_nvml_everything_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,13 +24,17 @@ def test_format_snapshot_names_every_reading() -> None:
         total_bytes=143_771 << 20, used_bytes=1_024 << 20, free_bytes=142_747 << 20,
         reserved_bytes=512 << 20, process_bytes=600 << 20, pcie_gen=5, pcie_width=16,
         pcie_gen_max=5, pcie_width_max=16, gpu_util_pct=37, mem_util_pct=12,
-        temperature_c=41, power_w=None,
+        temperature_c=41, power_w=None, sm_clock_mhz=1980,
     )  # fmt: skip
     text = format_snapshot(s)
     for words in ("NVIDIA H200", "memory (v2)", "143,771 MiB", "reserved 512 MiB",
-                  "this process 600 MiB", "gen 5 x16", "gpu 37%", "41 C", "n/a"):  # fmt: skip
+                  "this process 600 MiB", "gen 5 x16", "gpu 37%", "41 C", "n/a",
+                  "sm 1980 MHz", "memory n/a"):  # fmt: skip
         assert words in text, (words, text)
-    assert len(text.splitlines()) == 5
+    assert len(text.splitlines()) == 6
+    powered = format_snapshot(GpuSnapshot(**{**s.__dict__, "power_w": 310.4,
+                                             "power_limit_w": 700.0}))
+    assert "310 W of 700 W" in powered
 
 
 @pytest.mark.gpu
@@ -46,3 +52,28 @@ def test_snapshot_on_a_gpu() -> None:
     assert s.free_bytes <= s.total_bytes
     assert s.name != "?"
     assert s.pcie_gen is None or s.pcie_gen >= 1
+    assert s.sm_clock_mhz is None or s.sm_clock_mhz > 0
+    assert s.power_limit_w is None or s.power_limit_w > 0
+
+
+@pytest.mark.gpu
+def test_sampler_reads_at_its_rate_on_its_own_thread_and_stops() -> None:
+    pytest.importorskip("pynvml")
+    t = Telemetry.open(0)
+    if t is None:
+        pytest.skip("NVML finds no GPU")
+    readings: list[tuple[str, GpuSnapshot]] = []
+    sampler = Sampler(t, 0.1, lambda s: readings.append((threading.current_thread().name, s)))
+    try:
+        sampler.start()
+        time.sleep(0.75)
+        sampler.stop()
+        n = len(readings)
+        time.sleep(0.3)
+        assert len(readings) == n, "a reading after stop()"
+    finally:
+        sampler.stop()
+        t.close()
+    assert 4 <= n <= 8, n  # 0.1 s apart over 0.75 s
+    assert {name for name, _ in readings} == {"gpu-telemetry"}
+    assert all(s.total_bytes > 0 for _, s in readings)

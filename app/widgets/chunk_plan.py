@@ -9,13 +9,15 @@ from textual.widgets import ProgressBar, Static
 
 from app.widgets.base import EventView
 from app.widgets.fmt import fmt_ms
-from engine.events import Event, PlanChosen, PrefillProgress, RequestDone
+from app.widgets.request_label import RequestLabel
+from engine.events import Event, PlanChosen, PrefillProgress, RequestDone, RequestStarted
 
 MAX_REASONS = 3  # one line each; the tooltip has them all
 
 
 class ChunkPlan(EventView):
-    """`chunk tokens / ring slots`, loan on/off, chunks done/total, ms per chunk, a bar."""
+    """`chunk tokens / ring slots`, loan on/off, chunks done/total, ms per chunk, a bar; the
+    caption names the request (running, finished, or of a conversation the user left)."""
 
     TITLE = "Prompt plan"
 
@@ -31,6 +33,7 @@ class ChunkPlan(EventView):
     plan: reactive[PlanChosen | None] = reactive(None)
     progress: reactive[PrefillProgress | None] = reactive(None)
     mean_chunk_ms: reactive[float] = reactive(0.0)
+    label: reactive[RequestLabel] = reactive(RequestLabel)
     _n_lines = 0  # lines of the plan text: a layout only when that changes
 
     def compose(self) -> ComposeResult:
@@ -38,7 +41,12 @@ class ChunkPlan(EventView):
         yield ProgressBar(total=1, show_eta=False, id="prefill-bar")
 
     def apply_event(self, event: Event) -> None:
-        if isinstance(event, PlanChosen):
+        self.label = self.label.after(event)  # first: the redraw below reads it
+        if isinstance(event, RequestStarted):  # never the last request's plan under its name
+            self.mean_chunk_ms = 0.0
+            self.progress = None
+            self.plan = None
+        elif isinstance(event, PlanChosen):
             self.mean_chunk_ms = 0.0
             self.progress = None
             self.plan = event
@@ -47,6 +55,14 @@ class ChunkPlan(EventView):
         elif isinstance(event, RequestDone) and self.progress is not None:
             # the queue keeps only the newest progress per tick, so average from the total
             self.mean_chunk_ms = event.prefill_s * 1e3 / max(1, self.progress.chunk)
+
+    def conversation_changed(self, why: str) -> None:
+        """The user left the conversation of the request shown (ctrl+n, another opened)."""
+        self.label = self.label.left(why)
+
+    def watch_label(self, label: RequestLabel) -> None:
+        self.caption(label.text())
+        self._redraw()
 
     def watch_plan(self) -> None:
         self._redraw()
@@ -63,6 +79,11 @@ class ChunkPlan(EventView):
         plan, prog = self.plan, self.progress
         bar = self.query_one("#prefill-bar", ProgressBar)
         if plan is None:
+            if self.label.running:  # admitted, not planned yet
+                self.query_one("#plan-text", Static).update(
+                    Text("planning…", style="dim"), layout=self._n_lines != 1)
+                self._n_lines = 1
+                bar.update(total=1, progress=0)
             return
         text = Text()
         text.append(f"{plan.chunk_tokens:,} / {plan.ring_slots}", style="bold")

@@ -9,7 +9,15 @@ from textual.reactive import reactive
 
 from app.widgets.base import EventView
 from app.widgets.fmt import fmt_bytes, fmt_ms
-from engine.events import Event, LoanStep, PlanChosen, PrefillProgress, RequestDone
+from app.widgets.request_label import RequestLabel
+from engine.events import (
+    Event,
+    LoanStep,
+    PlanChosen,
+    PrefillProgress,
+    RequestDone,
+    RequestStarted,
+)
 
 STEP_STYLES = {
     "release": "#d7875f",
@@ -34,7 +42,8 @@ class Phase:
 
 
 class LoanTimeline(EventView):
-    """One row per phase (release, plan, lend, prefill, refill, restore), bars to scale."""
+    """One row per phase (release, plan, lend, prefill, refill, restore), bars to scale; the
+    caption names the request and whether it took a loan."""
 
     TITLE = "Loan timeline"
 
@@ -47,6 +56,7 @@ class LoanTimeline(EventView):
 
     phases: reactive[tuple[Phase, ...]] = reactive(())  # a layout only if the height changes
     loan: reactive[bool | None] = reactive(None)
+    label: reactive[RequestLabel] = reactive(RequestLabel)
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
@@ -58,7 +68,10 @@ class LoanTimeline(EventView):
             self._open, self.phases, self.loan = True, (), None
 
     def apply_event(self, event: Event) -> None:
-        if isinstance(event, LoanStep):
+        if isinstance(event, RequestStarted):  # never the last request's phases under its name
+            self._open = False
+            self._begin()
+        elif isinstance(event, LoanStep):
             self._begin()
             detail = event.detail.removeprefix("strata loan: ").removeprefix("strata trace: ")
             if event.n_bytes:
@@ -78,6 +91,11 @@ class LoanTimeline(EventView):
         elif isinstance(event, RequestDone):
             self._set_prefill(ms=event.prefill_s * 1e3, running=False)
             self._open = False
+        self.label = self.label.after(event)
+
+    def conversation_changed(self, why: str) -> None:
+        """The user left the conversation of the request shown (ctrl+n, another opened)."""
+        self.label = self.label.left(why)
 
     def _add(self, phase: Phase) -> None:
         """A row in the transaction's order (the lend arrives after the prefill row opens)."""
@@ -90,12 +108,21 @@ class LoanTimeline(EventView):
             replace(p, ms=ms, running=running) if p.step == "prefill" else p for p in self.phases
         )
 
-    def watch_loan(self, loan: bool | None) -> None:
-        self.caption("" if loan is None else f"loan {'on' if loan else 'off'}")
+    def watch_loan(self) -> None:
+        self._caption()
+
+    def watch_label(self) -> None:
+        self._caption()
+
+    def _caption(self) -> None:
+        parts = [self.label.text(), "" if self.loan is None else
+                 f"loan {'on' if self.loan else 'off'}"]
+        self.caption(" · ".join(p for p in parts if p))
 
     def render(self) -> Text:
         if not self.phases:
-            return Text("no request yet", style="dim")
+            return Text("waiting for the plan…" if self.label.running else "no request yet",
+                        style="dim")
         width = max(1, self.content_width() - LABEL_WIDTH - MS_WIDTH - 2)
         bar_width = max(4, width // 2)
         longest = max(p.ms for p in self.phases) or 1.0
