@@ -1,7 +1,9 @@
 """The app's configuration: `ChatConfig` and the chat command's options and defaults.
 
-`chat_config` turns the command line and the environment into a `ChatConfig`; bad options or
-STRATA_PREFILL_* values are one line (a `StrataError`).
+`chat_config` turns the command line, the environment and the settings file (`app.settings`)
+into a `ChatConfig`; bad options or STRATA_PREFILL_* values are one line (a `StrataError`). What
+the command line gives and STRATA_PREFILL_* variables win over the file; a file that cannot be
+used is moved aside and the app says so (`settings_note`).
 """
 
 from __future__ import annotations
@@ -11,17 +13,19 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
+from app.settings import Settings, read_settings, settings_path
 from engine.cli.options import (
     add_engine_args,
     add_sampling_args,
     engine_options,
     integer,
     loan_flags,
-    sampling_params,
 )
 from engine.config import EngineOptions, LoanFlags
+from engine.conversation import Sampling
 from engine.errors import StrataError
 from engine.sampler import SamplingParams
 from engine.server.config import API_KEY_ENV
@@ -31,7 +35,14 @@ from engine.synth.model import PRESETS
 
 @dataclass(frozen=True)
 class ChatConfig:
-    """Everything the app needs to start: engine options, loan flags, sampling."""
+    """Everything the app needs to start: engine options, loan flags, sampling (of new
+    conversations), and the settings kept between runs.
+
+    `default_flags`: where `flags` are the settings file's, the flags without it (the
+    environment's or the app's). The engine starts with them and is asked for `flags` once
+    loaded; a refusal keeps them, and "reset settings" returns to them. None when `flags` are
+    those. `settings_path` None: settings are not written (tests, scenes).
+    """
 
     options: EngineOptions
     flags: LoanFlags
@@ -39,6 +50,10 @@ class ChatConfig:
     max_new: int = 256
     connect: str | None = None  # a `strata serve` URL: the app is its client (options unused)
     api_key: str | None = None  # the server's bearer token
+    settings: Settings = field(default_factory=Settings)
+    settings_path: Path | None = None
+    settings_note: str = ""  # the settings file could not be used: why, and where it went
+    default_flags: LoanFlags | None = None
 
 
 # The app exists to show the loan: unless told otherwise it starts on the serialized serve
@@ -50,11 +65,21 @@ APP_FLAGS = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
                            retain_startup_chunk=True, repeat_loan=True)
 
 
+# the options the settings file also holds: None when the command line does not give them
+_SAMPLING_DESTS = ("temperature", "top_k", "top_p", "seed", "max_new")
+
+
 def add_chat_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_sampling_args(p)
     p.add_argument("--max-new", type=integer, default=256,
                    help="tokens per answer (default 256)")
+    p.add_argument_group(
+        "settings",
+        "The theme, the dashboard, the sampling of new conversations (--temperature, --top-k, "
+        f"--top-p, --seed, --max-new) and the loan flags are kept in {settings_path()} "
+        "(STRATA_CONFIG_DIR sets its directory). Those options given here, and STRATA_PREFILL_* "
+        "variables, win over the file for this run; --plain and --connect ignore its flags.")
     p.add_argument("--plain", action="store_true",
                    help="start without the loan defaults (no --serve/--mtp, flags from the env)")
     p.add_argument("--connect", metavar="URL",
@@ -63,15 +88,20 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
                         "are the server's")
     p.add_argument("--api-key", help=f"the server's bearer token with --connect (default: "
                                      f"${API_KEY_ENV} when set)")
-    p.set_defaults(**APP_DEFAULTS)
+    p.set_defaults(**APP_DEFAULTS, **dict.fromkeys(_SAMPLING_DESTS))
 
 
 def chat_config(args: argparse.Namespace) -> ChatConfig:
-    """Validate the command line and the environment; raises StrataError (one line)."""
-    if args.max_new < 1:
+    """Validate the command line and the environment, read the settings file; raises
+    StrataError (one line) for the command line or the environment."""
+    if args.max_new is not None and args.max_new < 1:
         raise StrataError(f"--max-new {args.max_new} must be at least 1")
+    path = settings_path()
+    settings, note = read_settings(path)
+    sampling = _sampling(args, settings.sampling)
+    kept = {"settings": settings, "settings_path": path, "settings_note": note}
     if args.connect is not None:
-        return _remote_config(args)
+        return _remote_config(args, sampling, kept)
     if args.plain:
         for name in APP_DEFAULTS:
             setattr(args, name, 0 if name == "spec" else False)
@@ -83,15 +113,30 @@ def chat_config(args: argparse.Namespace) -> ChatConfig:
             f"--model {options.model}: no such file (or model name: demo, {', '.join(PRESETS)})"
         )
     flags = loan_flags()
+    default_flags = None
     if not args.plain and not any(k.startswith("STRATA_PREFILL_") for k in os.environ):
         flags = APP_FLAGS if options.mtp else LoanFlags.make(
             elastic_loan=True, retain_startup_chunk=True, repeat_loan=True)
+        if settings.flags is not None and settings.flags != flags:
+            flags, default_flags = settings.flags, flags
     for warning in flags.warnings_for(options):
         sys.stderr.write(f"strata: warning: {warning}\n")
-    return ChatConfig(options, flags, sampling_params(args), args.max_new)
+    return ChatConfig(options, flags, sampling.params, sampling.max_tokens,
+                      default_flags=default_flags, **kept)
 
 
-def _remote_config(args: argparse.Namespace) -> ChatConfig:
+def _sampling(args: argparse.Namespace, saved: Sampling) -> Sampling:
+    """The sampling of new conversations: the command line's values over the file's."""
+    p = saved.params
+    given = {d: getattr(args, d) for d in _SAMPLING_DESTS if getattr(args, d) is not None}
+    params = SamplingParams(
+        temperature=given.get("temperature", p.temperature), top_k=given.get("top_k", p.top_k),
+        top_p=given.get("top_p", p.top_p), seed=given.get("seed", p.seed))
+    return Sampling(params, given.get("max_new", saved.max_tokens))
+
+
+def _remote_config(args: argparse.Namespace, sampling: Sampling,
+                   kept: dict[str, Any]) -> ChatConfig:
     """--connect: the server's URL and key; sampling and --max-new stay the app's."""
     url = args.connect.rstrip("/")
     parts = urlsplit(url)
@@ -99,8 +144,8 @@ def _remote_config(args: argparse.Namespace) -> ChatConfig:
         raise StrataError(f"--connect {args.connect}: give the server's URL, such as "
                           "http://127.0.0.1:8080")
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    return ChatConfig(engine_options(args), LoanFlags(), sampling_params(args), args.max_new,
-                      connect=url, api_key=key or None)
+    return ChatConfig(engine_options(args), LoanFlags(), sampling.params, sampling.max_tokens,
+                      connect=url, api_key=key or None, **kept)
 
 
 def _has_mtp(path: str) -> bool:

@@ -41,6 +41,15 @@ def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["STRATA_CACHE_DIR"] = str(tmp_path_factory.mktemp("strata-cache"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _config_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The app's settings file (app/settings.py) is read and written in a per-session
+    directory, never the user's."""
+    import os
+
+    os.environ["STRATA_CONFIG_DIR"] = str(tmp_path_factory.mktemp("strata-config"))
+
+
 @pytest.fixture(scope="session")
 def demo_path() -> Path:
     """The shipped demo model (trained on WordNet: 4 blocks + MTP, 32 experts, vocab 8192)."""
