@@ -16,10 +16,22 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import Footer, Header, Input, TextArea
 
-from app.commands import FlagCommands
+from app.chat_actions import (
+    Resend,
+    conversation_before,
+    cut,
+    edit_target,
+    find_edited,
+    last_prompt_index,
+    prompt_index_of,
+    put_back,
+)
+from app.commands import ChatCommands, FlagCommands
 from app.config import ChatConfig
+from app.draft import Draft
 from app.engine_link import EngineLink, LocalLink
 from app.outbox import Entry, Outbox
+from app.prompt_history import PromptHistory
 from app.remote_link import RemoteLink
 from app.screens import ConversationsScreen, HelpScreen, LoadingScreen
 from app.store import Store, StoreError, export_markdown
@@ -60,7 +72,7 @@ class StrataApp(App[None]):
     """The chat app. Engine work runs in thread workers behind `EngineLink`."""
 
     TITLE = "strata chat"
-    COMMANDS = App.COMMANDS | {FlagCommands}
+    COMMANDS = App.COMMANDS | {FlagCommands, ChatCommands}
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "cancel", "Cancel"),
         Binding("escape", "focus_input", "Back to the input", show=False),
@@ -71,6 +83,8 @@ class StrataApp(App[None]):
         Binding("f3", "flags", "Flags"),
         Binding("f1", "help", "Help"),
         Binding("ctrl+t", "change_theme", "Theme", show=False),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False),
+        Binding("ctrl+up", "focus_messages", "Messages", show=False),
     ]
     CSS = """
     #main { height: 1fr; }
@@ -100,6 +114,7 @@ class StrataApp(App[None]):
         self._outbox: Outbox | None = None  # None until the store is open
         self._prompt: Entry | None = None  # the prompt being answered, and its answer so far
         self._answer: Entry | None = None
+        self._resend: Resend | None = None  # the request sends a message again in its place
         self._quitting = False  # quitting: a late reply is no longer recorded
         self._signals: list[signal.Signals] = []
         # engine batches go to these many times a second: looked up once, not per batch
@@ -117,6 +132,7 @@ class StrataApp(App[None]):
 
     def on_mount(self) -> None:
         self._views = [*self.query(EventView), *self.query(EventLog)]
+        self._composer = self.query_one(Composer)
         self.push_screen(LoadingScreen(self.config.options.model, self.config.connect))
         self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
         self._catch_signals()
@@ -158,6 +174,7 @@ class StrataApp(App[None]):
             self.set_interval(PARTIAL_SAVE_S, self._save_partial, name="save-partial")
             self.set_interval(RETRY_S, self._retry_saves, name="retry-saves")
         await self._chat.show(self.conv)
+        self.query_one(Composer).history = PromptHistory(self._past_prompts)
         self.query_one(Composer).input.focus()
 
     def on_unmount(self) -> None:
@@ -251,27 +268,86 @@ class StrataApp(App[None]):
 
     # -- chat --------------------------------------------------------------------------------
     async def on_composer_send(self, message: Composer.Send) -> None:
+        if not self._can_send():
+            return
+        resend = None
+        if message.edit is not None:  # an edited message: sent in the place of the old one
+            index = find_edited(self.conv, message.edit)
+            if index is None:
+                self.notify("The message being edited is no longer in this conversation; "
+                            "Esc stops editing, or Enter again sends it as a new message.",
+                            severity="warning", timeout=8)
+                self.query_one(Composer).editing = None
+                return
+            resend = Resend(index, message.prompt, regenerate=False)
+        self.query_one(Composer).clear()
+        await self._send(message.prompt, message.draft, resend)
+
+    def _can_send(self) -> bool:
         if self.link.loop is None:
             self.notify("The engine is still loading.", severity="warning")
-            return
+            return False
         if self.running:
             self.notify("A request is running; Esc cancels it.", severity="warning")
-            return
+            return False
+        return True
+
+    async def _send(self, prompt: str, draft: Draft, resend: Resend | None = None) -> None:
+        """Send `prompt` in the open conversation; `resend`: in the place of the message at
+        its index (it and what follows are cut first; the KV keeps the prefix before it)."""
         self.running = True
-        self.query_one(Composer).clear()
-        await self._take_in_stored()
+        if resend is None:
+            await self._take_in_stored()
+        else:  # (not what another window added: the positions cut are this window's)
+            await self._cut(resend)
         # stored before the engine starts: a crash or kill during the request keeps the prompt
-        self._prompt = Entry(self.conv, Message("user", message.prompt))
+        self._prompt = Entry(self.conv, Message("user", prompt))
         self._answer = None
         self._save(lambda outbox: outbox.put(self._prompt))
-        await self.query_one(ChatLog).begin_exchange(message.prompt)
+        await self.query_one(ChatLog).begin_exchange(prompt)
         cfg = self.config
-        self.link.send(self.conv, message.prompt, message.draft, cfg.params, cfg.max_new)
+        self.link.send(self.conv, prompt, draft, cfg.params, cfg.max_new)
+
+    async def _cut(self, resend: Resend) -> None:
+        """Drop the message at `resend.index` and every one after it: from the conversation,
+        the log and the store (kept in `resend.dropped` until the new answer comes)."""
+        resend.dropped = cut(self.conv, resend.index)
+        self._resend = resend
+        self._save(lambda outbox: outbox.cut(self.conv, resend.index))
+        await self._chat.cut(resend.index)
+
+    async def _put_back(self, draft: Draft, failed: bool = False) -> bool:
+        """A resent message got no answer: the messages it replaced come back (the
+        conversation, the log, the store); an edit goes back into the input, still an edit.
+        False when the request was not a resend."""
+        resend, self._resend = self._resend, None
+        if resend is None:
+            return False
+        put_back(self.conv, resend.dropped)
+        entries: list[Entry] = []
+        for m in resend.dropped:  # stored again in order, each answer after its prompt
+            prompt = next((e for e in reversed(entries) if e.message.role == "user"), None)
+            entries.append(Entry(self.conv, m, reply_to=prompt if m.role != "user" else None))
+        for entry in entries:
+            self._save(lambda outbox, entry=entry: outbox.put(entry))
+        await self._chat.show(self.conv)
+        what = "the previous answer is back" if resend.regenerate else (
+            "the conversation is as it was; your edit is back in the input")
+        if not resend.regenerate:
+            composer = self.query_one(Composer)
+            composer.restore(draft)
+            composer.editing = edit_target(self.conv, resend.index)
+        if not failed:
+            self.notify(f"Cancelled; {what}.")
+        return True
 
     def _ask(self, text: str) -> LoanVerdict | None:
         """The composer's question (from its worker thread): what sending `text` in the open
         conversation would get."""
-        return self.link.preview(self.conv, text)
+        editing = self._composer.editing  # (a worker thread: no DOM query)
+        index = find_edited(self.conv, editing) if editing is not None else None
+        conv = self.conv if index is None else conversation_before(self.conv, index)
+        return self.link.preview(conv, text)
 
     async def on_engine_link_reply_done(self, message: EngineLink.ReplyDone) -> None:
         if self._quitting:  # the app quit mid-request; what it showed is stored already
@@ -281,9 +357,11 @@ class StrataApp(App[None]):
         if reply.withdrawn:  # cancelled before any text: the prompt goes back to the input
             self._withdraw(message.conversation)
             await chat.withdraw()
-            self.query_one(Composer).restore(message.draft)
-            self.notify("Cancelled; your prompt is back in the input.")
+            if not await self._put_back(message.draft):
+                self.query_one(Composer).restore(message.draft)
+                self.notify("Cancelled; your prompt is back in the input.")
         else:
+            self._resend = None
             self._keep_answer(message.conversation.messages[-1])
             await chat.finish(reply.text, cancelled=reply.cancelled)
             if reply.cancelled:
@@ -297,7 +375,8 @@ class StrataApp(App[None]):
         await self._dispatch(self.link.take())
         self._withdraw(message.conversation)
         await self.query_one(ChatLog).withdraw()
-        self.query_one(Composer).restore(message.draft)
+        if not await self._put_back(message.draft, failed=True):
+            self.query_one(Composer).restore(message.draft)
         self.notify(message.error, title="Request failed", severity="error", timeout=10)
         self.running = False
 
@@ -390,12 +469,68 @@ class StrataApp(App[None]):
     def action_focus_input(self) -> None:
         self.query_one(Composer).input.focus()
 
+    # -- message actions (the log's focused message, ctrl+r, the palette) ---------------------
+    def action_focus_messages(self) -> None:
+        if not self._chat.focus_message():
+            self.notify("No messages yet.", timeout=2)
+
+    async def action_regenerate(self, index: int | None = None) -> None:
+        """Answer again the prompt of the answer at `index` (default: the last prompt): it
+        is sent again; it and every message after it are dropped first."""
+        if not self._can_send():
+            return
+        at = last_prompt_index(self.conv) if index is None else prompt_index_of(self.conv, index)
+        if at is None:
+            self.notify("Nothing to regenerate yet.", severity="warning", timeout=3)
+            return
+        prompt = self.conv.messages[at].content
+        await self._send(prompt, Draft(""), Resend(at, prompt, regenerate=True))
+
+    def action_edit(self, index: int | None = None) -> None:
+        """Put the prompt at `index` (an answer: its prompt; default: the last prompt) into
+        the input, to send in its place."""
+        if self._refuse_while_running():
+            return
+        at = last_prompt_index(self.conv) if index is None else prompt_index_of(self.conv, index)
+        if at is None:
+            self.notify("No message to edit yet.", severity="warning", timeout=3)
+            return
+        self.query_one(Composer).edit(edit_target(self.conv, at), self.conv.messages[at].content)
+
+    def action_copy_last(self, code: bool = False) -> None:
+        """Copy the last answer (`code`: its last code block) as its focused view would."""
+        views = [v for v in self._chat.views if v.role == "assistant"]
+        if not views:
+            self.notify("No answer to copy yet.", severity="warning", timeout=3)
+        elif code:
+            views[-1].action_copy_code()
+        else:
+            views[-1].action_copy()
+
+    async def on_chat_log_regenerate(self, message: ChatLog.Regenerate) -> None:
+        await self.action_regenerate(message.index)
+
+    def on_chat_log_edit(self, message: ChatLog.Edit) -> None:
+        self.action_edit(message.index)
+
+    def _past_prompts(self) -> list[str]:
+        """The input's Up history: the stored prompts (none when the store cannot say)."""
+        if self.store is None:
+            return []
+        try:
+            return self.store.prompt_history()
+        except StoreError as exc:
+            self._store_failed(exc, "Prompt history")
+            return []
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "cancel":
             return self.running or None  # None: shown greyed out in the footer
         if action == "focus_input":
             main = self.screen is self.screen_stack[0]
             return main and self.focused is not self.query_one(Composer).input
+        if action in ("regenerate", "focus_messages"):  # not behind a dialog
+            return self.screen is self.screen_stack[0]
         return True
 
     # -- typing anywhere goes to the prompt ----------------------------------------------------

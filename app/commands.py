@@ -1,4 +1,5 @@
-"""Command palette provider: the flags panel's actions, by name."""
+"""Command palette providers: the flags panel's actions and the chat's message actions, by
+name."""
 
 from __future__ import annotations
 
@@ -102,3 +103,34 @@ class FlagCommands(Provider):
             score = matcher.match(name)
             if score > 0:
                 yield Hit(score, matcher.highlight(name), callback, help=help_text)
+
+
+# (name, the app's action, what it does): the message actions, also on a focused message
+CHAT_COMMANDS = (
+    ("Chat: regenerate the last answer", "regenerate",
+     "ctrl+r; the prompt is sent again, the KV cache reuses what came before it"),
+    ("Chat: edit the last message", "edit",
+     "it goes into the input; Enter sends it in its place, Esc stops editing"),
+    ("Chat: copy the last answer", "copy_last",
+     "to the clipboard through the terminal (OSC 52); y or c on a focused message"),
+    ("Chat: copy the last code block of the last answer", "copy_last(True)",
+     "b on a focused message; again for the block before it"),
+    ("Chat: select a message", "focus_messages",
+     "ctrl+up; then up/down between messages, Esc back to the input"),
+)
+
+
+class ChatCommands(Provider):
+    """The chat's message actions by name: regenerate, edit, copy, select a message."""
+
+    async def discover(self) -> Hits:
+        for name, action, help_text in CHAT_COMMANDS:
+            yield DiscoveryHit(name, partial(self.app.run_action, action), help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for name, action, help_text in CHAT_COMMANDS:
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), partial(self.app.run_action, action),
+                          help=help_text)

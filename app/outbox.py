@@ -28,6 +28,15 @@ class Entry:
     withdrawn: bool = False
 
 
+@dataclass(eq=False)
+class Cut:
+    """Every stored message of `conv` after its first `n_keep` is to be removed (a message
+    edited and sent again, an answer regenerated)."""
+
+    conv: Conversation
+    n_keep: int
+
+
 class Outbox:
     """Writes entries to a store in order; keeps the ones that could not be written yet.
 
@@ -38,13 +47,13 @@ class Outbox:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.error = ""
-        self._due: list[Entry] = []
+        self._due: list[Entry | Cut] = []
 
     @property
     def n_waiting(self) -> int:
-        return len({id(e) for e in self._due if not e.withdrawn})
+        return len({id(e) for e in self._due if isinstance(e, Entry) and not e.withdrawn})
 
-    def put(self, entry: Entry) -> bool:
+    def put(self, entry: Entry | Cut) -> bool:
         """Write `entry` (its row, or its new text) after every earlier one; False when it
         waits in memory for the store."""
         if entry not in self._due:
@@ -59,6 +68,11 @@ class Outbox:
             return self.flush()
         return self.put(entry)
 
+    def cut(self, conv: Conversation, n_keep: int) -> bool:
+        """Remove the stored messages of `conv` after its first `n_keep`, once every earlier
+        write is done (a reply waiting in memory is written, then cut: positions agree)."""
+        return self.put(Cut(conv, n_keep))
+
     def flush(self) -> bool:
         """Try every waiting write in order; False (and `error` set) at the first refusal."""
         while self._due:
@@ -71,8 +85,11 @@ class Outbox:
         self.error = ""
         return True
 
-    def _write(self, entry: Entry) -> None:
+    def _write(self, entry: Entry | Cut) -> None:
         store = self.store
+        if isinstance(entry, Cut):
+            store.truncate(entry.conv.id, entry.n_keep)
+            return
         if entry.withdrawn:
             assert entry.seq is not None, "a pending write withdrawn stays in the queue"
             store.withdraw(entry.conv.id, entry.seq)

@@ -26,6 +26,13 @@ HELP = """\
 |---|---|
 | **Enter** | send the message |
 | **ctrl+j** (shift+enter, alt+enter where the terminal reports them) | new line |
+| **↑ / ↓** in the input | the prompts sent before, of every conversation, newest first (↑ on the first line, ↓ on the last; the message being written comes back at the bottom) |
+| **ctrl+r** | regenerate the last answer (its prompt is sent again; the KV cache reuses everything before it) |
+| **ctrl+↑** | select a message: **↑ ↓** (k j) move, **Home/End** first/last, **Esc** back to the input |
+| **y** or **c** on a message | copy it to the clipboard (OSC 52, through the terminal) |
+| **b** on a message | copy its last code block; again: the block before it |
+| **e** on a message | edit it (an answer: its prompt) in the input; Enter sends it in its place, dropping the messages after it; Esc stops editing |
+| **r** on a message | answer it again (an answer: its prompt); the messages after the prompt are dropped |
 | **Esc** | cancel a running request: the prompt comes back, or the answer so far stays, marked cancelled; in a panel: back to the input |
 | **ctrl+n** | new conversation |
 | **ctrl+o** | open a saved conversation (type to search, ctrl+r renames, ctrl+d deletes) |
@@ -40,6 +47,9 @@ HELP = """\
 A paste longer than 10 lines or 1,000 characters collapses into a chip that shows its line
 and token counts and whether it crosses `STRATA_PREFILL_REPEAT_MIN_TOKENS` (when the repeat
 loan is on). The full text is sent.
+
+A copy travels through the terminal (the OSC 52 escape sequence), so it works over ssh; tmux
+passes it on with `set -g set-clipboard on`; macOS Terminal ignores it (ctrl+s exports instead).
 
 The flags panel changes the six `STRATA_PREFILL_*` loan flags, spec T and the prefill mode. The
 engine checks every change with the same guards as at startup: a refused change shows the

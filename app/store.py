@@ -36,6 +36,9 @@ from engine.conversation import ROLES, Conversation, Message, title_of
 from engine.errors import StrataError
 
 DB_NAME = "conversations.sqlite3"
+# the input's Up/Down history: the newest prompts, and the characters of them kept in memory
+HISTORY_PROMPTS = 1000
+HISTORY_CHARS = 16 * 1024 * 1024
 BUSY_TIMEOUT_S = 10.0  # another instance's write transaction is short; wait for it
 # a database's companion files, moved aside with it
 _COMPANIONS = ("-wal", "-shm", "-journal")
@@ -306,22 +309,40 @@ class Store:
             self.db.execute(
                 "DELETE FROM messages WHERE conversation_id = ? AND seq = ?", (conv_id, seq)
             )
-            first = self.db.execute(
-                f"SELECT content FROM messages WHERE conversation_id = ? AND role = 'user' "
-                f"{_IN_ORDER} LIMIT 1",
-                (conv_id,),
-            ).fetchone()
-            first = (_text(first[0]),) if first else None
-            left = self.db.execute(
-                "SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)
-            ).fetchone()[0]
-            if not left:
-                self.db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
-            else:
-                self.db.execute(
-                    "UPDATE conversations SET title = ? WHERE id = ?",
-                    (title_of(first[0]) if first else "", conv_id),
-                )
+            self._after_removal(conv_id)
+
+    def truncate(self, conv_id: str, n_keep: int) -> None:
+        """Remove every message after the first `n_keep` in reading order (an edited message
+        sent again, or an answer regenerated: it and everything after it go). The title
+        follows the first prompt left; a conversation left empty is removed."""
+        assert n_keep >= 0, f"n_keep {n_keep} < 0"
+        with self._write():
+            self.db.execute(
+                "DELETE FROM messages WHERE conversation_id = ?1 AND seq IN ("
+                f"SELECT seq FROM messages WHERE conversation_id = ?1 {_IN_ORDER} "
+                "LIMIT -1 OFFSET ?2)",
+                (conv_id, n_keep),
+            )
+            self._after_removal(conv_id)
+
+    def _after_removal(self, conv_id: str) -> None:
+        """Inside a write: the title follows the first prompt left; no message, no row."""
+        first = self.db.execute(
+            f"SELECT content FROM messages WHERE conversation_id = ? AND role = 'user' "
+            f"{_IN_ORDER} LIMIT 1",
+            (conv_id,),
+        ).fetchone()
+        first = (_text(first[0]),) if first else None
+        left = self.db.execute(
+            "SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)
+        ).fetchone()[0]
+        if not left:
+            self.db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
+        else:
+            self.db.execute(
+                "UPDATE conversations SET title = ? WHERE id = ?",
+                (title_of(first[0]) if first else "", conv_id),
+            )
 
     def load(self, conv_id: str) -> Conversation | None:
         """The conversation with every stored message, exchanges in order; None if absent."""
@@ -361,6 +382,38 @@ class Store:
             ).fetchall()
         return [ConversationInfo(id, _text(title), _number(updated), n)
                 for id, title, updated, n in rows]
+
+    def prompt_history(self, n_prompts: int = HISTORY_PROMPTS,
+                       max_chars: int = HISTORY_CHARS) -> list[str]:
+        """The user's prompts of every conversation, newest first, each once (its newest
+        time): the input's Up/Down history. At most `n_prompts` of the newest prompts are
+        looked at, and at most `max_chars` characters kept (a prompt longer than what is
+        left is skipped): a history of pasted books stays bounded in memory."""
+        with self._errors():
+            # keys first: sorting rows that carry their text would sort every pasted book
+            keys = self.db.execute(
+                "SELECT conversation_id, seq FROM messages WHERE role = 'user' "
+                "ORDER BY created DESC, seq DESC LIMIT ?",
+                (n_prompts,),
+            ).fetchall()
+            out: list[str] = []
+            seen: set[str] = set()
+            left = max_chars
+            for conv_id, seq in keys:
+                row = self.db.execute(
+                    "SELECT length(content), CASE WHEN length(content) <= ?1 THEN content END "
+                    "FROM messages WHERE conversation_id = ?2 AND seq = ?3",
+                    (left, conv_id, seq),
+                ).fetchone()
+                if row is None or row[1] is None:  # gone since, or longer than what is left
+                    continue
+                n_chars, text = row
+                text = _text(text)
+                if text.strip() and text not in seen:
+                    seen.add(text)
+                    out.append(text)
+                    left -= int(n_chars)
+        return out
 
     def delete(self, conv_id: str) -> None:
         """Remove a conversation and its messages."""

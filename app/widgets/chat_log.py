@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import ClassVar
 
 from rich.text import Text
@@ -10,8 +11,10 @@ from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
 from textual.widgets import Label, Markdown, Static
 
+from app.chat_actions import CodeBlock, code_blocks, copy_notice, copy_refusal
 from app.widgets.answer_stream import AnswerStream, StreamTail
 from engine.conversation import Conversation
 
@@ -59,10 +62,27 @@ class ShowAll(Static, can_focus=True):
         await self.action_show_all()
 
 
-class MessageView(Vertical):
+class MessageView(Vertical, can_focus=True):
     """One message: a role label and its body; an answer cut short is marked cancelled, one
     whose writer was killed is marked interrupted. A long body shows its first SHOWN_CHARS
-    characters until the user asks for all of it."""
+    characters until the user asks for all of it.
+
+    Focused (ctrl+up from the input, then up/down), it copies itself (y or c, as elia) or its
+    code blocks (b: the last, again for the one before), puts a prompt back into the input to
+    edit and send again (e; on an answer, its prompt), or answers again (r; the messages after
+    the prompt are dropped).
+    """
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("y,c", "copy", "Copy"),
+        Binding("b", "copy_code", "Copy code"),
+        Binding("e", "edit", "Edit"),
+        Binding("r", "regenerate", "Regenerate"),
+        Binding("up,k", "move(-1)", "Previous", show=False),
+        Binding("down,j", "move(1)", "Next", show=False),
+        Binding("home,g", "move_to(0)", "First", show=False),
+        Binding("end,G", "move_to(-1)", "Last", show=False),
+    ]
 
     DEFAULT_CSS = """
     MessageView {
@@ -75,6 +95,8 @@ class MessageView(Vertical):
         & > Markdown { padding: 0 1; margin: 0; }
         & > .status { color: $text-muted; text-style: italic; display: none; }
         &.-cancelled > Label { color: $text-warning; }
+        &:focus { background: $accent 15%; }
+        &:focus > Label { text-style: bold reverse; }
     }
     """
 
@@ -85,6 +107,8 @@ class MessageView(Vertical):
         self.interrupted = interrupted
         self.shown_chars = SHOWN_CHARS
         self.set_class(cancelled or interrupted, "-cancelled")
+        self._block = 0  # the code block `b` copied last (0: none yet; counted from the end)
+        self._blocks_of: tuple[str, list[CodeBlock]] = ("", [])
 
     def compose(self) -> ComposeResult:
         yield Label(self._label())
@@ -131,12 +155,80 @@ class MessageView(Vertical):
             return f"{label} · cancelled"
         return f"{label} · interrupted" if self.interrupted else label
 
+    # -- actions on a focused message --------------------------------------------------------
+    @property
+    def _log(self) -> ChatLog:
+        return self.query_ancestor(ChatLog)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "copy_code":
+            return bool(self._code_blocks()) or None  # None: greyed, the key still taken
+        return True
+
+    def _code_blocks(self) -> list[CodeBlock]:
+        """The message's code blocks (parsed once per text: the footer asks on each focus)."""
+        if self._blocks_of[0] != self.content:
+            self._blocks_of = (self.content, code_blocks(self.content))
+        return self._blocks_of[1]
+
+    def action_copy(self) -> None:
+        self._log.copy(self.content, "message" if self.role == "user" else "answer")
+
+    def action_copy_code(self) -> None:
+        """Copy the last code block; each press again, the one before it (round)."""
+        blocks = self._code_blocks()
+        if not blocks:
+            self.notify("This message has no code block.", severity="warning", timeout=3)
+            return
+        self._block = self._block % len(blocks) + 1
+        index = len(blocks) - self._block
+        block = blocks[index]
+        n = block.n_lines
+        lines = f"{n:,} line{'' if n == 1 else 's'}{f', {block.lang}' if block.lang else ''}"
+        self._log.copy(block.code, f"code block {index + 1} of {len(blocks)} ({lines})")
+
+    def action_edit(self) -> None:
+        self.post_message(ChatLog.Edit(self._log.index_of(self)))
+
+    def action_regenerate(self) -> None:
+        self.post_message(ChatLog.Regenerate(self._log.index_of(self)))
+
+    async def action_move(self, step: int) -> None:
+        """Focus the message `step` away; past the last one, the input."""
+        views = self._log.views
+        index = views.index(self) + step
+        if index >= len(views):
+            await self.run_action("app.focus_input")
+        else:
+            views[max(0, index)].focus()
+
+    def action_move_to(self, index: int) -> None:
+        self._log.views[index].focus()
+
 
 WELCOME = "Type a message and press Enter.  F1 shows every key."
 
 
 class ChatLog(VerticalScroll):
-    """Message views; the answer being generated streams into the last Markdown."""
+    """Message views; the answer being generated streams into the last Markdown.
+
+    A focused message posts `Edit` or `Regenerate` with its index in the conversation (the
+    views are the conversation's messages, in order); the app acts on them.
+    """
+
+    @dataclass
+    class Edit(Message):
+        """Put the message at `index` (an answer: its prompt) into the input, to be sent
+        again in its place."""
+
+        index: int
+
+    @dataclass
+    class Regenerate(Message):
+        """Answer again the message at `index` (an answer: its prompt); what follows the
+        prompt is dropped."""
+
+        index: int
 
     DEFAULT_CSS = """
     ChatLog {
@@ -153,6 +245,7 @@ class ChatLog(VerticalScroll):
         self._pending: list[MessageView] = []
         self._streamed = False  # the open answer has received text
         self._text: list[str] = []  # what the open answer has received
+        self._copied = False  # the first copy's notice says how the copy travels
 
     def compose(self) -> ComposeResult:
         yield Static(WELCOME, id="chat-empty")
@@ -247,3 +340,46 @@ class ChatLog(VerticalScroll):
         if following:
             self.scroll_end(animate=False)
 
+    # -- selecting and acting on messages ----------------------------------------------------
+    @property
+    def views(self) -> list[MessageView]:
+        """The message views, in the conversation's order."""
+        return list(self.query_children(MessageView))
+
+    def index_of(self, view: MessageView) -> int:
+        return self.views.index(view)
+
+    def focus_message(self, index: int = -1) -> bool:
+        """Focus the message at `index` (default: the last); False when there is none."""
+        views = self.views
+        if not views:
+            return False
+        views[index].focus()
+        return True
+
+    def reveal(self, index: int) -> None:
+        """Focus the message at `index` and scroll it to the top (a search's match): once laid
+        out, after the end `show` scrolls to."""
+        views = self.views
+        if 0 <= index < len(views):
+            views[index].focus(scroll_visible=False)
+            self.call_after_refresh(self.scroll_to_widget, views[index], top=True,
+                                    animate=False)
+
+    def copy(self, text: str, what: str) -> None:
+        """Copy `text` to the clipboard through the terminal (OSC 52), and say so."""
+        refusal = copy_refusal(text, what)
+        if refusal:
+            self.notify(refusal, title="Copy", severity="warning", timeout=8)
+            return
+        self.app.copy_to_clipboard(text)
+        notice, warn = copy_notice(len(text), what, first=not self._copied)
+        self._copied = True
+        self.notify(notice, title="Copy", severity="warning" if warn else "information",
+                    timeout=8 if warn or len(notice) > 60 else 3)
+
+    async def cut(self, index: int) -> None:
+        """Remove the message views from `index` on (a message sent again replaces them)."""
+        assert self._stream is None, "cut while an answer streams"
+        await self.remove_children(self.views[index:])
+        self.query_one("#chat-empty").display = not self.views

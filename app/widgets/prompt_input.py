@@ -7,23 +7,30 @@ shows its line and token counts, and the last chip what the engine says the mess
 the loan it would take (or why not) and the forecast ("repeat loan: 5.0 s -> 3.9 s"). The
 counting and the question run in a thread worker, never on the UI thread: a huge paste does
 not stop typing. Sending expands every marker into the full text.
+
+Up on the first line and Down on the last walk the prompts sent before (`PromptHistory`); a
+message put back to be edited (`edit`) is sent again in its place, Esc stops editing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from rich.text import Text
 from textual import events
 from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.message import Message
 from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widgets import Static, TextArea
 
+from app.chat_actions import EditTarget
 from app.draft import Draft
+from app.prompt_history import PromptHistory
 from engine.errors import StrataError
 from engine.forecast import LoanVerdict
 
@@ -108,6 +115,24 @@ class PromptInput(TextArea):
     class LongPaste(Message):
         text: str
 
+    @dataclass
+    class Recall(Message):
+        """Up on the first line (older) or Down on the last (newer): a history step."""
+
+        older: bool
+
+    def action_cursor_up(self, select: bool = False) -> None:
+        first = self.navigator.is_first_wrapped_line(self.cursor_location)
+        super().action_cursor_up(select)
+        if first and not select:
+            self.post_message(self.Recall(older=True))
+
+    def action_cursor_down(self, select: bool = False) -> None:
+        last = self.navigator.is_last_wrapped_line(self.cursor_location)
+        super().action_cursor_down(select)
+        if last and not select:
+            self.post_message(self.Recall(older=False))
+
     async def _on_key(self, event: events.Key) -> None:
         if event.key == "enter":
             event.stop()
@@ -141,6 +166,10 @@ class PromptInput(TextArea):
 class Composer(Vertical):
     """PromptInput plus the chips of its collapsed pastes; posts `Composer.Send`."""
 
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "stop_editing", "Stop editing"),
+    ]
+
     DEFAULT_CSS = """
     Composer {
         height: auto;
@@ -153,15 +182,19 @@ class Composer(Vertical):
             height: auto; min-height: 3; max-height: 12; border: round $accent 50%; padding: 0 1;
         }
         & > PromptInput:focus { border: round $accent; }
+        & > #editing { display: none; height: auto; padding: 0 1; color: $text-warning; }
+        & > #editing.-shown { display: block; }
     }
     """
 
     @dataclass
     class Send(Message):
-        """The user pressed Enter: the expanded prompt and the draft to put back on cancel."""
+        """The user pressed Enter: the expanded prompt and the draft to put back on cancel;
+        `edit`: the message it is sent again in place of (None: a new message)."""
 
         prompt: str
         draft: Draft
+        edit: EditTarget | None = None
 
     @dataclass
     class Measured(Message):
@@ -174,6 +207,7 @@ class Composer(Vertical):
 
     pastes: reactive[tuple[PastedText, ...]] = reactive((), layout=True)
     verdict: reactive[LoanVerdict | None] = reactive(None)
+    editing: reactive[EditTarget | None] = reactive(None)
 
     def __init__(self, count_tokens: Callable[[str], int | None],
                  ask: Callable[[str], LoanVerdict | None], **kwargs: object) -> None:
@@ -185,8 +219,11 @@ class Composer(Vertical):
         self._generation = 0  # measurements started; an older one's answer is dropped
         self._error = ""
         self._pending: Timer | None = None
+        self.history = PromptHistory()  # the app gives it the store's prompts
+        self._before_edit: Draft | None = None  # the input before `edit`, back after it
 
     def compose(self) -> ComposeResult:
+        yield Static(id="editing")
         yield Static(id="chips")
         yield PromptInput(id="prompt", soft_wrap=True, show_line_numbers=False)
 
@@ -277,12 +314,79 @@ class Composer(Vertical):
         if not prompt.strip():
             return
         draft = Draft(message.text, tuple((p.n, p.text) for p in self.pastes))
-        self.post_message(self.Send(prompt, draft))
+        self.history.sent(prompt)
+        self.post_message(self.Send(prompt, draft, self.editing))
 
     def clear(self) -> None:
-        self.input.clear()
-        self.pastes = ()
+        """Empty the input after a send (an edit sent: what the input held before it)."""
+        before, self._before_edit = self._before_edit, None
+        self.editing = None
+        self._load(before or Draft(""))
         self.measure()
+
+    # -- history and editing ---------------------------------------------------------------
+    def _draft(self) -> Draft:
+        return Draft(self.input.text, tuple((p.n, p.text) for p in self.pastes))
+
+    def _draft_of(self, text: str) -> Draft:
+        """A prompt as the input shows it: a long one as a chip, as a paste of it would be."""
+        if not is_long_paste(text):
+            return Draft(text)
+        paste = PastedText(self._next_n, text, None)
+        return Draft(paste.marker, ((paste.n, text),))
+
+    def _load(self, draft: Draft, at_start: bool = False) -> None:
+        """Replace the input with `draft` (its chips too); the cursor at its end, or at the
+        end of its first line (`at_start`: Up again goes on to the older entry)."""
+        self.pastes = tuple(PastedText(n, text, None) for n, text in draft.pastes)
+        self._next_n = max([self._next_n, *(n + 1 for n, _ in draft.pastes)])
+        self.input.load_text(draft.text)
+        document = self.input.document
+        self.input.move_cursor((0, len(document.get_line(0))) if at_start else document.end)
+
+    def on_prompt_input_recall(self, message: PromptInput.Recall) -> None:
+        message.stop()
+        current = self._draft()
+        shown = self.history.older(current) if message.older else self.history.newer(current)
+        if shown is None:
+            return
+        self._load(shown if isinstance(shown, Draft) else self._draft_of(shown),
+                   at_start=message.older)
+        self.measure()
+
+    def edit(self, target: EditTarget, text: str) -> None:
+        """Put `text` (the message `target`) into the input to be edited; sending it sends
+        it in the message's place. What the input held comes back after (or on Esc)."""
+        if self._before_edit is None:
+            self._before_edit = self._draft()
+        self.history.reset()
+        self.editing = target
+        self._load(self._draft_of(text))
+        self.input.focus()
+        self.measure()
+
+    def action_stop_editing(self) -> None:
+        """Esc while editing: the message stays as it was, the input as before the edit."""
+        before, self._before_edit = self._before_edit, None
+        self.editing = None
+        self._load(before or Draft(""))
+        self.measure()
+        self.notify("Stopped editing; the conversation is unchanged.", timeout=3)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop_editing":
+            return self.editing is not None
+        return True
+
+    def watch_editing(self, target: EditTarget | None) -> None:
+        line = self.query_one("#editing", Static)
+        line.set_class(target is not None, "-shown")
+        if target is not None:
+            after = (f"; the {target.n_after:,} message(s) after it are dropped"
+                     if target.n_after else "")
+            line.update(f"✎ editing message {target.index + 1}: Enter sends it in its "
+                        f"place{after} · Esc stops editing")
+        self.refresh_bindings()
 
     def restore(self, draft: Draft) -> None:
         """Put a sent prompt back, chips included (after a cancel or a failure); anything
@@ -291,6 +395,7 @@ class Composer(Vertical):
         restored = tuple(PastedText(n, text, None) for n, text in draft.pastes)
         self.pastes = (*restored, *(p for p in self.pastes if p.marker in typed))
         self._next_n = max([self._next_n, *(n + 1 for n, _ in draft.pastes)])
+        self.history.reset()
         self.input.load_text(draft.text + (f"\n{typed}" if typed.strip() else ""))
         self.input.move_cursor(self.input.document.end)
         self.input.focus()
