@@ -4,6 +4,7 @@ sampling: the TOML file, its bad forms, the command line over it, the store's co
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import tomllib
 from pathlib import Path
@@ -109,11 +110,14 @@ def test_every_problem_of_a_file_is_named_at_once() -> None:
         assert part in line
 
 
-def test_a_directory_in_the_files_place_is_moved_aside(tmp_path: Path) -> None:
-    (tmp_path / SETTINGS_NAME).mkdir()
+@pytest.mark.parametrize(("make", "kind"), [(Path.mkdir, "a directory"),
+                                            (os.mkfifo, "a FIFO (named pipe)")])
+def test_a_directory_or_a_fifo_in_the_files_place_is_moved_aside(tmp_path: Path, make,  # type: ignore[no-untyped-def]
+                                                                 kind: str) -> None:
+    make(tmp_path / SETTINGS_NAME)  # a FIFO with no writer: never opened to block
     kept, note = read_settings(tmp_path / SETTINGS_NAME)
-    assert kept == Settings() and "is a directory" in note
-    assert [p.is_dir() for p in tmp_path.glob(f"{SETTINGS_NAME}.bad-*")] == [True]
+    assert kept == Settings() and f"is {kind}" in note
+    assert len(list(tmp_path.glob(f"{SETTINGS_NAME}.bad-*"))) == 1
 
 
 def test_settings_past_the_cap_are_never_written(tmp_path: Path) -> None:
@@ -253,8 +257,8 @@ async def send(pilot, text: str) -> None:  # type: ignore[no-untyped-def]
 
 async def edit_settings(pilot, system: str | None = None, default: bool = False,  # type: ignore[no-untyped-def]
                         **values: str) -> ChatSettingsScreen:
-    """F4, type the system prompt and the values, tick the default box; the screen (not yet
-    applied)."""
+    """F4, type the system prompt, fill in the values, tick the default box; the screen (not
+    yet applied)."""
     await pilot.press("f4")
     await wait_until(pilot, lambda: isinstance(pilot.app.screen, ChatSettingsScreen))
     screen = pilot.app.screen
@@ -263,10 +267,7 @@ async def edit_settings(pilot, system: str | None = None, default: bool = False,
         area.clear()
         await pilot.press(*system)
     for key, text in values.items():
-        field = screen.query_one(f"#sampling-{key}", Input)
-        field.focus()
-        field.clear()
-        await pilot.press(*text)
+        screen.query_one(f"#sampling-{key}", Input).value = text
     screen.query_one(Checkbox).value = default
     return screen
 
@@ -283,8 +284,7 @@ async def test_settings_persist_across_two_app_runs(tmp_path: Path,
     app = app_of(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
-        await pilot.press("ctrl+t", *"nord", "enter")  # Textual's theme picker
-        await wait_until(pilot, lambda: app.theme == "nord")
+        app.theme = "nord"  # what ctrl+t's picker does
         await pilot.press("f2")
         flags, options = app.flags_in_force()  # type: ignore[misc]
         app.request_flags(flags.with_changes(head_loan=False, repeat_min_tokens=4096), options)
@@ -388,7 +388,7 @@ def reference(prompt: str, params: SamplingParams, max_new: int, system: str = "
 
 
 @async_test
-async def test_the_dialogs_sampling_is_used_by_the_next_request(
+async def test_max_tokens_from_the_dialog_caps_the_next_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STRATA_CONFIG_DIR", str(tmp_path))
@@ -400,11 +400,22 @@ async def test_the_dialogs_sampling_is_used_by_the_next_request(
         await send(pilot, "hello")
         done = app.query_one(TimingPanel).done
         assert done is not None and done.generated == 3
-        assert app.conv.messages[-1].content == reference("hello", SamplingParams(), 3)
-        # sampled, seed 7, made the default: a new conversation gives the same reply
-        await edit_settings(pilot, default=True, temperature="1", seed="7", max_tokens="8")
+        reply = app.conv.messages[-1].content
+    assert reply == reference("hello", SamplingParams(), 3) != reference(
+        "hello", SamplingParams(), 16)
+
+
+@async_test
+async def test_a_seed_from_the_dialog_gives_the_same_sampled_reply_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STRATA_CONFIG_DIR", str(tmp_path))
+    app = app_of(tmp_path, "--plain", "--max-new", "8")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        # made the default: each new conversation takes it
+        await edit_settings(pilot, default=True, temperature="1", seed="7")
         await apply(pilot)
-        await pilot.press("ctrl+n")
         await send(pilot, "hello")
         first = app.conv.messages[-1].content
         await pilot.press("ctrl+n")
@@ -412,8 +423,7 @@ async def test_the_dialogs_sampling_is_used_by_the_next_request(
         assert app.conv.messages[-1].content == first
         stored = app.store.load(app.conv.id)  # type: ignore[union-attr]
         assert stored is not None and stored.sampling == app.conv.sampling
-    seven = SamplingParams(temperature=1.0, seed=7)
-    assert first == reference("hello", seven, 8)
+    assert first == reference("hello", SamplingParams(temperature=1.0, seed=7), 8)
     assert first != reference("hello", SamplingParams(temperature=1.0, seed=8), 8)
 
 
