@@ -127,10 +127,9 @@ def test_history_keeps_one_point_per_request_and_the_loan_in_time() -> None:
     assert h.per_request("tg_tok_s") == [40.0, 32.0, 32.0]
     assert h.per_request("hit_pct") == [75.0, 87.5, 100.0]
     assert h.per_request("bytes_streamed") == [300 * MIB, 900 * MIB, 0]
-    decode_only = h.series("decode-only")
+    decode_only, lent = h.series("decode-only", LENT)
     # each loan shows as samples without the decode-only regions, however short
     assert decode_only.count(0) >= 2 + 3 * 2 - 1, decode_only
-    lent = h.series(LENT)
     assert max(v for v in lent if v is not None) == 4
     # the idle stretches between requests (~7 s, over MAX_IDLE intervals) are one gap each
     assert decode_only.count(None) == 2, decode_only
@@ -146,8 +145,9 @@ def test_a_loan_shorter_than_an_interval_still_shows() -> None:
     h.apply(ledger(10.3))
     h.apply(RequestDone(100, 0, 100, 0.1, 1, 0.0, 0.1, t=10.4))
     h.apply(ledger(11.5))  # the next interval closes the first
-    assert h.series("decode-only")[0] == 0 and h.series("prompt")[0] == 10 * MIB
-    assert h.series("decode-only")[-1] == 6 * MIB
+    decode_only, prompt = h.series("decode-only", "prompt")
+    assert decode_only[0] == 0 and prompt[0] == 10 * MIB
+    assert decode_only[-1] == 6 * MIB
 
 
 def test_history_rings_are_bounded() -> None:

@@ -108,21 +108,21 @@ class SessionHistory:
     # -- feeding -----------------------------------------------------------------------------
     def apply(self, event: Event) -> bool:
         """Take `event` in; True when it changed what the plots show."""
-        self._tick(event.t)
+        ticked = self._tick(event.t)
         if isinstance(event, LedgerChanged):
             self._set(memory_by_group(event))
         elif isinstance(event, CacheChanged):
             self._set({LENT: event.n_lent})
         elif isinstance(event, RequestStarted):
             self._request_id, self.running = event.request_id, True
-            return False
+            return ticked
         elif isinstance(event, RequestDone):
             self.running = False
             self.requests.append(RequestPoint.of(self._request_id, event))
             self.n_requests += 1
             self._request_id = 0
         else:
-            return False
+            return ticked
         return True
 
     def _set(self, values: dict[str, float]) -> None:
@@ -132,16 +132,18 @@ class SessionHistory:
             if abs(v - ref) >= abs(self._open.get(name, ref) - ref):
                 self._open[name] = v
 
-    def _tick(self, t: float) -> None:
-        """Close the open interval when `t` lies past it; fill the intervals between."""
+    def _tick(self, t: float) -> bool:
+        """Close the open interval when `t` lies past it and fill the intervals between;
+        True when samples were added."""
         if not math.isfinite(t):
-            return
+            return False
         i = math.floor(t / self.sample_s)
         if self._interval is None:
             self._interval = i
-            return
+            return False
         if i <= self._interval:  # the same interval (or a clock that went back: a new server)
-            return
+            return False
+        n = len(self.samples)
         if self._open or self.state:
             self.samples.append({**self.state, **self._open})
         missed = i - self._interval - 1
@@ -150,14 +152,16 @@ class SessionHistory:
         else:
             self.samples.extend(dict(self.state) for _ in range(min(missed, self.samples.maxlen)))
         self._interval, self._open, self._start = i, {}, dict(self.state)
+        return len(self.samples) != n or len(self.samples) == self.samples.maxlen
 
     # -- reading -----------------------------------------------------------------------------
-    def series(self, name: str) -> list[float | None]:
-        """The samples of one series, the open interval last (None: a gap, or not seen yet)."""
+    def series(self, *names: str) -> list[list[float | None]]:
+        """The samples of each named series, the open interval last (None: a gap, or not
+        seen yet)."""
         rows: list[dict[str, float] | None] = [*self.samples]
         if self.state:
             rows.append({**self.state, **self._open})
-        return [None if row is None else row.get(name) for row in rows]
+        return [[None if row is None else row.get(name) for row in rows] for name in names]
 
     def per_request(self, field: str) -> list[float | None]:
         """One value of `RequestPoint.field` per request in the ring, oldest first."""

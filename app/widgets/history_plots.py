@@ -103,19 +103,30 @@ class HistoryPlots(EventView):
         now = self.label.text()
         self.caption(f"{shown} · {now}" if self.label.running or self.label.left_for else shown)
 
+    _drawn: tuple[tuple[int, int], Text] | None = None  # (version, width) and its drawing
+
     def render(self) -> Text:
+        # the layout check renders too, and batches come 15 times a second during a prefill:
+        # a drawing is made once per change of the history or of the width
+        key = (self.version, self.content_width())
+        if self._drawn is None or self._drawn[0] != key:
+            self._drawn = (key, self._draw())
+        return self._drawn[1].copy()
+
+    def _draw(self) -> Text:
         h = self.history
         if not h.state and not h.requests:
             return Text("nothing yet: memory and request figures appear as the engine runs",
                         style="dim")
         width = max(4, self.content_width() - LABEL_WIDTH - VALUE_WIDTH - 2)
         text = Text()
-        n_samples = len(h.series(LENT if LENT in h.state else GROUPS[0]))
+        names = (*GROUPS, LENT)
+        all_series = dict(zip(names, h.series(*names), strict=True))
+        n_samples = len(all_series[LENT])
         per_column = h.sample_s * max(1.0, n_samples / width)
         text.append(f"memory · {n_samples * h.sample_s:,.0f} s of activity, "
                     f"{per_column:.2g} s a column\n", style="dim")
-        for group in (*GROUPS, LENT):
-            values = h.series(group)
+        for group, values in all_series.items():
             present = [v for v in values if v is not None]
             if not any(present):  # never held anything: no row
                 continue

@@ -26,7 +26,8 @@ def squeeze(values: Sequence[float | None], width: int) -> list[float | None]:
             out.append(None)
             continue
         ref = prev if prev is not None else group[0]
-        prev = max(group, key=lambda v: abs(v - ref))
+        lo, hi = min(group), max(group)
+        prev = lo if abs(lo - ref) > abs(hi - ref) else hi
         out.append(prev)
     return out
 
@@ -39,12 +40,21 @@ def spark(values: Sequence[float | None], width: int, top: float | None = None,
     cols = squeeze(values, max(1, width))
     present = [v for v in cols if v is not None]
     top = top if top is not None else max(present, default=0.0)
+    per_column = styles is not None and len(cols) == len(styles)
     text = Text()
+    run, run_style = [], ""  # glyphs of one style appended at once: a row is few spans
     for i, v in enumerate(cols):
         if v is None:
-            text.append(GAP)
-            continue
-        level = 0 if top <= 0 else min(len(LEVELS) - 1, int(v / top * len(LEVELS) - 1e-9))
-        col_style = styles[i] if styles is not None and len(cols) == len(styles) else style
-        text.append(LEVELS[max(0, level)], style=col_style if v > 0 else "dim")
+            glyph, col_style = GAP, ""
+        else:
+            level = 0 if top <= 0 else min(len(LEVELS) - 1, int(v / top * len(LEVELS) - 1e-9))
+            glyph = LEVELS[max(0, level)]
+            col_style = "dim" if v <= 0 else styles[i] if per_column else style  # type: ignore[index]
+        if col_style != run_style and run:
+            text.append("".join(run), style=run_style)
+            run = []
+        run.append(glyph)
+        run_style = col_style
+    if run:
+        text.append("".join(run), style=run_style)
     return text
