@@ -33,7 +33,7 @@ from app.engine_link import EngineLink, LocalLink
 from app.outbox import Entry, Outbox
 from app.prompt_history import PromptHistory
 from app.remote_link import RemoteLink
-from app.screens import ConversationsScreen, HelpScreen, LoadingScreen
+from app.screens import ConversationsScreen, HelpScreen, LoadingScreen, OpenAt
 from app.store import Store, StoreError, export_markdown
 from app.widgets.base import EventView
 from app.widgets.chat_log import ChatLog
@@ -630,7 +630,8 @@ class StrataApp(App[None]):
         except StoreError as exc:
             self._store_failed(exc)
             return
-        self.push_screen(ConversationsScreen(listed, self.conv.id), self._open)
+        self.push_screen(ConversationsScreen(listed, self.conv.id, self.store.search),
+                         self._open)
 
     async def on_conversations_screen_deleted(self, message: ConversationsScreen.Deleted) -> None:
         assert self.store is not None
@@ -653,10 +654,10 @@ class StrataApp(App[None]):
         if message.conv_id == self.conv.id:
             self.conv.title = message.title  # the next save keeps it
 
-    async def _open(self, conv_id: str | None) -> None:
+    async def _open(self, choice: OpenAt | None) -> None:
         assert self.store is not None
         try:
-            conv = self.store.load(conv_id) if conv_id else None
+            conv = self.store.load(choice.conv_id) if choice else None
         except StoreError as exc:
             self._store_failed(exc)
             return
@@ -664,6 +665,9 @@ class StrataApp(App[None]):
             self.conv = conv
             await self.query_one(ChatLog).show(conv)
             self.query_one(Composer).measure()
+            assert choice is not None
+            if choice.message is not None:  # a search's match: focused and scrolled to
+                self._chat.reveal(choice.message)
 
     def action_export(self) -> None:
         if not self.conv.messages:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
@@ -14,7 +16,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Markdown, OptionList, ProgressBar
 from textual.widgets.option_list import Option
 
-from app.store import ConversationInfo
+from app.search import SEARCH_CHARS, Found, SearchHit
+from app.store import ConversationInfo, StoreError
+from app.widgets.chat_log import printable
 from engine.events import Loading
 
 HELP = """\
@@ -35,7 +39,7 @@ HELP = """\
 | **r** on a message | answer it again (an answer: its prompt); the messages after the prompt are dropped |
 | **Esc** | cancel a running request: the prompt comes back, or the answer so far stays, marked cancelled; in a panel: back to the input |
 | **ctrl+n** | new conversation |
-| **ctrl+o** | open a saved conversation (type to search, ctrl+r renames, ctrl+d deletes) |
+| **ctrl+o** | open a saved conversation: type to search the titles and every message (Enter opens at the match), ctrl+r renames, ctrl+d deletes |
 | **ctrl+s** | export the conversation to Markdown (the path is shown) |
 | **F2** | show / hide the dashboard |
 | **F3** | go to the loan flags panel (typing or pasting there goes to the input) |
@@ -112,9 +116,20 @@ class HelpScreen(ModalScreen[None]):
         yield help_text
 
 
-class ConversationsScreen(ModalScreen[str | None]):
-    """Pick a saved conversation (returns its id; None when dismissed); search the titles,
-    rename or delete one. Renames and deletions are posted to the app, which owns the store."""
+@dataclass(frozen=True)
+class OpenAt:
+    """What the conversation list opens: a conversation, and the message a search found in it
+    (its position among the conversation's messages; None: the conversation as it was left)."""
+
+    conv_id: str
+    message: int | None = None
+
+
+class ConversationsScreen(ModalScreen[OpenAt | None]):
+    """Pick a saved conversation (returns an OpenAt; None when dismissed); search the titles
+    and, through `search` (the store's full-text search), the messages: each conversation
+    found shows its best match with the words marked, and Enter opens it at that message.
+    Rename or delete one. Renames and deletions are posted to the app, which owns the store."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "close", "Close"),
@@ -131,7 +146,8 @@ class ConversationsScreen(ModalScreen[str | None]):
             width: 90%; max-width: 100; height: 80%;
             border: round $primary; background: $surface;
         }
-        & OptionList { height: 1fr; border: none; }
+        /* a title and a snippet a line each, cut at the width */
+        & OptionList { height: 1fr; border: none; text-wrap: nowrap; text-overflow: ellipsis; }
         & Input, & Input:focus { border: none; height: 1; padding: 0 1; margin: 0 0 1 0; }
         & #conv-rename { display: none; }
         & #conv-rename.-renaming { display: block; }
@@ -140,6 +156,7 @@ class ConversationsScreen(ModalScreen[str | None]):
     }
     """
     HINT = "Enter opens · ctrl+r renames · ctrl+d deletes · Esc closes"
+    HIT_STYLE = "bold reverse"  # a matched word in a snippet, legible in every theme
 
     @dataclass
     class Renamed(Message):
@@ -154,15 +171,21 @@ class ConversationsScreen(ModalScreen[str | None]):
 
         conv_id: str
 
-    def __init__(self, conversations: list[ConversationInfo], current: str | None) -> None:
+    def __init__(self, conversations: list[ConversationInfo], current: str | None,
+                 search: Callable[[str], Found] | None = None) -> None:
         super().__init__()
         self.conversations, self.current = list(conversations), current
+        self._search = search
+        self._hits: dict[str, SearchHit] = {}  # the messages' matches, by conversation
+        self._note = ""  # what the search says (a substring search, more matches, a failure)
         self._delete_armed: str | None = None  # ctrl+d once: this id; twice: deleted
 
     def compose(self) -> ComposeResult:
+        what = "titles and messages" if self._search else "titles"
         with Vertical():
             yield Label(" Conversations", id="conv-title")
-            yield Input(placeholder="search the titles…", id="conv-search")
+            yield Input(placeholder=f"search the {what}…", id="conv-search",
+                        max_length=SEARCH_CHARS)
             yield OptionList(id="conv-list")
             yield Input(id="conv-rename")
             yield Label(self.HINT, id="conv-hint")
@@ -173,17 +196,46 @@ class ConversationsScreen(ModalScreen[str | None]):
 
     # -- the list ----------------------------------------------------------------------------
     def shown(self) -> list[ConversationInfo]:
-        """The conversations whose title matches the search (all when it is empty)."""
+        """The conversations whose title holds the search or whose messages hold its words
+        (all when it is empty), newest first."""
         query = self.query_one("#conv-search", Input).value.strip().casefold()
-        return [c for c in self.conversations if query in (c.title or "untitled").casefold()]
+        return [c for c in self.conversations
+                if query in (c.title or "untitled").casefold() or c.id in self._hits]
+
+    def hit(self, conv_id: str) -> SearchHit | None:
+        """The message the search found in conversation `conv_id`, if any."""
+        return self._hits.get(conv_id)
+
+    def _find(self) -> None:
+        """Search the messages for what the search field holds (on each change)."""
+        query = self.query_one("#conv-search", Input).value.strip()
+        self._hits, self._note = {}, ""
+        if not query or self._search is None:
+            return
+        try:
+            found = self._search(query)
+        except StoreError as exc:
+            self._note = f"The messages cannot be searched: {exc}"
+            return
+        self._hits = {h.conv_id: h for h in found.hits}
+        more = "more messages match than are shown: add a word" if found.more else ""
+        self._note = " · ".join(filter(None, (found.note, more)))
 
     def _option(self, c: ConversationInfo) -> Option:
-        return Option(
-            f"{'● ' if c.id == self.current else '  '}{c.title or 'untitled'}  "
-            f"[dim]{c.n_messages} messages · "
-            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}[/]",
-            id=c.id,
-        )
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
+        prompt = Text()
+        prompt.append(f"{'● ' if c.id == self.current else '  '}{printable(c.title or 'untitled')}")
+        prompt.append(f"  {c.n_messages} messages · {when}", style="dim")
+        hit = self._hits.get(c.id)
+        if hit is not None:
+            prompt.append(f"\n    {'you' if hit.role == 'user' else hit.role}: ", style="dim")
+            snippet = Text(printable(hit.snippet))
+            for start, end in hit.marks:
+                snippet.stylize(self.HIT_STYLE, start, end)
+            prompt.append_text(snippet)
+            if hit.n_hits > 1:
+                prompt.append(f"  +{hit.n_hits - 1:,} more", style="dim")
+        return Option(prompt, id=c.id)
 
     def _fill(self) -> None:
         options = self.query_one("#conv-list", OptionList)
@@ -192,7 +244,7 @@ class ConversationsScreen(ModalScreen[str | None]):
             options.set_options(self._option(c) for c in shown)
             options.highlighted = 0
         elif self.conversations:
-            options.set_options([Option("no title matches the search", disabled=True)])
+            options.set_options([Option("nothing matches the search", disabled=True)])
         else:
             options.set_options([Option("no saved conversations yet", disabled=True)])
 
@@ -204,13 +256,15 @@ class ConversationsScreen(ModalScreen[str | None]):
         return next((c for c in self.conversations if c.id == conv_id), None)
 
     def _hint(self, text: str = "", warning: bool = False) -> None:
+        """Show `text` under the list; by default what the search says, else the keys."""
         hint = self.query_one("#conv-hint", Label)
-        hint.update(text or self.HINT)
-        hint.set_class(warning, "-warning")
+        hint.update(text or self._note or self.HINT)
+        hint.set_class(warning or (not text and bool(self._note)), "-warning")
 
     def on_input_changed(self, event: Input.Changed) -> None:
         if event.input.id == "conv-search":
             self._delete_armed = None
+            self._find()
             self._hint()
             self._fill()
 
@@ -222,8 +276,13 @@ class ConversationsScreen(ModalScreen[str | None]):
             options.action_cursor_up()
 
     # -- open --------------------------------------------------------------------------------
+    def _open(self, conv_id: str) -> None:
+        hit = self._hits.get(conv_id)
+        self.dismiss(OpenAt(conv_id, hit.message if hit else None))
+
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        self.dismiss(event.option.id)
+        assert event.option.id is not None
+        self._open(event.option.id)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
@@ -232,7 +291,7 @@ class ConversationsScreen(ModalScreen[str | None]):
             return
         selected = self._selected()
         if selected is not None:
-            self.dismiss(selected.id)
+            self._open(selected.id)
 
     def action_close(self) -> None:
         if self.renaming:

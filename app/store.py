@@ -32,6 +32,20 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
+from app.search import (
+    HIT_END,
+    HIT_START,
+    SEARCH_LIMIT,
+    SEARCH_SCAN,
+    SNIPPET_TOKENS,
+    Found,
+    SearchHit,
+    fts_query,
+    like_pattern,
+    parse_snippet,
+    search_terms,
+    substring_snippet,
+)
 from engine.conversation import ROLES, Conversation, Message, title_of
 from engine.errors import StrataError
 
@@ -45,6 +59,47 @@ _COMPANIONS = ("-wal", "-shm", "-journal")
 # SQLite's answers for a file that is not a (healthy) database: moved aside, never deleted
 _NOT_A_DATABASE = frozenset({"SQLITE_NOTADB", "SQLITE_CORRUPT"})
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+
+# The full-text index of message contents: FTS5 over `messages` (external content: the text is
+# kept once), kept in step by triggers. Every statement may run again: `Store.open` re-runs them
+# (and rebuilds the index) when a database lacks any, e.g. one last written where SQLite had no
+# FTS5. unicode61 folds case and (2) diacritics: "cafe" finds "café".
+_FTS = "messages_fts"
+_FTS_TRIGGERS = ("messages_fts_insert", "messages_fts_delete", "messages_fts_update")
+_FTS_STATEMENTS = (
+    f"""CREATE VIRTUAL TABLE IF NOT EXISTS {_FTS} USING fts5(content, content='messages',
+        content_rowid='rowid', tokenize='unicode61 remove_diacritics 2')""",
+    f"""CREATE TRIGGER IF NOT EXISTS {_FTS_TRIGGERS[0]} AFTER INSERT ON messages BEGIN
+        INSERT INTO {_FTS} (rowid, content) VALUES (new.rowid, new.content);
+    END""",
+    # the index forgets a row by its old text: exactly what was indexed, or it is damaged
+    f"""CREATE TRIGGER IF NOT EXISTS {_FTS_TRIGGERS[1]} AFTER DELETE ON messages BEGIN
+        INSERT INTO {_FTS} ({_FTS}, rowid, content) VALUES ('delete', old.rowid, old.content);
+    END""",
+    # an answer rewritten as it streams is indexed anew each time
+    f"""CREATE TRIGGER IF NOT EXISTS {_FTS_TRIGGERS[2]} AFTER UPDATE OF content ON messages
+        WHEN old.content IS NOT new.content BEGIN
+        INSERT INTO {_FTS} ({_FTS}, rowid, content) VALUES ('delete', old.rowid, old.content);
+        INSERT INTO {_FTS} (rowid, content) VALUES (new.rowid, new.content);
+    END""",
+    f"INSERT INTO {_FTS} ({_FTS}) VALUES ('rebuild')",  # the rows already there
+)
+
+
+def _fts5_available() -> bool:
+    """Whether this SQLite has FTS5 with the tokenizer the index uses (most builds do)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.execute("CREATE TABLE messages (content TEXT)")
+        db.execute(_FTS_STATEMENTS[0])
+        return True
+    except sqlite3.Error:
+        return False
+    finally:
+        db.close()
+
+
+FTS5 = _fts5_available()
 
 # version -> statements; append only, never edit a released entry
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -71,12 +126,19 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     # an answer written as it streams: 1 until its writer stores the final text
     4: ("ALTER TABLE messages ADD COLUMN partial INTEGER NOT NULL DEFAULT 0",),
+    6: _FTS_STATEMENTS,  # where this SQLite has no FTS5, recorded without them
 }
 SCHEMA_VERSION = max(MIGRATIONS)
+_FTS_VERSION = 6
+assert MIGRATIONS[_FTS_VERSION] is _FTS_STATEMENTS
 # what an older database read-only lacks reads as these (its rows predate the columns)
 _COLUMN_DEFAULTS = {"cancelled": "0", "reply_to": "NULL", "partial": "0"}
 # a reply reads right after its prompt, whatever another instance appended in between
 _IN_ORDER = "ORDER BY coalesce(reply_to, seq), seq"
+# message m's position in its conversation as `load` reads it (_IN_ORDER)
+_POSITION = ("(SELECT count(*) FROM messages p WHERE p.conversation_id = m.conversation_id "
+             "AND (coalesce(p.reply_to, p.seq), p.seq) < (coalesce(m.reply_to, m.seq), m.seq))")
+_SNIPPET_READ_CHARS = 1 << 20  # a substring search draws a match past this from the start
 
 
 class StoreError(StrataError):
@@ -89,16 +151,30 @@ class _Unreadable(StoreError):
 
 def _expected_tables() -> dict[str, set[str]]:
     """Every table and its columns after all migrations (run once on an in-memory database:
-    the migrations are the one description of the schema)."""
+    the migrations are the one description of the schema).
+
+    The full-text index is not among them: a database without it (read-only and older, or
+    written where SQLite has no FTS5) is healthy, and searched without it."""
     db = sqlite3.connect(":memory:")
     try:
         for version in sorted(MIGRATIONS):
-            for statement in MIGRATIONS[version]:
+            for statement in _statements(version):
                 db.execute(statement)
-        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")
+                  if not _is_index_table(r[0])]
         return {t: {r[1] for r in db.execute(f"PRAGMA table_info({t})")} for t in tables}
     finally:
         db.close()
+
+
+def _statements(version: int) -> tuple[str, ...]:
+    """Migration `version`'s statements as this SQLite can run them."""
+    return () if version == _FTS_VERSION and not FTS5 else MIGRATIONS[version]
+
+
+def _is_index_table(name: str) -> bool:
+    """The FTS5 table or one of its shadow tables (messages_fts_data, _idx, ...)."""
+    return name == _FTS or name.startswith(f"{_FTS}_")
 
 
 _TABLES = _expected_tables()
@@ -217,8 +293,9 @@ class Store:
         tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master")}
         if "schema_version" not in tables:
             raise _Unreadable(f"{self.path}: not a strata conversation database")
-        if self.version >= SCHEMA_VERSION or "messages" not in tables:
+        if self.version > SCHEMA_VERSION or "messages" not in tables:
             return
+        # by the columns, not the version: a gap in the versions may be filled later
         have = {r[1] for r in self.db.execute("PRAGMA main.table_info(messages)")}
         extra = [f"{v} AS {k}" for k, v in _COLUMN_DEFAULTS.items() if k not in have]
         if extra:
@@ -235,15 +312,16 @@ class Store:
     def migrate(self) -> None:
         """Bring the schema to SCHEMA_VERSION; refuse a database newer than this code.
 
-        Each migration runs in its own write transaction and re-reads the version inside it,
-        so two instances starting on one new database apply every migration once.
+        Each migration runs in its own write transaction and re-reads the versions inside it,
+        so two instances starting on one new database apply every migration once. A version
+        not recorded is applied even after a later one (a gap in the numbers, filled later).
         """
         with self._write():
             tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master")}
             if tables and "schema_version" not in tables:
                 raise _Unreadable(f"{self.path}: not a strata conversation database")
             self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-        for version in range(1, SCHEMA_VERSION + 1):
+        for version in sorted(MIGRATIONS):
             with self._write():
                 current = self.version
                 if current > SCHEMA_VERSION:
@@ -252,11 +330,29 @@ class Store:
                         f"({SCHEMA_VERSION}); run a newer strata, or set STRATA_DATA_DIR to "
                         "use another directory"
                     )
-                if current >= version:
+                if self.db.execute("SELECT 1 FROM schema_version WHERE version = ?",
+                                   (version,)).fetchone():
                     continue
-                for statement in MIGRATIONS[version]:
+                for statement in _statements(version):
                     self.db.execute(statement)
                 self.db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+        self._sync_index()
+
+    def _sync_index(self) -> None:
+        """Make the full-text index what this SQLite can keep: where FTS5 is, the index and
+        its triggers, rebuilt when any was missing; where it is not, no triggers (they would
+        refuse every write), so the next open with FTS5 rebuilds the index."""
+        with self._write():
+            names = {r[0] for r in self.db.execute(
+                "SELECT name FROM sqlite_master WHERE type IN ('table', 'trigger')")}
+            if "messages" not in names:
+                return  # not a database of ours: `_check_tables` moves it aside
+            if not FTS5:
+                for trigger in _FTS_TRIGGERS:
+                    self.db.execute(f"DROP TRIGGER IF EXISTS {trigger}")
+            elif not {_FTS, *_FTS_TRIGGERS} <= names:
+                for statement in _FTS_STATEMENTS:
+                    self.db.execute(statement)
 
     def append(self, conv: Conversation, message: Message, reply_to: int | None = None,
                partial: bool = False) -> int:
@@ -414,6 +510,110 @@ class Store:
                     out.append(text)
                     left -= int(n_chars)
         return out
+
+    @property
+    def search_note(self) -> str:
+        """Why `search` is a plain substring search ("" when the full-text index is there)."""
+        with self._errors():
+            have = self.db.execute("SELECT 1 FROM main.sqlite_master WHERE name = ?",
+                                   (_FTS,)).fetchone()
+        if not FTS5:
+            return "this Python's SQLite has no FTS5: plain substring search, slower"
+        if not have:  # only read-only: `open` builds it otherwise
+            return "no full-text index (an older, read-only history): plain substring search"
+        return ""
+
+    def search(self, text: str) -> Found:
+        """The conversations whose messages hold every word of `text`, newest first, each
+        with its best match (FTS5's bm25 rank, then the newest) as a snippet; bounded as
+        app.search says. Without the full-text index, a substring search (LIKE, newest
+        match first) that says so in `Found.note`."""
+        terms, note = search_terms(text), self.search_note
+        query = "" if note else fts_query(terms)
+        with self._errors():
+            matches = self._substring_matches(terms) if note else self._index_matches(query)
+            chosen = [
+                (conv_id, _text(title), _number(updated))
+                for conv_id, title, updated in self.db.execute(
+                    "SELECT id, title, updated FROM conversations ORDER BY updated DESC")
+                if conv_id in matches
+            ][:SEARCH_LIMIT]
+            keys = [matches[conv_id][1] for conv_id, _, _ in chosen]
+            shown = (self._substring_snippets(keys, terms) if note
+                     else self._index_snippets(keys, query))
+        hits = [SearchHit(conv_id, title, updated, matches[conv_id][0], *shown[key])
+                for (conv_id, title, updated), key in zip(chosen, keys, strict=True)
+                if key in shown]  # not: deleted since by another instance
+        scanned = sum(n for n, _ in matches.values())
+        return Found(hits, note, more=len(matches) > len(chosen) or scanned >= SEARCH_SCAN)
+
+    def _index_matches(self, query: str) -> dict[str, tuple[int, int]]:
+        """conversation -> (its matching messages, the rowid of the best), over the newest
+        SEARCH_SCAN matching messages."""
+        if not query:
+            return {}
+        best: dict[str, tuple[int, tuple[float, int]]] = {}
+        for conv_id, rowid, rank in self.db.execute(
+            f"SELECT m.conversation_id, f.rowid, f.rank FROM (SELECT rowid, rank FROM {_FTS} "
+            f"WHERE {_FTS} MATCH ? ORDER BY rowid DESC LIMIT ?) f "
+            "JOIN main.messages m ON m.rowid = f.rowid",
+            (query, SEARCH_SCAN),
+        ):
+            n, key = best.get(conv_id, (0, (rank, -rowid)))
+            best[conv_id] = (n + 1, min(key, (rank, -rowid)))  # bm25: lower ranks better
+        return {conv_id: (n, -key[1]) for conv_id, (n, key) in best.items()}
+
+    def _index_snippets(self, rowids: list[int], query: str) -> dict[int, tuple]:
+        """rowid -> (position, role, snippet, marks). One pass over the matches drawing only
+        these snippets: `MATCH ? AND rowid IN (...)` would run the query once per rowid (a
+        one-letter prefix: 9 s for 200 rows of 50,000 messages, this 0.07 s)."""
+        if not rowids:
+            return {}
+        marks = ", ".join("?" * len(rowids))
+        snippets = dict(self.db.execute(
+            f"SELECT rowid, CASE WHEN rowid IN ({marks}) THEN "
+            f"snippet({_FTS}, 0, ?, ?, '…', ?) END FROM {_FTS} "
+            f"WHERE {_FTS} MATCH ? AND rowid >= ? ORDER BY rowid DESC",
+            (*rowids, HIT_START, HIT_END, SNIPPET_TOKENS, query, min(rowids)),
+        ).fetchall())
+        return {
+            rowid: (position, _role(role), *parse_snippet(_text(snippets.get(rowid))))
+            for rowid, role, position in self.db.execute(
+                f"SELECT m.rowid, m.role, {_POSITION} FROM main.messages m "
+                f"WHERE m.rowid IN ({marks})",
+                rowids,
+            )
+        }
+
+    def _substring_matches(self, terms: list[str]) -> dict[str, tuple[int, tuple[str, int]]]:
+        """conversation -> (its matching messages, (it, the seq of the newest)), over the
+        newest SEARCH_SCAN matching messages (LIKE: a scan of every message)."""
+        if not terms:
+            return {}
+        found: dict[str, tuple[int, tuple[str, int]]] = {}
+        for conv_id, seq in self.db.execute(
+            "SELECT conversation_id, seq FROM messages WHERE "
+            + " AND ".join(["content LIKE ? ESCAPE '\\'"] * len(terms))
+            + " ORDER BY created DESC, seq DESC LIMIT ?",
+            (*map(like_pattern, terms), SEARCH_SCAN),
+        ):
+            n, newest = found.get(conv_id, (0, (conv_id, seq)))
+            found[conv_id] = (n + 1, newest)
+        return found
+
+    def _substring_snippets(self, keys: list[tuple[str, int]],
+                            terms: list[str]) -> dict[tuple[str, int], tuple]:
+        """(conversation, seq) -> (position, role, snippet, marks)."""
+        shown = {}
+        for key in keys:
+            row = self.db.execute(
+                f"SELECT {_POSITION}, role, substr(content, 1, {_SNIPPET_READ_CHARS}) "
+                "FROM messages m WHERE conversation_id = ? AND seq = ?",
+                key,
+            ).fetchone()
+            if row is not None:
+                shown[key] = (row[0], _role(row[1]), *substring_snippet(_text(row[2]), terms))
+        return shown
 
     def delete(self, conv_id: str) -> None:
         """Remove a conversation and its messages."""
