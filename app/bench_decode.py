@@ -5,9 +5,13 @@ and prompt; each run is a fresh process (`strata run`, or the app headless at a 
 size driven by a pilot that types the prompt and presses Enter), interleaved CLI/app. Decode
 speed is the engine's own figure (`G generated in Z ms`): the CLI's timing line, the app's
 `RequestDone`. The app side also reports its UI thread's CPU time while the engine decoded (first
-token to RequestDone) as a share of that time: time the engine thread waits for under the GIL.
+token to RequestDone), as a share of that time (time the engine thread waits for under the GIL)
+and per generated token.
 
     python -m app.bench_decode --runs 5 --max-new 256 [strata chat options]
+
+The trained demo ends its answers after a few dozen tokens; `--model random-demo` (its shapes,
+random weights) decodes all of --max-new.
 """
 
 from __future__ import annotations
@@ -166,19 +170,27 @@ def table(config: ChatConfig, prompt: str, cli: list[Sample], app: list[Sample])
         (f"prompt {prompt!r}, --max-new {config.max_new}, {len(cli)} runs each, interleaved, "
          "fresh process per run"),
         "",
-        "| runner | generated | decode tok/s median | range | UI thread CPU while decoding |",
-        "|---|---:|---:|---:|---:|",
+        ("| runner | generated | decode tok/s median | range | UI thread CPU while decoding "
+         "| UI thread CPU a token |"),
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, samples in (("strata run", cli), ("app (headless)", app)):
         med, rng = spread([s.tok_s for s in samples])
         gen = "/".join(sorted({str(s.generated) for s in samples}))
-        ui = "–"
+        ui = per_token = "–"
         if samples[0].ui_cpu_ms is not None:
             share = [100 * (s.ui_cpu_ms or 0) / (s.ui_wall_ms or 1) for s in samples]
-            ui = f"{statistics.median(share):.0f}% ({spread(share, '{:.0f}')[1]}%)"
-        lines.append(f"| {name} | {gen} | {med} | {rng} | {ui} |")
+            ui = f"{statistics.median(share):.1f}% ({spread(share, '{:.1f}')[1]}%)"
+            ms = [(s.ui_cpu_ms or 0) / max(1, s.generated) for s in samples]
+            per_token = f"{statistics.median(ms):.3f} ms ({spread(ms, '{:.3f}')[1]})"
+        lines.append(f"| {name} | {gen} | {med} | {rng} | {ui} | {per_token} |")
     ratio = statistics.median(s.tok_s for s in app) / statistics.median(s.tok_s for s in cli)
     lines += ["", f"app / strata run (medians): {ratio:.2f}"]
+    short = min(s.generated for s in (*cli, *app))
+    if short < config.max_new:
+        lines.append(f"the model ended an answer after {short} tokens (of --max-new "
+                     f"{config.max_new}): the decode is short, costs paid once a request weigh "
+                     "more; --model random-demo decodes them all")
     return "\n".join(lines)
 
 

@@ -2,14 +2,21 @@
 `strata serve` (`app.remote_link.RemoteLink`).
 
 Engine events only go into a queue (the in-process engine's bus callback runs on the engine
-thread). A timer on the UI thread drains the queue at a steady rate, coalesces snapshot events
-and posts one `EngineLink.Events` message per tick, so a prefill publishing thousands of events
-never makes a frame wait.
+thread and does nothing else: one deque append a token). A timer on the UI thread drains the
+queue at a steady rate, coalesces snapshot events and posts one `EngineLink.Events` message per
+tick, so a prefill publishing thousands of events never makes a frame wait, and the UI thread's
+cost while decoding is a cost per frame, not per token.
+
+While an answer streams (its first token to its RequestDone) the text goes out every tick and
+the other events (the dashboard's: a lend's ledger and cache snapshots, trace lines) at most
+every VIEWS_WHILE_STREAMING_S: a dashboard update reflows the whole screen (tens of ms), time
+the engine thread waits for under the GIL; a short answer on a GPU is over before they show.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,6 +36,7 @@ from engine.events import (
     GpuStats,
     LedgerChanged,
     PrefillProgress,
+    RequestDone,
     Token,
 )
 from engine.forecast import LoanVerdict
@@ -36,26 +44,77 @@ from engine.sampler import SamplingParams
 from engine.serve import Reply, ServeLoop
 
 REFRESH_HZ = 15
+VIEWS_WHILE_STREAMING_S = 2.0  # nvitop redraws every 2 s by default
 # events that are whole snapshots: within one tick only the newest matters
 _SNAPSHOTS = (LedgerChanged, CacheChanged, PrefillProgress, GpuStats)
 
 
 def coalesce(events: Iterable[Event]) -> tuple[Event, ...]:
-    """Keep the order; drop snapshots superseded later in the batch; merge adjacent tokens."""
+    """Keep the order; drop snapshots superseded later in the batch; merge adjacent tokens
+    (joined once: a batch held for seconds can hold thousands)."""
     events = list(events)
     last_of: dict[type, int] = {}
     for i, e in enumerate(events):
         if isinstance(e, _SNAPSHOTS):
             last_of[type(e)] = i
     out: list[Event] = []
+    run: list[Token] = []  # adjacent tokens not merged yet
     for i, e in enumerate(events):
-        if isinstance(e, _SNAPSHOTS) and last_of[type(e)] != i:
+        if isinstance(e, Token):
+            run.append(e)
             continue
-        if isinstance(e, Token) and out and isinstance(out[-1], Token):
-            out[-1] = Token(out[-1].text + e.text, t=e.t)
-            continue
-        out.append(e)
+        if run:
+            out.append(_merged(run))
+            run = []
+        if not (isinstance(e, _SNAPSHOTS) and last_of[type(e)] != i):
+            out.append(e)
+    if run:
+        out.append(_merged(run))
     return tuple(out)
+
+
+def _merged(tokens: list[Token]) -> Token:
+    return tokens[0] if len(tokens) == 1 else Token("".join(t.text for t in tokens),
+                                                    t=tokens[-1].t)
+
+
+class Drain:
+    """What goes out on each tick: every event, except while an answer streams (its first
+    token to its RequestDone), when the text goes every tick and the rest waits until
+    `views_s` passed since it last went, or the answer ends."""
+
+    def __init__(self, views_s: float = VIEWS_WHILE_STREAMING_S) -> None:
+        self.views_s = views_s
+        self.streaming = False
+        self._held: list[Event] = []  # events other than text, held while streaming
+        self._views_at = 0.0  # when held events last went out
+
+    def tick(self, batch: list[Event], now: float) -> tuple[Event, ...]:
+        """This tick's events, coalesced: of `batch` (what came since the last tick) and
+        those held."""
+        if not self.streaming and any(isinstance(e, Token) for e in batch):
+            self.streaming, self._views_at = True, now  # what came with the first text waits
+        if not self.streaming:
+            return self._out(batch, now)
+        text = [e for e in batch if isinstance(e, Token)]
+        rest = [e for e in batch if not isinstance(e, Token)]
+        self._held += rest
+        if any(isinstance(e, RequestDone) for e in rest) or now - self._views_at >= self.views_s:
+            return self._out(text, now)
+        return coalesce(text)
+
+    def take(self, batch: list[Event]) -> tuple[Event, ...]:
+        """Everything held and `batch`, coalesced; the answer (if one streamed) is over."""
+        out = self._out(batch, time.monotonic())
+        self.streaming = False
+        return out
+
+    def _out(self, batch: list[Event], now: float) -> tuple[Event, ...]:
+        events, self._held = self._held + batch, []
+        if any(isinstance(e, RequestDone) for e in events):
+            self.streaming = False
+        self._views_at = now
+        return coalesce(events)
 
 
 class EngineHandle(Protocol):
@@ -108,6 +167,7 @@ class EngineLink:
         self.app = app
         self.loop: EngineHandle | None = None
         self._queue: deque[Event] = deque()
+        self._drain = Drain()
 
     # -- UI thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -116,17 +176,22 @@ class EngineLink:
         self._begin()
 
     def take(self) -> tuple[Event, ...]:
-        """Everything published since the last take, coalesced."""
-        batch = []
-        while self._queue:
-            batch.append(self._queue.popleft())
-        return coalesce(batch)
+        """Everything published and not posted yet, coalesced (a request is over: nothing
+        waits for a later tick)."""
+        return self._drain.take(self._popped())
 
     def drain(self) -> None:
-        """Post what the engine published since the last tick (no-op when nothing did)."""
-        batch = self.take()
+        """Post this tick's events (no-op when there are none): the text of a streaming
+        answer every tick, the other events while it streams only now and then."""
+        batch = self._drain.tick(self._popped(), time.monotonic())
         if batch:
             self.app.post_message(self.Events(batch))
+
+    def _popped(self) -> list[Event]:
+        queue, batch = self._queue, []
+        while queue:  # popleft, not a swap: the engine thread appends meanwhile
+            batch.append(queue.popleft())
+        return batch
 
     @property
     def busy(self) -> bool:

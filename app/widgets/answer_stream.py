@@ -29,8 +29,11 @@ from textual.widgets import Markdown
 
 TAB = "    "
 LAYOUT_INTERVAL_S = 0.25  # at most four layouts a second while new lines show
-FOLLOW_INTERVAL_S = 1.0  # ... and one while the chat follows: the layout changes nothing seen
+# ... and one in this long while the chat follows the answer, or its end is out of view: the
+# layout changes nothing seen but the scroll bar, and reflows the whole screen (tens of ms)
+UNSEEN_INTERVAL_S = 5.0
 SCROLL_INTERVAL_S = 0.125  # while following, lines scroll up at most eight times a second
+SCROLL_STALL_S = 0.25  # ... on the next append; past this with none, on a timer
 
 
 _WORD = re.compile(r"\s*\S+\s*")
@@ -97,8 +100,10 @@ class StreamTail(Widget):
     at most every LAYOUT_INTERVAL_S, and until it comes the new lines wait below the last one
     shown; except when the top of the widget is scrolled out of view and its bottom is in view
     (the chat follows the answer): then it draws its last lines, which is what the layout will
-    show, so nothing the user sees changes when it comes and it can wait FOLLOW_INTERVAL_S.
-    That scroll repaints every line in view, so it happens at most every SCROLL_INTERVAL_S.
+    show, so nothing the user sees changes when it comes and it can wait UNSEEN_INTERVAL_S;
+    so can it when its bottom is out of view (the user reads above). The scroll repaints every
+    line in view, so it happens at most every SCROLL_INTERVAL_S, with an append (they come
+    with the frames) or a timer if none comes.
     """
 
     COMPONENT_CLASSES: ClassVar[set[str]] = {"stream-tail--status"}
@@ -117,8 +122,9 @@ class StreamTail(Widget):
         self._open_at = 0  # offset in `text` where the last line starts
         self._height = 0  # the lines the last layout asked for (later ones wait for the next)
         self._reserve = 0  # blank lines kept below the text, for it to grow into
-        self._laid_out_at = -FOLLOW_INTERVAL_S
+        self._laid_out_at = -UNSEEN_INTERVAL_S
         self._follow = False  # draw the last lines while a layout is due
+        self._unseen = False  # the lines waiting for a layout are below the view
         self._scrolled_at = -SCROLL_INTERVAL_S
         self._scrolled_to = 0  # the line count drawn by the last scroll
         self._timer: Timer | None = None
@@ -174,7 +180,7 @@ class StreamTail(Widget):
             return
         n_before, shown = self.n_lines, self._shown
         self._rewrap(self._width)
-        self._follow = self.n_lines > shown and self._following()
+        self._look(shown)
         if not self._follow:  # repaint the lines that changed: the open one and new ones
             first, end = max(0, n_before - 1), min(self.n_lines, shown)
             if first < end:
@@ -186,7 +192,8 @@ class StreamTail(Widget):
         if self.n_lines <= self._shown:  # no line waits
             return
         now = time.monotonic()
-        layout_at = self._laid_out_at + (FOLLOW_INTERVAL_S if self._follow else LAYOUT_INTERVAL_S)
+        unseen = self._follow or self._unseen
+        layout_at = self._laid_out_at + (UNSEEN_INTERVAL_S if unseen else LAYOUT_INTERVAL_S)
         if now >= layout_at:
             self._layout()
             return
@@ -197,7 +204,7 @@ class StreamTail(Widget):
                 self._scrolled_at, self._scrolled_to = now, self.n_lines
                 self.refresh()
             else:
-                due = min(due, scroll_at)
+                due = min(due, scroll_at + SCROLL_STALL_S)
         if self._timer is None or self._timer_due > due:
             if self._timer is not None:
                 self._timer.stop()
@@ -205,7 +212,18 @@ class StreamTail(Widget):
 
     def _on_timer(self) -> None:
         self._timer = None
+        follow = self._follow
+        self._look(self._shown)  # the user may have scrolled since the last append
+        if follow and not self._follow:
+            self.refresh()  # the top lines again, not the last ones
         self._update()
+
+    def _look(self, shown: int) -> None:
+        """Where the lines waiting for a layout (past `shown`) would be: followed (the top
+        scrolled out of view, the bottom in view) or below the view."""
+        waiting = self.n_lines > shown
+        top_hidden, bottom_seen = self._in_view() if waiting else (False, True)
+        self._follow, self._unseen = waiting and top_hidden and bottom_seen, not bottom_seen
 
     def _layout(self) -> None:
         if self._timer is not None:
@@ -215,14 +233,14 @@ class StreamTail(Widget):
         self._height = self._scrolled_to = self.n_lines
         self.refresh(layout=True)
 
-    def _following(self) -> bool:
-        """Whether the top is scrolled out of view and the bottom is in view."""
+    def _in_view(self) -> tuple[bool, bool]:
+        """Whether the top is scrolled out of view; whether the bottom is in view."""
         try:
             geometry = self.screen.find_widget(self)
         except NoWidget:
-            return False
+            return False, True
         region, clip = geometry.region, geometry.clip
-        return region.y < clip.y and region.bottom <= clip.bottom
+        return region.y < clip.y, region.bottom <= clip.bottom
 
     def _rewrap(self, width: int, from_scratch: bool = False) -> None:
         if from_scratch or width != self._width:
@@ -269,28 +287,81 @@ class StreamTail(Widget):
         )
 
 
+# a fence's opening line (CommonMark: up to 3 spaces, 3+ backticks or tildes, an info string
+# with no backtick after backticks) and a closing line of the same character, at least as long
+_FENCE_OPEN = re.compile(r" {0,3}(`{3,}|~{3,})([^\n]*)\n")
+
+
+def _fence_close(fence: str) -> re.Pattern[str]:
+    return re.compile(rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$", re.MULTILINE)
+
+
+class BlockCutter:
+    """Where the finished Markdown blocks end as text streams in: the offset of the block still
+    being written. Parses only the open block, and only when a line began since the last
+    write; inside a fenced code block only the new lines are searched for the closing fence
+    (a long code block parsed whole on every frame would cost more with each line)."""
+
+    def __init__(self) -> None:
+        self._parser = MarkdownIt("gfm-like")
+        self._new_line = True  # the last line written is still blank
+        self._close: re.Pattern[str] | None = None  # the open block is an open fence: its end
+        self._looked = False  # whether the open block's first line was looked at for a fence
+        self.parses = 0  # the open block parsed, for tests
+
+    def cut(self, tail: str, text: str) -> int:
+        """The offset in `tail + text` where its last block starts (0: `tail`, the open
+        block so far, goes on with `text`)."""
+        pending = tail + text
+        # a block can only begin on a new line: parse when one began since the last write
+        began = "\n" in text or self._new_line
+        self._new_line = not pending[pending.rfind("\n") + 1 :].strip()
+        if not began:
+            return 0
+        first_look = not self._looked and "\n" in pending  # its first line is whole
+        if first_look:
+            self._looked = True
+            opened = _FENCE_OPEN.match(pending)
+            if opened is not None and not (opened[1][0] == "`" and "`" in opened[2]):
+                self._close = _fence_close(opened[1])
+        if self._close is not None:
+            # after the opening line; then from the line the new text joins: while no line
+            # closes the fence, it is the whole of `pending`
+            start = pending.index("\n") + 1
+            if not first_look:
+                start = max(start, pending.rfind("\n", 0, len(tail)) + 1)
+            if self._close.search(pending, start) is None:
+                return 0
+            self._close = None  # closed: from now on the parse says where the next block starts
+        self.parses += 1
+        cut = open_block_start(pending, self._parser)
+        if cut:  # a new open block: its first line is looked at
+            self._looked = False
+        return cut
+
+
 class AnswerStream:
     """Writes generated text into a Markdown (finished blocks) and a StreamTail (the open block).
 
     The same calls as Textual's MarkdownStream (`write`, `stop`); after `stop` the Markdown
-    holds everything written and the tail is empty.
+    holds everything written and the tail is empty. Finished blocks are appended to the
+    Markdown, never parsed again (`blocks_appended` counts the appends).
     """
 
     def __init__(self, markdown: Markdown, tail: StreamTail) -> None:
         self.markdown, self.tail = markdown, tail
-        self._parser = MarkdownIt("gfm-like")
-        self._new_line = True  # the last line written is still blank
+        self.cutter = BlockCutter()
+        self.blocks_appended = 0
 
     async def write(self, text: str) -> None:
         """Append generated text."""
         if not text:
             return
-        pending = self.tail.text + text
-        # a block can only begin on a new line: parse when one began since the last write
-        cut = open_block_start(pending, self._parser) if "\n" in text or self._new_line else 0
-        self._new_line = not pending[pending.rfind("\n") + 1 :].strip()
+        cut = self.cutter.cut(self.tail.text, text)
         if cut:
+            pending = self.tail.text + text
             await self.markdown.append(pending[:cut])
+            self.blocks_appended += 1
             self.tail.set_text(pending[cut:])
         else:
             self.tail.append(text)
@@ -299,6 +370,5 @@ class AnswerStream:
         """Move the open block into the Markdown."""
         if self.tail.text:
             await self.markdown.append(self.tail.text)
+            self.blocks_appended += 1
             self.tail.set_text("")
-
-

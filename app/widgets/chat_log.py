@@ -106,6 +106,7 @@ class MessageView(Vertical, can_focus=True):
         self.role, self.content, self.cancelled = role, content, cancelled
         self.interrupted = interrupted
         self.shown_chars = SHOWN_CHARS
+        self.full_renders = 0  # the body parsed and drawn whole (a streamed answer is not)
         self.set_class(cancelled or interrupted, "-cancelled")
         self._block = 0  # the code block `b` copied last (0: none yet; counted from the end)
         self._blocks_of: tuple[str, list[CodeBlock]] = ("", [])
@@ -125,6 +126,7 @@ class MessageView(Vertical, can_focus=True):
         """Replace an answer's text (its start, when it is long)."""
         self.content = content
         await self.query(ShowAll).remove()
+        self.full_renders += 1
         await self.query_one(Markdown).update(printable(content[: self.shown_chars]))
         if len(content) > self.shown_chars:
             await self.mount(ShowAll(len(content) - self.shown_chars))
@@ -136,6 +138,7 @@ class MessageView(Vertical, can_focus=True):
         if self.role == "user":
             self.query_one(Static).update(Text(printable(self.content)))
         else:
+            self.full_renders += 1
             await self.query_one(Markdown).update(printable(self.content))
 
     def set_status(self, text: str) -> None:
@@ -311,15 +314,20 @@ class ChatLog(VerticalScroll):
     async def finish(self, reply: str, cancelled: bool = False) -> None:
         """Close the answer with the engine's final text (authoritative over the stream).
 
-        `cancelled`: the user cut the answer short; it stays, marked as cancelled.
+        `cancelled`: the user cut the answer short; it stays, marked as cancelled. An answer
+        that streamed whole is not drawn again: its Markdown holds it, block by block.
         """
+        streamed = self.partial
         await self._stop_stream()
         if self._pending:
             answer = self._pending[-1]
             answer.set_status("" if reply else "(no text: the model ended at once)")
             if cancelled:
                 answer.mark_cancelled()
-            await answer.set_content(reply)
+            if streamed == reply and len(reply) <= answer.shown_chars:
+                answer.content = reply
+            else:  # the engine's text differs, or it is long: only its start shows
+                await answer.set_content(reply)
         self._pending = []
 
     async def withdraw(self) -> None:
