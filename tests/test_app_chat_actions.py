@@ -328,3 +328,19 @@ async def test_up_and_down_walk_the_prompts_of_every_conversation(tmp_path: Path
         assert prompt.text == "a\nb"  # the draft at the bottom
         await pilot.press("down")
         assert prompt.text == "a\nb"
+
+
+@async_test
+async def test_the_palette_copies_the_last_answer_and_regenerates(tmp_path: Path) -> None:
+    store_conversation(tmp_path / "conversations.sqlite3", ("show me", ANSWER_WITH_CODE))
+    app = make_app(tmp_path)
+    dones = request_dones(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        for query, done in (("copy the last code", lambda: app.clipboard == "ls -l\n"),
+                            ("regenerate the last", lambda: len(dones) == 1 and not app.running)):
+            await pilot.press("ctrl+p", *query)
+            await pilot.pause(0.3)
+            await pilot.press("enter")
+            await wait_until(pilot, done)
+        assert [m.content for m in app.conv.messages] == ["show me", reference_reply(["show me"])]
