@@ -30,6 +30,8 @@ ENV_NAMES = {
     "repeat_min_tokens": "STRATA_PREFILL_REPEAT_MIN_TOKENS",
 }
 ENV_PREFIX = "STRATA_PREFILL_"
+# the master switch's (elastic_loan's) sub-options: each needs it on (the guards)
+SUB_OPTIONS = ("mtp_loan", "head_loan", "retain_startup_chunk", "repeat_loan")
 # Spellings of a boolean, in any case and with surrounding spaces ignored; empty is off.
 TRUE_SPELLINGS = ("1", "true", "yes", "on")
 FALSE_SPELLINGS = ("0", "false", "no", "off", "")
@@ -116,8 +118,17 @@ class LoanFlags:
 
     def with_changes(self, **changes: object) -> LoanFlags:
         """These flags with `changes` (a runtime change), checked as `make` checks; the new
-        flags' `warnings` are those of the change alone."""
+        flags' `warnings` are those of the change alone.
+
+        Off is one step: turning the master switch off turns off with it every sub-option the
+        change does not name (seed 000: they are its sub-options; one alone stays refused)."""
+        if changes.get("elastic_loan") is False:
+            changes = {**{n: False for n in SUB_OPTIONS}, **changes}
         return LoanFlags.make(**{**self.as_kwargs(), **changes})
+
+    def sub_options_on(self) -> tuple[str, ...]:
+        """The master switch's sub-options that are on (their field names)."""
+        return tuple(n for n in SUB_OPTIONS if getattr(self, n))
 
     def warnings_for(self, options: EngineOptions) -> tuple[str, ...]:
         """`warnings`, and what these flags mean for an engine with `options`: a repeat

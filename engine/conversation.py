@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.errors import StrataError
+from engine.errors import ContextFullError, StrataError
 
 TITLE_CHARS = 60
 ROLES = ("system", "user", "assistant")
@@ -30,6 +30,14 @@ def check_text_fits(texts: Iterable[str], ctx: int) -> None:
             f"the text is over {limit:,} bytes ({PROMPT_BYTES_PER_TOKEN} a token of --ctx "
             f"{ctx:,}), more than the context can hold; start a new conversation, shorten "
             "the message or raise --ctx")
+
+
+def check_prompt_fits(n_prompt: int, ctx: int) -> None:
+    """The context rule, in one place: a prompt must leave --ctx room for one token of the
+    answer (the KV holds the prompt; the answer's tokens follow it). ContextFullError (with
+    the numbers) before anything is read, never a 'context full' after seconds of prefill."""
+    if n_prompt >= ctx:
+        raise ContextFullError(n_prompt, ctx)
 
 
 def title_of(prompt: str) -> str:

@@ -46,3 +46,34 @@ class TokenGraphError(DeviceError):
 
 class LedgerError(StrataError):
     """A reservation does not fit the device budget."""
+
+
+class ContextFullError(StrataError):
+    """A prompt that leaves no room in --ctx to answer, refused before anything is read.
+    `n_message`: the new message's own tokens when known (the rest is the conversation and
+    its template); `fits_alone`: a new conversation would hold the message."""
+
+    def __init__(self, n_prompt: int, ctx: int, n_message: int | None = None,
+                 fits_alone: bool = False):
+        self.n_prompt, self.ctx, self.n_message = n_prompt, ctx, n_message
+        self.fits_alone = fits_alone
+        super().__init__(f"{self.numbers}: no room left to answer; {self.remedy}")
+
+    @property
+    def n_conversation(self) -> int:
+        """The prompt's tokens besides the message: earlier messages and the template."""
+        return self.n_prompt - (self.n_message or 0)
+
+    @property
+    def numbers(self) -> str:
+        """'12,345 tokens + 6,269 in the conversation = 18,614 >= --ctx 16,384'."""
+        if self.n_message is None:
+            return f"the prompt is {self.n_prompt:,} tokens >= --ctx {self.ctx:,}"
+        return (f"{self.n_message:,} tokens + {self.n_conversation:,} in the conversation = "
+                f"{self.n_prompt:,} >= --ctx {self.ctx:,}")
+
+    @property
+    def remedy(self) -> str:
+        if self.fits_alone:
+            return "start a new conversation, shorten the message or raise --ctx"
+        return "shorten the message or raise --ctx"

@@ -130,8 +130,9 @@ class Token(Event):
 
 @dataclass(frozen=True)
 class RequestDone(Event):
-    """A request finished (or was cancelled): its timing record's figures, in seconds as
-    `Timing` has them (`of` copies every field of the same name)."""
+    """A request finished, was cancelled, or failed (`error`: its one line): its timing
+    record's figures, in seconds as `Timing` has them (`of` copies every field of the same
+    name). A prefill that stopped says what it read (`read_tokens`, in `prefill_s`)."""
 
     prompt_tokens: int = 0
     reused_tokens: int = 0
@@ -152,14 +153,26 @@ class RequestDone(Event):
     decode_hits: int = 0  # decode steps' routed experts found in the expert cache
     decode_misses: int = 0
     decode_promoted: int = 0  # missed experts the admission policy put into the cache
+    read_tokens: int | None = None  # a stopped prefill's fresh tokens read; None: all
+    error: str = ""  # a failed request: why (not a cancel: `cancelled` stays False)
+
+    @property
+    def n_read(self) -> int:
+        """Fresh tokens the prefill read: all of them unless it was stopped."""
+        return self.fresh_tokens if self.read_tokens is None else self.read_tokens
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.error)
 
     @classmethod
-    def of(cls, timing: Timing, cancelled: bool = False) -> RequestDone:
+    def of(cls, timing: Timing, cancelled: bool = False, error: str = "") -> RequestDone:
         """The event of a request's timing record (and its timing line)."""
-        own = ("cancelled", "line")
+        assert not (cancelled and error), "a request is cancelled or failed, not both"
+        own = ("cancelled", "line", "error")
         same = {f.name: getattr(timing, f.name) for f in fields(cls)
                 if f.name not in own and hasattr(timing, f.name)}
-        return cls(**same, cancelled=cancelled, line=timing.line())
+        return cls(**same, cancelled=cancelled, line=timing.line(), error=error)
 
 
 @dataclass(frozen=True)

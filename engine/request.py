@@ -27,7 +27,7 @@ from engine.timing import Timing
 class Request:
     """A request's facts, each set once: `ids` and `reused` when it starts, and the
     forecast's `loan_pays`; `loan`, `geometry` and `n_chunks` when the runtime plans its
-    prefill; `timing` and `seconds` as it runs."""
+    prefill; `timing`, `seconds` and `n_chunks_read` as it runs."""
 
     id: int
     ids: list[int]
@@ -36,6 +36,7 @@ class Request:
     loan: str | None = None  # "startup", "repeat" or None (engine.loan.transaction.admit)
     geometry: PromptGeometry | None = None  # the prompt plan its prefill runs with
     n_chunks: int = 0
+    n_chunks_read: int = 0  # chunks the prefill finished (fewer than n_chunks if it stopped)
     loan_pays: bool | None = None  # the forecast's verdict on a loan (threshold auto)
     # where its prefill time went: the prompt path's phases, the loan's release and restore
     seconds: dict[str, float] = field(default_factory=dict)
@@ -54,6 +55,14 @@ class Request:
     def fresh(self) -> list[int]:
         """The prompt tokens this request computes."""
         return self.ids[self.reused:]
+
+    @property
+    def tokens_read(self) -> int:
+        """Fresh tokens the prefill has read so far: finished chunks x chunk tokens (the last
+        chunk is the prompt's rest)."""
+        if self.geometry is None:
+            return 0
+        return min(len(self.ids) - self.reused, self.n_chunks_read * self.geometry.chunk_tokens)
 
 
 class Progress(Protocol):

@@ -187,6 +187,7 @@ class Runtime:
         progress.planned(req)
 
         def on_chunk(index: int, n: int, seconds: float) -> None:
+            req.n_chunks_read = index + 1
             self.faults.hit(f"chunk:{index}")
             self.publish_gpu()
             progress.chunk(req, index, seconds)

@@ -18,9 +18,9 @@ from engine import runtime_flags
 from engine.build.cache import startup_profile
 from engine.build.startup import build_runtime
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation, check_text_fits
+from engine.conversation import Conversation, check_prompt_fits, check_text_fits
 from engine.devices import hardware_name
-from engine.errors import FlagError, StrataError, TokenizerError
+from engine.errors import ContextFullError, FlagError, StrataError, TokenizerError
 from engine.events import (
     EventBus,
     FlagsChanged,
@@ -167,13 +167,29 @@ class ServeLoop:
     def preview(self, conv: Conversation, text: str) -> LoanVerdict:
         """What sending `text` in `conv` next would do: its prompt and fresh tokens, the loan it
         would get (or why not) and the forecast with and without one. Tokenizes the whole
-        conversation: call it off the UI thread. A question: nothing changes."""
-        ids = self._encode([*conv.as_dicts(), {"role": "user", "content": text}])
+        conversation: call it off the UI thread. A question: nothing changes. A message that
+        leaves no room in --ctx to answer is a ContextFullError, as sending it would be."""
+        before = conv.as_dicts()
+        ids = self._encode([*before, {"role": "user", "content": text}])
+        self._check_fits(ids, before, text)
         reused = 0  # another conversation: its KV starts empty
         if conv.id == self._conv_id:
             running = self._running  # a request in flight: its prompt will be in the KV
             reused = reusable(running if running is not None else self.rt.session.tokens, ids)
         return self.verdict(len(ids), reused)
+
+    def _check_fits(self, ids: list[int], before: list[dict[str, str]], text: str) -> None:
+        """A ContextFullError with the numbers when the prompt `ids` (the messages `before`,
+        then `text`) leaves no room to answer: the message's own tokens and whether a new
+        conversation (its system messages kept) would hold it."""
+        ctx = self.rt.options.ctx
+        try:
+            check_prompt_fits(len(ids), ctx)
+        except ContextFullError:
+            alone = [m for m in before if m["role"] == "system"]
+            n_alone = len(self._encode([*alone, {"role": "user", "content": text}]))
+            raise ContextFullError(len(ids), ctx, self.count_tokens(text),
+                                   fits_alone=n_alone < ctx) from None
 
     def verdict(self, n_prompt: int, reused: int, flags: LoanFlags | None = None,
                 options: EngineOptions | None = None) -> LoanVerdict:
@@ -308,10 +324,13 @@ class ServeLoop:
         stop: Sequence[str],
     ) -> Reply:
         """Answer the last message of `conv` (the user's, just added)."""
+        ids = self.prompt_ids(conv)
+        messages = conv.as_dicts()
+        self._check_fits(ids, messages[:-1], messages[-1]["content"])  # before the KV changes
         if conv.id != self._conv_id:  # another conversation: its KV starts empty
             self.rt.rollback(0)
             self._conv_id = conv.id
-        return self._generate(self.prompt_ids(conv), params, max_new, on_text, stop)
+        return self._generate(ids, params, max_new, on_text, stop)
 
     def _generate(
         self,
@@ -325,6 +344,7 @@ class ServeLoop:
         roll back to the reused prefix and publish the outcome."""
         if not ids:
             raise StrataError("the prompt is empty; give at least one token")
+        check_prompt_fits(len(ids), self.rt.options.ctx)
         rt, tok = self.rt, self.rt.model.tokenizer
         req = self._admit(ids)
         verdict = self.verdict(len(ids), req.reused)
@@ -364,10 +384,14 @@ class ServeLoop:
             if self._cancel.is_set():
                 raise Cancelled("cancelled")
         except BaseException as exc:
+            if not timing.prefill_s:  # stopped inside the prefill: what it read, and how long
+                timing.prefill_s = time.perf_counter() - t0
+                timing.read_tokens = req.tokens_read
             rt.rollback(req.reused)
             rt.settle(quiet=True)
-            self._done(req, cancelled=True)
-            if isinstance(exc, Cancelled):
+            cancelled = isinstance(exc, Cancelled)
+            self._done(req, cancelled=cancelled, error="" if cancelled else failure_line(exc))
+            if cancelled:
                 return Reply("".join(pieces), timing, cancelled=True, verdict=verdict)
             raise
         self._done(req)
@@ -449,15 +473,14 @@ class ServeLoop:
     def chunk(self, req: Request, index: int, seconds: float) -> None:
         """Chunk `index` is done: progress, then stop here if the user cancelled."""
         assert req.geometry is not None
-        done = min(len(req.fresh), (index + 1) * req.geometry.chunk_tokens)
-        self.bus.publish(PrefillProgress(index + 1, req.n_chunks, done, len(req.fresh),
-                                         seconds * 1e3))
+        self.bus.publish(PrefillProgress(index + 1, req.n_chunks, req.tokens_read,
+                                         len(req.fresh), seconds * 1e3))
         if self._cancel.is_set():
             raise Cancelled("cancelled during prefill")
 
-    def _done(self, req: Request, cancelled: bool = False) -> None:
+    def _done(self, req: Request, cancelled: bool = False, error: str = "") -> None:
         self._running = None
-        done = RequestDone.of(req.timing, cancelled=cancelled)
+        done = RequestDone.of(req.timing, cancelled=cancelled, error=error)
         self.bus.publish(TraceLine(done.line))
         self.bus.publish(done)
 
@@ -478,6 +501,14 @@ def converse(conv: Conversation, user_text: str, answer: Callable[[], Reply]) ->
     else:  # the KV was rolled back: the next prompt re-reads this exchange from its text
         conv.add("assistant", reply.text, cancelled=reply.cancelled)
     return reply
+
+
+def failure_line(exc: BaseException) -> str:
+    """A failed request's one line for its RequestDone: a typed error's own words; for
+    anything else (our bug, an interrupt) its kind only (the traceback goes to the log)."""
+    if isinstance(exc, StrataError):
+        return str(exc) or type(exc).__name__
+    return f"{type(exc).__name__} (an internal error)"
 
 
 def _expert_reads(c: StreamCounters) -> tuple[int, int, int]:

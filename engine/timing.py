@@ -26,10 +26,18 @@ class Timing:
     spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
     drafted_steps: int = 0
     forecast_s: float = 0.0  # the prefill's forecast made before it ran (engine.forecast)
+    # a prefill stopped by a cancel or a failure: the fresh tokens it read (whole chunks) in
+    # `prefill_s`; None: it read them all
+    read_tokens: int | None = None
+
+    @property
+    def n_read(self) -> int:
+        """Fresh tokens the prefill read: all of them unless it was stopped."""
+        return self.fresh_tokens if self.read_tokens is None else self.read_tokens
 
     @property
     def pp_tok_s(self) -> float:
-        return self.fresh_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        return self.n_read / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_hit_pct(self) -> float:
@@ -55,9 +63,11 @@ class Timing:
             f"({self.tg_tok_s:.1f} tok/s)" if self.decoded
             else f"{self.generated} generated (no decode step)"
         )
+        read = (f"{self.fresh_tokens} read" if self.read_tokens is None
+                else f"{self.fresh_tokens} fresh, {self.read_tokens} read before it stopped")
         return (
             f"strata serve: prompt {self.prompt_tokens} tokens = {self.reused_tokens} reused + "
-            f"{self.fresh_tokens} read in {self.prefill_s * 1e3:.0f} ms "
+            f"{read} in {self.prefill_s * 1e3:.0f} ms "
             f"({self.pp_tok_s:.1f} tok/s), {generated}, "
             f"drafts accepted {self.drafts_accepted} of {self.drafts_offered}"
             + (f" ({self.drafted_steps} of {self.spec_steps} steps drafted)"

@@ -81,11 +81,14 @@ async def test_flag_toggles_go_through_the_servers_guards(tmp_path: Path,
         await wait_ready(pilot)
         panel = app.query_one(FlagsPanel)
         status = panel.query_one("#flags-status")
-        switch = await toggle_first_switch(pilot)  # the master switch off: the sub-flags are on
-        await wait_until(pilot, lambda: "refused" in str(status.render()))
-        await pilot.pause(0.1)
-        assert switch.value is True and server.loop.flags.elastic_loan  # refused, flipped back
-        assert "needs the master switch STRATA_PREFILL_ELASTIC_LOAN=1" in refused(notes)[-1]
+        before = app.flags_in_force()
+        assert before is not None and before[0].sub_options_on()
+        switch = await toggle_first_switch(pilot)  # the master switch off: its sub-options too
+        await wait_until(pilot, lambda: "applies from the next message" in str(status.render()))
+        assert switch.value is False and not server.loop.flags.elastic_loan
+        assert server.loop.flags.sub_options_on() == () and not refused(notes)
+        app.request_flags(*before)  # the server's flags back as they were
+        assert server.loop.flags == before[0]
         flags, options = app.flags_in_force()
         app.request_flags(flags.with_changes(repeat_min_tokens=512), options)
         assert server.loop.flags.repeat_min_tokens == 512  # accepted: the server's from now on

@@ -20,15 +20,26 @@ from engine.events import (
 
 MAX_LINES = 1000
 LOAN_PREFIX = "strata loan: "  # the engine prints each loan step as a trace line too
+LOAN_STYLE = "#d7875f"
+# trace lines that repeat a LoanStep: the loan's own ("strata loan: released ...") and the
+# prompt path's lend and refill ("strata trace: lent ...", published before their step)
+TWIN_PREFIXES = (LOAN_PREFIX, "strata trace: lent ", "strata trace: refilled ")
+MAX_TWINS = 64  # a line whose twin never comes is forgotten after this many others
+
+
+def loan_step_line(event: LoanStep) -> str:
+    """A loan step as the CLI prints it: the prompt path's steps are whole trace lines
+    ('strata trace: refilled ...'), the transaction's go after 'strata loan: '."""
+    return event.detail if event.detail.startswith("strata ") else LOAN_PREFIX + event.detail
 
 
 def event_line(event: Event) -> Text | None:
     """The log line for one event, or None for events the log does not show."""
     if isinstance(event, TraceLine):
-        return Text(event.text)
+        return Text(event.text, style=LOAN_STYLE if event.text.startswith(TWIN_PREFIXES) else "")
     if isinstance(event, LoanStep):
-        style = "red" if event.step in ("failed", "cancelled") else "#d7875f"
-        return Text(LOAN_PREFIX + event.detail, style=style)
+        style = "red" if event.step in ("failed", "cancelled") else LOAN_STYLE
+        return Text(loan_step_line(event), style=style)
     if isinstance(event, FlagsChanged):
         shown = " ".join(f"{k.removeprefix('STRATA_PREFILL_')}={v}" for k, v in event.flags)
         line = Text(f"flags accepted (next message): {shown}", style="green")
@@ -45,7 +56,7 @@ def event_line(event: Event) -> Text | None:
 class EventLog(RichLog):
     """A scrolling log of `event_line` for every engine event that has one, wrapped to the
     pane's width (and wrapped again when the pane changes width). A loan step is shown once:
-    its trace line, which repeats it, is left out."""
+    of it and its trace line, which repeats it, whichever comes first."""
 
     DEFAULT_CSS = """
     EventLog {
@@ -63,7 +74,8 @@ class EventLog(RichLog):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(max_lines=MAX_LINES, min_width=1, wrap=True, markup=False, **kwargs)  # type: ignore[arg-type]
         self._entries: deque[Text] = deque(maxlen=MAX_LINES)
-        self._loan_lines: deque[str] = deque()  # loan steps whose trace line is still to come
+        # lines shown whose twin (a loan step and its trace line, in either order) is to come
+        self._twins: deque[str] = deque(maxlen=MAX_TWINS)
         self._wrap_width = 0
 
     def on_mount(self) -> None:
@@ -71,14 +83,15 @@ class EventLog(RichLog):
 
     def on_engine_link_events(self, message: EngineLink.Events) -> None:
         for event in message.events:
-            if isinstance(event, TraceLine) and event.text in self._loan_lines:
-                self._loan_lines.remove(event.text)
-                continue
             line = event_line(event)
             if line is None:
                 continue
-            if isinstance(event, LoanStep):
-                self._loan_lines.append(line.plain)
+            if isinstance(event, LoanStep) or (
+                    isinstance(event, TraceLine) and event.text.startswith(TWIN_PREFIXES)):
+                if line.plain in self._twins:  # its twin is shown: one fact, one line
+                    self._twins.remove(line.plain)
+                    continue
+                self._twins.append(line.plain)
             self._entries.append(line)
             self.write(line)
 

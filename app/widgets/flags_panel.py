@@ -133,8 +133,15 @@ class FlagsPanel(Widget):
         self.flags = flags
 
     def accepted(self, flags: LoanFlags, options: EngineOptions) -> None:
+        # the master switch turned off takes its sub-options with it (LoanFlags.with_changes)
+        with_master = [short_name(n) for n in self.flags.sub_options_on()
+                       if self.flags.elastic_loan and not flags.elastic_loan
+                       and not getattr(flags, n)]
         self.show(flags, options)
         message = Text("accepted: applies from the next message", style="green")
+        if with_master:
+            message.append(f"\noff with the master switch: {', '.join(with_master)}",
+                           style="green")
         for warning in flags.warnings_for(options):
             message.append(f"\n{warning}", style="yellow")
         self.status = message

@@ -27,11 +27,13 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widgets import Static, TextArea
+from textual.widgets.text_area import EditResult
 
 from app.chat_actions import EditTarget
 from app.draft import Draft
+from app.message_text import Location, stray_markers, tidy, too_long_line, whole_markers
 from app.prompt_history import PromptHistory
-from engine.errors import StrataError
+from engine.errors import ContextFullError, StrataError
 from engine.forecast import LoanVerdict
 
 LONG_PASTE_LINES = 10
@@ -133,6 +135,22 @@ class PromptInput(TextArea):
         if last and not select:
             self.post_message(self.Recall(older=False))
 
+    # A keyboard edit never cuts into a paste's marker: it takes the whole marker (as its own
+    # undo step, so one ctrl+z brings the chip back), or types beside it.
+    def _delete_via_keyboard(self, start: Location, end: Location) -> EditResult | None:
+        return self._replace_via_keyboard("", start, end)
+
+    def _replace_via_keyboard(self, insert: str, start: Location,
+                              end: Location) -> EditResult | None:
+        whole = whole_markers(self.document.get_line, start, end)
+        takes_marker = whole[0] != whole[1] and whole != tuple(sorted((start, end)))
+        if takes_marker:
+            self.history.checkpoint()
+        result = super()._replace_via_keyboard(insert, *whole)
+        if takes_marker:
+            self.history.checkpoint()
+        return result
+
     async def _on_key(self, event: events.Key) -> None:
         if event.key == "enter":
             event.stop()
@@ -184,6 +202,9 @@ class Composer(Vertical):
         & > PromptInput:focus { border: round $accent; }
         & > #editing { display: none; height: auto; padding: 0 1; color: $text-warning; }
         & > #editing.-shown { display: block; }
+        & > #too-long { display: none; height: auto; padding: 0 1; color: $text-error; }
+        & > #too-long.-shown { display: block; }
+        & > PromptInput.-too-long, & > PromptInput.-too-long:focus { border: round $error; }
     }
     """
 
@@ -204,6 +225,8 @@ class Composer(Vertical):
         counts: dict[int, int | None]
         verdict: LoanVerdict | None
         error: str = ""
+        message: str = ""  # the text measured
+        too_long: str = ""  # it cannot fit the context: the line that says so (too_long_line)
 
     pastes: reactive[tuple[PastedText, ...]] = reactive((), layout=True)
     verdict: reactive[LoanVerdict | None] = reactive(None)
@@ -221,10 +244,13 @@ class Composer(Vertical):
         self._pending: Timer | None = None
         self.history = PromptHistory()  # the app gives it the store's prompts
         self._before_edit: Draft | None = None  # the input before `edit`, back after it
+        self._too_long: tuple[str, str] | None = None  # (message, why) when it cannot fit
+        self._removed: dict[str, PastedText] = {}  # chips an edit took (by marker): ctrl+z
 
     def compose(self) -> ComposeResult:
         yield Static(id="editing")
         yield Static(id="chips")
+        yield Static(id="too-long")
         yield PromptInput(id="prompt", soft_wrap=True, show_line_numbers=False)
 
     @property
@@ -241,7 +267,13 @@ class Composer(Vertical):
         chips = self.query_one("#chips", Static)
         chips.display = bool(self.pastes)
         last = len(self.pastes) - 1
-        verdict = verdict_text(self.verdict, self._error)
+        too_long = self._too_long[1] if self._too_long is not None else ""
+        verdict = (Text("cannot fit --ctx: not sent", style="bold red") if too_long
+                   else verdict_text(self.verdict, self._error))
+        line = self.query_one("#too-long", Static)
+        line.set_class(bool(too_long), "-shown")
+        line.update(Text(too_long))
+        self.input.set_class(bool(too_long), "-too-long")
         chips.update(Text("\n").join(chip_text(p, verdict if i == last else None)
                                      for i, p in enumerate(self.pastes)))
 
@@ -255,9 +287,10 @@ class Composer(Vertical):
         self._generation += 1
         generation, pastes = self._generation, self.pastes
         if not pastes:
-            self.verdict = None
+            self.verdict, self._too_long = None, None
+            self._draw_chips()
             return
-        message = expand(self.input.text, pastes)
+        message = tidy(expand(self.input.text, pastes))
 
         def work() -> None:
             counts: dict[int, int | None] = {}
@@ -265,7 +298,10 @@ class Composer(Vertical):
                 for p in pastes:
                     counts[p.n] = (p.n_tokens if p.n_tokens is not None
                                    else self.count_tokens(p.text))
-                answer = self.Measured(generation, counts, self.ask(message))
+                answer = self.Measured(generation, counts, self.ask(message), message=message)
+            except ContextFullError as e:  # said before Enter, with the numbers
+                answer = self.Measured(generation, counts, None, message=message,
+                                       too_long=too_long_line(e))
             except StrataError as e:  # e.g. the message would not fit the context
                 answer = self.Measured(generation, counts, None, str(e))
             self.post_message(answer)
@@ -277,6 +313,7 @@ class Composer(Vertical):
         if message.generation != self._generation:
             return
         self._error = message.error
+        self._too_long = (message.message, message.too_long) if message.too_long else None
         self.pastes = tuple(
             p if p.n_tokens is not None else replace(p, n_tokens=message.counts.get(p.n))
             for p in self.pastes
@@ -299,19 +336,41 @@ class Composer(Vertical):
         self.measure()
 
     def on_text_area_changed(self, message: TextArea.Changed) -> None:
-        # a marker the user deleted takes its chip with it; typing beside chips asks again
+        # a marker the user deleted takes its chip with it (ctrl+z, the marker back, brings
+        # the chip back); typing beside chips asks again
         text = message.text_area.text
         kept = tuple(p for p in self.pastes if p.marker in text)
-        if kept != self.pastes:
-            self.pastes = kept
+        shown = {p.marker for p in self.pastes}
+        back = tuple(p for m, p in self._removed.items() if m in text and m not in shown)
+        for p in self.pastes:
+            if p not in kept:
+                self._removed[p.marker] = p
+                self.notify(f"paste #{p.n} ({p.n_lines:,} lines) removed; ctrl+z brings it "
+                            "back", timeout=4)
+        for p in back:
+            del self._removed[p.marker]
+            self.notify(f"paste #{p.n} is back", timeout=2)
+        if kept != self.pastes or back:
+            self.pastes = tuple(sorted((*kept, *back), key=lambda p: p.n))
             self.measure()
         elif self.pastes:
             self._measure_soon()
 
     def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
         message.stop()
-        prompt = expand(message.text, self.pastes)
-        if not prompt.strip():
+        stray = stray_markers(message.text, {p.marker for p in self.pastes})
+        if stray:  # sent as it is, it would be those characters in place of a paste
+            self.notify(f"{stray[0]} names no paste any more: ctrl+z brings the paste back, "
+                        "or delete the marker. Not sent.", severity="warning", timeout=8)
+            return
+        prompt = tidy(expand(message.text, self.pastes))
+        if not prompt:
+            if message.text:
+                self.notify("Nothing to send: the message is only spaces and blank lines.",
+                            severity="warning", timeout=4)
+            return
+        if self._too_long is not None and self._too_long[0] == prompt:
+            self.notify(self._too_long[1], title="Not sent", severity="error", timeout=10)
             return
         draft = Draft(message.text, tuple((p.n, p.text) for p in self.pastes))
         self.history.sent(prompt)

@@ -32,10 +32,9 @@ def validate(
     """
     v: list[str] = []
     master = ENV_NAMES["elastic_loan"]
-    subs = [n for n in ("mtp_loan", "head_loan", "retain_startup_chunk", "repeat_loan")
-            if getattr(flags, n)]
     if not flags.elastic_loan:
-        v += [f"{ENV_NAMES[n]}=1 needs the master switch {master}=1" for n in subs]
+        v += [f"{ENV_NAMES[n]}=1 needs the master switch {master}=1"
+              for n in flags.sub_options_on()]
     else:
         if not options.serve:
             v.append(f"{master}=1 needs --serve (the serialized serve loop)")

@@ -114,16 +114,16 @@ class Metrics:
     def _done(self, e: RequestDone) -> None:
         self.prompt_tokens.inc(e.prompt_tokens)
         self.reused_tokens.inc(e.reused_tokens)
-        self.prefilled_tokens.inc(e.fresh_tokens)
+        self.prefilled_tokens.inc(e.n_read)
         self.generated_tokens.inc(e.generated)
         self.prefill_seconds.inc(e.prefill_s)
         self.decode_seconds.inc(e.decode_s)
         self.drafts_offered.inc(e.drafts_offered)
         self.drafts_accepted.inc(e.drafts_accepted)
-        if e.cancelled:
+        if e.cancelled or e.failed:
             return
         if e.prefill_s > 0:
-            self.pp.set(e.fresh_tokens / e.prefill_s)
+            self.pp.set(e.n_read / e.prefill_s)
         if e.decoded and e.decode_s > 0:
             self.tg.set(e.generated / e.decode_s)
 
