@@ -77,3 +77,37 @@ def test_sampler_reads_at_its_rate_on_its_own_thread_and_stops() -> None:
     assert 4 <= n <= 8, n  # 0.1 s apart over 0.75 s
     assert {name for name, _ in readings} == {"gpu-telemetry"}
     assert all(s.total_bytes > 0 for _, s in readings)
+
+
+@pytest.mark.gpu
+def test_an_idle_cuda_engine_publishes_readings_from_its_telemetry_thread() -> None:
+    """Between requests (nothing calls the reporter) the sampler keeps the GPU strip live;
+    a closed engine publishes no more."""
+    pytest.importorskip("pynvml")
+    from engine.devices import cuda_available
+
+    if not cuda_available():
+        pytest.skip("no CUDA device")
+    from engine.config import EngineOptions, LoanFlags
+    from engine.events import EventBus, GpuStats
+    from engine.report import GPU_SAMPLE_S
+    from engine.serve import ServeLoop
+
+    bus = EventBus()
+    got: list[tuple[str, GpuStats]] = []
+    bus.subscribe(lambda e: got.append((threading.current_thread().name, e))
+                  if isinstance(e, GpuStats) else None)
+    loop = ServeLoop.create(EngineOptions(model="tiny", device="cuda"), LoanFlags(), bus)
+    try:
+        n = len(got)
+        time.sleep(6 * GPU_SAMPLE_S + 0.2)
+        idle = got[n:]
+        assert 5 <= len(idle) <= 7, len(idle)
+        assert {name for name, _ in idle} == {"gpu-telemetry"}
+        assert all(e.ledger_bytes > 0 and e.limit_bytes for _, e in idle)
+    finally:
+        loop.close()
+    n = len(got)
+    time.sleep(2 * GPU_SAMPLE_S)
+    assert len(got) == n, "a reading after close"
+    assert "gpu-telemetry" not in {t.name for t in threading.enumerate()}
