@@ -26,7 +26,7 @@ from app.chat_actions import (
     prompt_index_of,
     put_back,
 )
-from app.commands import ChatCommands, FlagCommands
+from app.commands import ChatCommands, FlagCommands, SettingsCommands
 from app.config import ChatConfig
 from app.draft import Draft
 from app.engine_link import EngineLink, LocalLink
@@ -34,15 +34,17 @@ from app.outbox import Entry, Outbox
 from app.prompt_history import PromptHistory
 from app.remote_link import RemoteLink
 from app.screens import ConversationsScreen, HelpScreen, LoadingScreen, OpenAt
+from app.settings import DEFAULT_THEME, SettingsError, SettingsKeeper
 from app.store import Store, StoreError, export_markdown
 from app.widgets.base import EventView
 from app.widgets.chat_log import ChatLog
+from app.widgets.chat_settings import ChatSettings, ChatSettingsScreen
 from app.widgets.dashboard import Dashboard
 from app.widgets.event_log import EventLog
 from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation, Message
+from engine.conversation import Conversation, Message, Sampling
 from engine.errors import FlagError, StrataError
 from engine.events import Event, Loading, PrefillProgress, Ready, Token
 from engine.forecast import LoanVerdict
@@ -72,7 +74,7 @@ class StrataApp(App[None]):
     """The chat app. Engine work runs in thread workers behind `EngineLink`."""
 
     TITLE = "strata chat"
-    COMMANDS = App.COMMANDS | {FlagCommands, ChatCommands}
+    COMMANDS = App.COMMANDS | {FlagCommands, ChatCommands, SettingsCommands}
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "cancel", "Cancel"),
         Binding("escape", "focus_input", "Back to the input", show=False),
@@ -83,6 +85,7 @@ class StrataApp(App[None]):
         Binding("f3", "flags", "Flags"),
         Binding("f1", "help", "Help"),
         Binding("ctrl+t", "change_theme", "Theme", show=False),
+        Binding("f4", "chat_settings", "Sampling", show=False),
         Binding("ctrl+r", "regenerate", "Regenerate", show=False),
         Binding("ctrl+up", "focus_messages", "Messages", show=False),
     ]
@@ -105,11 +108,14 @@ class StrataApp(App[None]):
         self.config = config
         self.link: EngineLink = (
             RemoteLink(self, config.connect, config.api_key) if config.connect
-            else LocalLink(self, config.options, config.flags)
+            else LocalLink(self, config.options, config.default_flags or config.flags)
         )  # fmt: skip
+        # what new conversations take, the theme, the dashboard: kept in the settings file
+        self.settings = SettingsKeeper(config.settings, config.settings_path,
+                                       Sampling(config.params, config.max_new))
         self.store = store
         self.export_dir = export_dir
-        self.conv = Conversation()
+        self.conv = self._new_conversation()
         self.error_line = ""
         self._outbox: Outbox | None = None  # None until the store is open
         self._prompt: Entry | None = None  # the prompt being answered, and its answer so far
@@ -135,6 +141,7 @@ class StrataApp(App[None]):
         self._composer = self.query_one(Composer)
         self.push_screen(LoadingScreen(self.config.options.model, self.config.connect))
         self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
+        self._apply_settings()
         self._catch_signals()
         self.call_after_refresh(self._start)
 
@@ -154,7 +161,7 @@ class StrataApp(App[None]):
         self.link.start()
         try:
             self.store = self.store or Store.open()
-            self.conv = self.store.last() or Conversation()
+            self.conv = self.store.last() or self._new_conversation()
         except StoreError as exc:
             self._fail(str(exc))
             return
@@ -255,8 +262,18 @@ class StrataApp(App[None]):
 
     def _startup_violations(self) -> list[str]:
         cfg = self.config
-        if cfg.connect or cfg.flags == LoanFlags() and not (cfg.options.mtp or cfg.options.spec):
+        if cfg.connect:
             return []  # a server's flags are its own
+        if cfg.default_flags is not None:  # the engine started with them: now the file's
+            refused = self.link.set_flags(cfg.flags, cfg.options)
+            if not refused:
+                return []
+            self.notify(f"The loan flags in the settings are refused with these options "
+                        f"({'; '.join(refused)}); the defaults apply.", title="Settings",
+                        severity="warning", timeout=15)
+            return self.link.set_flags(cfg.default_flags, cfg.options)
+        if cfg.flags == LoanFlags() and not (cfg.options.mtp or cfg.options.spec):
+            return []
         return self.link.set_flags(cfg.flags, cfg.options)
 
     def on_engine_link_load_failed(self, message: EngineLink.LoadFailed) -> None:
@@ -300,13 +317,14 @@ class StrataApp(App[None]):
             await self._take_in_stored()
         else:  # (not what another window added: the positions cut are this window's)
             await self._cut(resend)
+        # a conversation from before sampling was kept takes the defaults, stored with it
+        sampling = self.conv.sampling = self.conv.sampling or self.settings.sampling
         # stored before the engine starts: a crash or kill during the request keeps the prompt
         self._prompt = Entry(self.conv, Message("user", prompt))
         self._answer = None
         self._save(lambda outbox: outbox.put(self._prompt))
         await self.query_one(ChatLog).begin_exchange(prompt)
-        cfg = self.config
-        self.link.send(self.conv, prompt, draft, cfg.params, cfg.max_new)
+        self.link.send(self.conv, prompt, draft, sampling.params, sampling.max_tokens)
 
     async def _cut(self, resend: Resend) -> None:
         """Drop the message at `resend.index` and every one after it: from the conversation,
@@ -579,6 +597,8 @@ class StrataApp(App[None]):
             return
         panel.accepted(flags, options)
         self.notify("Applies from the next message.", title="Flags accepted")
+        if not self.config.connect:  # a server's flags are its own
+            self._keep(flags=flags)
         self.query_one(Composer).measure()  # what the message in the input gets now
         self._what_if(flags, options, before, applied=True)
 
@@ -616,7 +636,7 @@ class StrataApp(App[None]):
     async def action_new_conversation(self) -> None:
         if self._refuse_while_running():
             return
-        self.conv = Conversation()
+        self.conv = self._new_conversation()
         await self.query_one(ChatLog).show(self.conv)
         self.query_one(Composer).measure()
         self.notify("New conversation.", timeout=2)
@@ -641,7 +661,7 @@ class StrataApp(App[None]):
             self._store_failed(exc)
             return
         if message.conv_id == self.conv.id:  # the open one: a new conversation takes its place
-            self.conv = Conversation()
+            self.conv = self._new_conversation()
             await self._chat.show(self.conv)
 
     def on_conversations_screen_renamed(self, message: ConversationsScreen.Renamed) -> None:
@@ -688,6 +708,8 @@ class StrataApp(App[None]):
     # -- view --------------------------------------------------------------------------------
     def action_toggle_dashboard(self) -> None:
         self.show_dashboard = not self.show_dashboard
+        if not self.narrow:  # a narrow terminal's choice is not the wide layout's
+            self._keep(dashboard=self.show_dashboard)
 
     def action_flags(self) -> None:
         """Show the flags panel and put the focus on its first switch."""
@@ -698,6 +720,72 @@ class StrataApp(App[None]):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
+
+    # -- settings ----------------------------------------------------------------------------
+    def _new_conversation(self) -> Conversation:
+        """A conversation with what new ones take (the settings' system prompt, the sampling
+        of the command line or the settings)."""
+        return Conversation(system=self.settings.settings.system, sampling=self.settings.sampling)
+
+    def _apply_settings(self) -> None:
+        """The kept theme and dashboard; say once why a settings file was not used."""
+        settings = self.settings.settings
+        self.theme = self.settings.start_theme or self.theme
+        # the wide layout's choice (a narrow terminal starts with the strip)
+        self.show_dashboard = settings.dashboard and not self.narrow
+        self.theme_changed_signal.subscribe(self, lambda theme: self._keep(theme=theme.name))
+        if self.config.settings_note:
+            self.notify(self.config.settings_note, title="Settings", severity="warning",
+                        timeout=20)
+
+    def _keep(self, **changes: object) -> None:
+        """Write changed settings; a file that cannot be written is said (kept for this run)."""
+        try:
+            self.settings.change(**changes)
+        except SettingsError as exc:
+            self.notify(str(exc), title="Settings", severity="warning", timeout=10)
+
+    def action_chat_settings(self) -> None:
+        """The open conversation's system prompt and sampling (F4)."""
+        conv = self.conv
+        self.push_screen(ChatSettingsScreen(conv.title, conv.system,
+                                            conv.sampling or self.settings.sampling,
+                                            self.config.options.ctx), self._configure)
+
+    def _configure(self, chosen: ChatSettings | None) -> None:
+        """Apply the dialog's choice to the open conversation (and store it with it)."""
+        if chosen is None:
+            return
+        conv = self.conv
+        conv.system, conv.sampling = chosen.system, chosen.sampling
+        if chosen.make_default:
+            self._keep(system=chosen.system, sampling=chosen.sampling)
+        if self.store is not None and self._outbox is not None:  # else nothing is saved
+            try:
+                self.store.configure(conv)
+            except StoreError as exc:  # kept in memory: written with the next message
+                self.notify(f"{exc}; saved with the next message.", title="Not saved yet",
+                            severity="warning", timeout=10)
+        self.query_one(Composer).measure()  # the system prompt is part of every prompt
+        self.notify("Applies from the next message.", title="System prompt and sampling")
+
+    def action_reset_settings(self) -> None:
+        """Every kept setting back to its default, the flags in force included."""
+        cfg = self.config
+        current = self.flags_in_force()
+        defaults = cfg.default_flags or cfg.flags
+        if not cfg.connect and current is not None and current[0] != defaults:
+            self.request_flags(defaults, current[1])  # first: it keeps what it applies
+        self.theme = DEFAULT_THEME
+        if not self.narrow:
+            self.show_dashboard = True
+        try:
+            self.settings.reset()
+        except SettingsError as exc:
+            self.notify(str(exc), title="Settings", severity="warning", timeout=10)
+            return
+        self.notify("Settings are back to their defaults; new conversations take them.",
+                    title="Settings")
 
     async def action_quit(self) -> None:
         if self.running:

@@ -134,3 +134,28 @@ class ChatCommands(Provider):
             if score > 0:
                 yield Hit(score, matcher.highlight(name), partial(self.app.run_action, action),
                           help=help_text)
+
+
+# (name, the app's action, what it does)
+SETTINGS_COMMANDS = (
+    ("Conversation: system prompt and sampling", "chat_settings",
+     "F4; this conversation's system prompt, temperature, top-p, top-k, seed, max tokens"),
+    ("Settings: reset to defaults", "reset_settings",
+     "theme, dashboard, sampling of new conversations and loan flags, in the settings file too"),
+)
+
+
+class SettingsCommands(Provider):
+    """The open conversation's system prompt and sampling; the kept settings' reset."""
+
+    async def discover(self) -> Hits:
+        for name, action, help_text in SETTINGS_COMMANDS:
+            yield DiscoveryHit(name, partial(self.app.run_action, action), help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for name, action, help_text in SETTINGS_COMMANDS:
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), partial(self.app.run_action, action),
+                          help=help_text)

@@ -43,6 +43,7 @@ HELP = """\
 | **ctrl+s** | export the conversation to Markdown (the path is shown) |
 | **F2** | show / hide the dashboard |
 | **F3** | go to the loan flags panel (typing or pasting there goes to the input) |
+| **F4** | this conversation's system prompt and sampling (temperature, top-p, top-k, seed, max tokens); ctrl+s applies, and can make them the default of new conversations |
 | **ctrl+t** | change the theme |
 | **ctrl+p** | command palette (loan flags, spec, prefill, …) |
 | **F1** | this help |
@@ -58,6 +59,11 @@ passes it on with `set -g set-clipboard on`; macOS Terminal ignores it (ctrl+s e
 The flags panel changes the six `STRATA_PREFILL_*` loan flags, spec T and the prefill mode. The
 engine checks every change with the same guards as at startup: a refused change shows the
 reasons and the control goes back; an accepted change applies from the next message.
+
+The theme, the dashboard, the loan flags and what a new conversation takes (F4's "default"
+box) are kept between runs in `settings.toml` (`strata chat --help` says where); options given
+on the command line and `STRATA_PREFILL_*` variables win over it. The palette's "Settings:
+reset to defaults" puts them all back.
 """
 
 

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from platformdirs import user_data_dir
 
@@ -46,8 +47,9 @@ from app.search import (
     search_terms,
     substring_snippet,
 )
-from engine.conversation import ROLES, Conversation, Message, title_of
-from engine.errors import StrataError
+from engine.conversation import ROLES, Conversation, Message, Sampling, title_of
+from engine.errors import FlagError, StrataError
+from engine.sampler import SamplingParams
 
 DB_NAME = "conversations.sqlite3"
 # the input's Up/Down history: the newest prompts, and the characters of them kept in memory
@@ -126,6 +128,16 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     # an answer written as it streams: 1 until its writer stores the final text
     4: ("ALTER TABLE messages ADD COLUMN partial INTEGER NOT NULL DEFAULT 0",),
+    # a conversation's system prompt and sampling; NULL sampling: the app's defaults (a
+    # conversation from before this version)
+    5: (
+        "ALTER TABLE conversations ADD COLUMN system_prompt TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE conversations ADD COLUMN temperature REAL",
+        "ALTER TABLE conversations ADD COLUMN top_p REAL",
+        "ALTER TABLE conversations ADD COLUMN top_k INTEGER",
+        "ALTER TABLE conversations ADD COLUMN seed INTEGER",  # two's complement: see _seed_in
+        "ALTER TABLE conversations ADD COLUMN max_tokens INTEGER",
+    ),
     6: _FTS_STATEMENTS,  # where this SQLite has no FTS5, recorded without them
 }
 SCHEMA_VERSION = max(MIGRATIONS)
@@ -133,6 +145,9 @@ _FTS_VERSION = 6
 assert MIGRATIONS[_FTS_VERSION] is _FTS_STATEMENTS
 # what an older database read-only lacks reads as these (its rows predate the columns)
 _COLUMN_DEFAULTS = {"cancelled": "0", "reply_to": "NULL", "partial": "0"}
+# a conversation's own settings, written with each of its messages and by `configure`
+_SETTINGS_COLUMNS = ("system_prompt", "temperature", "top_p", "top_k", "seed", "max_tokens")
+_CONVERSATION_DEFAULTS = {"system_prompt": "''", **dict.fromkeys(_SETTINGS_COLUMNS[1:], "NULL")}
 # a reply reads right after its prompt, whatever another instance appended in between
 _IN_ORDER = "ORDER BY coalesce(reply_to, seq), seq"
 # message m's position in its conversation as `load` reads it (_IN_ORDER)
@@ -296,12 +311,14 @@ class Store:
         if self.version > SCHEMA_VERSION or "messages" not in tables:
             return
         # by the columns, not the version: a gap in the versions may be filled later
-        have = {r[1] for r in self.db.execute("PRAGMA main.table_info(messages)")}
-        extra = [f"{v} AS {k}" for k, v in _COLUMN_DEFAULTS.items() if k not in have]
-        if extra:
-            self.db.execute(
-                f"CREATE TEMP VIEW messages AS SELECT *, {', '.join(extra)} FROM main.messages"
-            )
+        for table, defaults in (("messages", _COLUMN_DEFAULTS),
+                                ("conversations", _CONVERSATION_DEFAULTS)):
+            have = {r[1] for r in self.db.execute(f"PRAGMA main.table_info({table})")}
+            extra = [f"{v} AS {k}" for k, v in defaults.items() if k not in have]
+            if extra:
+                self.db.execute(
+                    f"CREATE TEMP VIEW {table} AS SELECT *, {', '.join(extra)} FROM main.{table}"
+                )
 
     @property
     def version(self) -> int:
@@ -361,17 +378,20 @@ class Store:
         The conversation row is created if missing (its title, once set, is kept); the seq is
         the next free one of the conversation, taken inside the write transaction. `reply_to`
         is the seq of the prompt an answer belongs to; `partial`: an answer still being
-        generated, which `update` rewrites until it is complete.
+        generated, which `update` rewrites until it is complete. The conversation's system
+        prompt and sampling are written with it (a `configure` the store refused is kept).
         """
         title = _storable(conv.title or (title_of(message.content) if message.role == "user"
                                          else ""))
         content = _storable(message.content)
         with self._write():
             self.db.execute(
-                "INSERT INTO conversations (id, title, created, updated) VALUES (?, ?, ?, ?) "
+                "INSERT INTO conversations (id, title, created, updated, "
+                f"{', '.join(_SETTINGS_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT(id) DO UPDATE SET updated = excluded.updated, "
-                "title = CASE WHEN title = '' THEN excluded.title ELSE title END",
-                (conv.id, title, conv.created, time.time()),
+                "title = CASE WHEN title = '' THEN excluded.title ELSE title END, "
+                + ", ".join(f"{c} = excluded.{c}" for c in _SETTINGS_COLUMNS),
+                (conv.id, title, conv.created, time.time(), *_settings_row(conv)),
             )
             (seq,) = self.db.execute(
                 "INSERT INTO messages "
@@ -440,11 +460,23 @@ class Store:
                 (title_of(first[0]) if first else "", conv_id),
             )
 
+    def configure(self, conv: Conversation) -> None:
+        """Store the conversation's system prompt and sampling. A conversation not stored yet
+        (no message) is left alone: its first message writes them."""
+        with self._write():
+            self.db.execute(
+                "UPDATE conversations SET "
+                + ", ".join(f"{c} = ?" for c in _SETTINGS_COLUMNS) + " WHERE id = ?",
+                (*_settings_row(conv), conv.id),
+            )
+
     def load(self, conv_id: str) -> Conversation | None:
-        """The conversation with every stored message, exchanges in order; None if absent."""
+        """The conversation with every stored message, exchanges in order; None if absent.
+        Stored sampling that is not valid reads as None (the app's defaults)."""
         with self._errors():
             row = self.db.execute(
-                "SELECT id, title, created FROM conversations WHERE id = ?", (conv_id,)
+                f"SELECT id, title, created, {', '.join(_SETTINGS_COLUMNS)} FROM conversations "
+                "WHERE id = ?", (conv_id,)
             ).fetchone()
             if row is None:
                 return None
@@ -458,7 +490,8 @@ class Store:
                 )
             ]
         return Conversation(id=row[0], messages=messages, title=_text(row[1]),
-                            created=_number(row[2]))
+                            created=_number(row[2]), system=_text(row[3]),
+                            sampling=_sampling(row[4:]))
 
     def last(self) -> Conversation | None:
         """The most recently updated conversation, if any."""
@@ -653,6 +686,35 @@ class Store:
             if getattr(exc, "sqlite_errorname", "") in _NOT_A_DATABASE:
                 raise _Unreadable(f"{self.path}: {exc}") from None
             raise StoreError(f"{self.path}: {exc}") from None
+
+
+def _settings_row(conv: Conversation) -> tuple[object, ...]:
+    """The values of _SETTINGS_COLUMNS for `conv` (NULL sampling: the app's defaults)."""
+    system = _storable(conv.system)
+    sampling = conv.sampling
+    if sampling is None:
+        return (system, None, None, None, None, None)
+    p = sampling.params
+    return (system, p.temperature, p.top_p, p.top_k, _seed_in(p.seed), sampling.max_tokens)
+
+
+def _seed_in(seed: int) -> int:
+    """A seed (0..2**64-1) as SQLite's signed 64-bit INTEGER holds it: two's complement."""
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+def _sampling(values: tuple[Any, ...]) -> Sampling | None:
+    """Stored sampling columns (temperature, top_p, top_k, seed, max_tokens) as a Sampling;
+    None where any is NULL or not valid (another writer's, or a damaged row)."""
+    temperature, top_p, top_k, seed, max_tokens = values
+    if not isinstance(seed, int):
+        return None
+    try:
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed + 2**64 if seed < 0 else seed)
+        return Sampling(params, max_tokens)
+    except FlagError:
+        return None
 
 
 def _decode(raw: bytes) -> str:

@@ -7,13 +7,15 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.errors import ContextFullError, StrataError
+from engine.errors import ContextFullError, FlagError, StrataError
+from engine.sampler import SamplingParams
 
 TITLE_CHARS = 60
 ROLES = ("system", "user", "assistant")
 # a prompt's text cap: this many bytes a token of --ctx (English runs ~4-5 bytes a token, code
 # and CJK more): text past it is refused before the chat template or the tokenizer sees it
 PROMPT_BYTES_PER_TOKEN = 16
+MAX_TOKENS_CEILING = 2**31 - 1  # an answer's token cap, as every integer option
 
 
 def check_text_fits(texts: Iterable[str], ctx: int) -> None:
@@ -46,6 +48,21 @@ def title_of(prompt: str) -> str:
     return text.splitlines()[0][:TITLE_CHARS] if text else "untitled"
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a conversation's answers are sampled: the sampler's parameters and the most tokens
+    an answer may have. The app keeps one with each conversation; `ServeLoop.chat` takes them
+    as arguments."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        n = self.max_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_TOKENS_CEILING:
+            raise FlagError(f"max tokens {n!r:.24} must be an integer in 1..{MAX_TOKENS_CEILING}")
+
+
 @dataclass
 class Message:
     """One message; `cancelled` marks an answer cut short by the user (its text was shown),
@@ -63,12 +80,18 @@ class Message:
 
 @dataclass
 class Conversation:
-    """An ordered list of messages with an id and a title (the first user message, cut)."""
+    """An ordered list of messages with an id and a title (the first user message, cut).
+
+    `system` is the conversation's system prompt: rendered as its first message when not
+    empty. `sampling` is the conversation's own (None: the caller's defaults).
+    """
 
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     messages: list[Message] = field(default_factory=list)
     title: str = ""
     created: float = field(default_factory=time.time)
+    system: str = ""
+    sampling: Sampling | None = None
 
     def add(self, role: str, content: str, cancelled: bool = False) -> Message:
         msg = Message(role, content, cancelled=cancelled)
@@ -85,11 +108,15 @@ class Conversation:
         return msg
 
     def as_dicts(self) -> list[dict[str, str]]:
-        return [m.as_dict() for m in self.messages]
+        """The messages as the chat template reads them, the system prompt first."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [m.as_dict() for m in self.messages]
 
     def to_markdown(self) -> str:
         """Export as Markdown: a heading per message."""
         lines = [f"# {self.title or 'Conversation'}", ""]
+        if self.system:
+            lines += ["## system prompt", "", self.system.rstrip(), ""]
         for m in self.messages:
             cut = " (cancelled)" if m.cancelled else " (interrupted)" if m.interrupted else ""
             heading = f"## {m.role}{cut}"
