@@ -7,10 +7,12 @@ queue at a steady rate, coalesces snapshot events and posts one `EngineLink.Even
 tick, so a prefill publishing thousands of events never makes a frame wait, and the UI thread's
 cost while decoding is a cost per frame, not per token.
 
-While an answer streams (its first token to its RequestDone) the text goes out every tick and
-the other events (the dashboard's: a lend's ledger and cache snapshots, trace lines) at most
-every VIEWS_WHILE_STREAMING_S: a dashboard update reflows the whole screen (tens of ms), time
-the engine thread waits for under the GIL; a short answer on a GPU is over before they show.
+While an answer streams (its first token to its RequestDone) its text goes out in frames, the
+first once the first token is a frame old, and the other events (the dashboard's: a lend's
+ledger and cache snapshots, trace lines) at most every VIEWS_WHILE_STREAMING_S: a frame costs
+the UI thread milliseconds and a dashboard update, which reflows the whole screen, tens, time
+the engine thread waits for under the GIL; an answer decoded in less than a frame (a short one
+on a GPU) is drawn once, when it is done.
 """
 
 from __future__ import annotations
@@ -80,26 +82,39 @@ def _merged(tokens: list[Token]) -> Token:
 
 class Drain:
     """What goes out on each tick: every event, except while an answer streams (its first
-    token to its RequestDone), when the text goes every tick and the rest waits until
-    `views_s` passed since it last went, or the answer ends."""
+    token to its RequestDone). Then the text goes in frames: the first once the first token
+    is `frame_s` old (a frame's worth of text, and an answer that takes less than a frame to
+    decode draws once, when it is done), then every tick; the other events wait until
+    `views_s` passed since they last went, or the answer ends."""
 
-    def __init__(self, views_s: float = VIEWS_WHILE_STREAMING_S) -> None:
-        self.views_s = views_s
+    def __init__(self, frame_s: float = 1 / REFRESH_HZ,
+                 views_s: float = VIEWS_WHILE_STREAMING_S) -> None:
+        self.frame_s, self.views_s = frame_s, views_s
         self.streaming = False
+        self._text: list[Event] = []  # the first frame's text, until it is a frame old
+        self._text_at = 0.0  # when it is
         self._held: list[Event] = []  # events other than text, held while streaming
         self._views_at = 0.0  # when held events last went out
 
     def tick(self, batch: list[Event], now: float) -> tuple[Event, ...]:
         """This tick's events, coalesced: of `batch` (what came since the last tick) and
         those held."""
-        if not self.streaming and any(isinstance(e, Token) for e in batch):
-            self.streaming, self._views_at = True, now  # what came with the first text waits
         if not self.streaming:
-            return self._out(batch, now)
-        text = [e for e in batch if isinstance(e, Token)]
+            first = next((e for e in batch if isinstance(e, Token)), None)
+            if first is None:
+                return self._out(batch, now)
+            # what came with the first text waits too (a loan's snapshots, its trace lines)
+            self.streaming, self._views_at = True, now
+            self._text_at = first.t + self.frame_s
+        self._text += (e for e in batch if isinstance(e, Token))
         rest = [e for e in batch if not isinstance(e, Token)]
         self._held += rest
-        if any(isinstance(e, RequestDone) for e in rest) or now - self._views_at >= self.views_s:
+        if any(isinstance(e, RequestDone) for e in rest):
+            return self._out([], now)
+        if now < self._text_at:
+            return ()
+        text, self._text = self._text, []
+        if now - self._views_at >= self.views_s:
             return self._out(text, now)
         return coalesce(text)
 
@@ -110,7 +125,8 @@ class Drain:
         return out
 
     def _out(self, batch: list[Event], now: float) -> tuple[Event, ...]:
-        events, self._held = self._held + batch, []
+        events = self._held + self._text + batch
+        self._held, self._text = [], []
         if any(isinstance(e, RequestDone) for e in events):
             self.streaming = False
         self._views_at = now

@@ -77,39 +77,55 @@ def test_coalesce_joins_a_long_run_of_tokens_into_one() -> None:
     assert first.text == "".join(t.text for t in tokens) and first.t == 9_999.0
 
 
-def test_the_drain_sends_text_each_tick_and_the_dashboard_now_and_then_while_streaming() -> None:
-    drain = Drain(views_s=2.0)
+def test_the_drain_sends_text_in_frames_and_the_dashboard_now_and_then_while_streaming() -> None:
+    drain = Drain(frame_s=0.1, views_s=2.0)
     ledger = LedgerChanged(1 << 30, 1 << 21, (), 1 << 30, ())
     cache = CacheChanged(b"\x01\x02", (1, 2), 1)
     trace = TraceLine("strata lend: decoding plain")
     # before any text: everything goes at once
     assert drain.tick([trace], now=0.0) == (trace,)
     assert not drain.streaming
-    # the first text: it goes; what came with it (the loan's snapshots) waits
-    out = drain.tick([ledger, Token("Hel"), Token("lo")], now=1.0)
-    assert drain.streaming and [e.text for e in out if isinstance(e, Token)] == ["Hello"]
+    # the first text waits until it is a frame old, and what came with it (the loan's
+    # snapshots) waits for the dashboard's turn
+    assert drain.tick([ledger, Token("Hel", t=0.95), Token("lo", t=0.97)], now=1.0) == ()
+    assert drain.streaming
+    out = drain.tick([Token(",", t=1.06)], now=1.06)
+    assert [e.text for e in out if isinstance(e, Token)] == ["Hello,"]
     assert not any(isinstance(e, LedgerChanged) for e in out)
-    assert drain.tick([cache, trace], now=1.5) == ()  # nothing to draw in the chat: no post
-    out = drain.tick([Token(" world")], now=2.9)
+    assert drain.tick([cache, trace], now=1.5) == ()  # nothing for the chat: no post
+    out = drain.tick([Token(" world", t=2.9)], now=2.9)
     assert [type(e) for e in out] == [Token]
     # views_s after the answer began: the held events go, the newest snapshot of each kind
-    out = drain.tick([Token("!")], now=3.0)
+    out = drain.tick([Token("!", t=3.0)], now=3.0)
     assert set(map(type, out)) == {LedgerChanged, CacheChanged, TraceLine, Token}
     assert drain.tick([ledger], now=3.5) == ()
     # the answer ends: RequestDone and whatever waited go at once, and the stream is over
-    done = RequestDone(generated=4)
-    out = drain.tick([Token("?"), done], now=3.6)
+    done = RequestDone(generated=5)
+    out = drain.tick([Token("?", t=3.55), done], now=3.6)
     assert done in out and ledger in out and not drain.streaming
     assert drain.tick([ledger], now=3.7) == (ledger,)
 
 
+def test_an_answer_decoded_within_a_frame_is_drawn_once_when_it_is_done() -> None:
+    """On a GPU a short answer takes less than a frame: the UI thread does nothing while the
+    engine decodes it (its work would hold the GIL the engine thread waits for)."""
+    drain = Drain(frame_s=1 / 15)
+    tokens = [Token(f"w{i} ", t=10.0 + i * 0.0016) for i in range(21)]  # 618 tok/s
+    assert drain.tick(tokens[:5], now=10.01) == ()
+    done = RequestDone(generated=21)
+    out = drain.tick([*tokens[5:], done], now=10.07)
+    assert [type(e) for e in out] == [RequestDone, Token]
+    assert out[1].text == "".join(t.text for t in tokens)  # type: ignore[union-attr]
+
+
 def test_a_finished_request_takes_everything_the_drain_held() -> None:
     drain = Drain(views_s=VIEWS_WHILE_STREAMING_S)
-    drain.tick([Token("a")], now=0.0)
+    a = Token("a", t=0.0)
+    assert drain.tick([a], now=0.0) == ()  # not a frame old yet
     trace = TraceLine("strata lend: lent")
-    assert drain.tick([trace], now=0.1) == ()
+    assert drain.tick([trace], now=0.01) == ()
     b = Token("b")
-    assert drain.take([b]) == (trace, b)
+    assert drain.take([b]) == (trace, Token("ab", t=b.t))
     assert not drain.streaming
 
 
