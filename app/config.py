@@ -76,8 +76,9 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per answer (default 256)")
     p.add_argument_group(
         "settings",
-        "The theme, the dashboard, the sampling of new conversations (--temperature, --top-k, "
-        f"--top-p, --seed, --max-new) and the loan flags are kept in {settings_path()} "
+        "The theme, the dashboard, what a new conversation takes (a system prompt, and the "
+        "sampling of --temperature, --top-k, --top-p, --seed, --max-new) and the loan flags are "
+        f"kept in {settings_path()} "
         "(STRATA_CONFIG_DIR sets its directory). Those options given here, and STRATA_PREFILL_* "
         "variables, win over the file for this run; --plain and --connect ignore its flags.")
     p.add_argument("--plain", action="store_true",
