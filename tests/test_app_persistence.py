@@ -317,7 +317,7 @@ async def test_an_exchange_made_while_the_disk_is_full_is_written_when_it_has_ro
 ) -> None:
     app = make_app(tmp_path)
     notes: list[Notify] = []
-    prompt = "a prompt too long for the pages left " * 200
+    prompt = ("a prompt too long for the pages left " * 200).strip()  # sent messages are tidied
     async with app.run_test(size=SIZE, message_hook=notes.append) as pilot:
         await wait_ready(pilot)
         db = app.store.db
