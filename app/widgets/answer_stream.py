@@ -32,7 +32,7 @@ LAYOUT_INTERVAL_S = 0.25  # at most four layouts a second while new lines show
 # ... and one in this long while the chat follows the answer, or its end is out of view: the
 # layout changes nothing seen but the scroll bar, and reflows the whole screen (tens of ms)
 UNSEEN_INTERVAL_S = 5.0
-SCROLL_INTERVAL_S = 0.125  # while following, lines scroll up at most eight times a second
+SCROLL_INTERVAL_S = 0.2  # while following, lines scroll up at most five times a second
 SCROLL_STALL_S = 0.25  # ... on the next append; past this with none, on a timer
 
 
