@@ -1,14 +1,18 @@
 """Command palette providers: the flags panel's actions and the chat's message actions, by
-name."""
+name; where the palette's Screenshot goes."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol, cast
 
+from platformdirs import user_downloads_path
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
+from app.store import data_dir
 from app.widgets.flags_panel import PREFILL_CHOICES, SPEC_CHOICES, SWITCHES
 from engine.config import CACHE_POLICIES, ENV_NAMES, EngineOptions, LoanFlags
 
@@ -103,6 +107,24 @@ class FlagCommands(Provider):
             score = matcher.match(name)
             if score > 0:
                 yield Hit(score, matcher.highlight(name), callback, help=help_text)
+
+
+def screenshot_dir() -> tuple[Path, str]:
+    """Where the palette's Screenshot is written: the user's Downloads folder when it exists
+    and is writable, else `screenshots/` in the app's data folder (created), else the working
+    directory. The second item says why Downloads was passed over ("" when it was not)."""
+    downloads = user_downloads_path()
+    if downloads.is_dir() and os.access(downloads, os.W_OK):
+        return downloads, ""
+    why = f"{downloads} {'is not writable' if downloads.is_dir() else 'does not exist'}"
+    folder = data_dir() / "screenshots"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder, why
+    except OSError:
+        pass
+    return Path.cwd(), why
 
 
 # (name, the app's action, what it does): the message actions, also on a focused message

@@ -10,7 +10,7 @@ from typing import ClassVar
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Markdown, OptionList, ProgressBar
@@ -24,7 +24,7 @@ from engine.events import Loading
 HELP = """\
 # strata chat
 
-*Esc, F1 or q closes this help.*
+*Esc, F1 or q closes this help; the arrows, PgUp/PgDn, space and Home/End scroll it.*
 
 | key | action |
 |---|---|
@@ -41,8 +41,8 @@ HELP = """\
 | **ctrl+n** | new conversation |
 | **ctrl+o** | open a saved conversation: type to search the titles and every message (Enter opens at the match), ctrl+r renames, ctrl+d deletes |
 | **ctrl+s** | export the conversation to Markdown (the path is shown) |
-| **F2** | show / hide the dashboard |
-| **F3** | go to the loan flags panel (typing or pasting there goes to the input) |
+| **F2** | show / hide the dashboard (below 100 columns it opens above the chat, the input stays; while it is hidden a two-line strip stands for it) |
+| **F3** | go to the loan flags panel, focus on its first switch (space toggles; typing or pasting there goes to the input) |
 | **F4** | this conversation's system prompt and sampling (temperature, top-p, top-k, seed, max tokens); ctrl+s applies, and can make them the default of new conversations |
 | **ctrl+t** | change the theme |
 | **ctrl+p** | command palette (loan flags, spec, prefill, …) |
@@ -102,24 +102,41 @@ class LoadingScreen(ModalScreen[None]):
 
 
 class HelpScreen(ModalScreen[None]):
-    """Key bindings and what the panels mean."""
+    """Key bindings and what the panels mean; the arrows, PgUp/PgDn, Home/End and space
+    scroll it."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,f1,q", "dismiss", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape,f1,q", "dismiss", "Close"),
+        Binding("space", "page(1)", "Page down", show=False),
+        Binding("shift+space", "page(-1)", "Page up", show=False),
+    ]
     DEFAULT_CSS = """
     HelpScreen {
         align: center middle;
-        & > Markdown {
+        & > VerticalScroll {
             width: 90%; max-width: 100; height: 90%;
             border: round $primary; background: $surface; padding: 0 1;
-            overflow-y: auto;
+            scrollbar-size-vertical: 1;
+            &:focus { border: round $accent; }
         }
+        & Markdown { margin: 0; padding: 0; }
     }
     """
 
     def compose(self) -> ComposeResult:
-        help_text = Markdown(HELP)
-        help_text.border_subtitle = "Esc closes"
-        yield help_text
+        with VerticalScroll(id="help-body") as body:
+            body.border_subtitle = "↑↓ PgUp PgDn scroll · Esc closes"
+            yield Markdown(HELP)
+
+    def on_mount(self) -> None:
+        self.query_one("#help-body").focus()  # the scroll keys work from the first press
+
+    def action_page(self, direction: int) -> None:
+        body = self.query_one("#help-body", VerticalScroll)
+        if direction > 0:
+            body.scroll_page_down(animate=False)
+        else:
+            body.scroll_page_up(animate=False)
 
 
 @dataclass(frozen=True)

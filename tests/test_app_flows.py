@@ -229,7 +229,7 @@ async def test_help_says_how_to_close_it(tmp_path: Path) -> None:
         assert isinstance(app.screen, HelpScreen)
         help_text = app.screen.query_one(Markdown)
         assert "Esc, F1 or q closes this help" in help_text.source
-        assert help_text.border_subtitle == "Esc closes"
+        assert app.screen.query_one("#help-body").border_subtitle.endswith("Esc closes")
         await pilot.press("escape")
         await pilot.pause()
         assert not isinstance(app.screen, HelpScreen)
@@ -534,8 +534,7 @@ async def test_dashboard_collapses_on_small_terminals(
         await pilot.press("f2")
         await pilot.pause()
         assert dashboard.display is not shown
-        if width == 80:  # narrow: the dashboard takes the screen, the chat steps aside
-            assert not app.query_one("#chat-pane").display
+        assert app.query_one("#chat-pane").display  # the chat and its input stay
 
 
 @async_test

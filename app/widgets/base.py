@@ -41,7 +41,10 @@ class EventView(Widget):
         self.border_title = f"{self.TITLE} · {detail}" if detail else self.TITLE
 
     def content_width(self) -> int:
-        return max(1, self.content_size.width)
+        """The width to draw at, from the laid-out size: `content_size` goes through the
+        screen region, and for a widget scrolled out of the dashboard's view that arranges
+        the whole screen again (the chat included: seconds with a long history)."""
+        return max(1, self.outer_size.width - self.styles.gutter.width)
 
     def on_engine_link_events(self, message: EngineLink.Events) -> None:
         for event in message.events:
@@ -51,8 +54,8 @@ class EventView(Widget):
     def _fit(self) -> None:
         # A layout reflows the whole screen (chat included); the reactives only repaint, so
         # ask for one when the picture's height changed, which during a loan is rarely.
-        width = self.content_size.width
-        if not width:  # hidden (the GPU panel off CUDA), or not laid out yet: nothing to fit
+        width = self.outer_size.width - self.styles.gutter.width
+        if width <= 0 or not self.display:  # hidden (the GPU panel off CUDA), or not laid out
             return
         fitted = (width, self.get_content_height(self.container_size, self.app.size, width))
         if fitted != self._fitted:

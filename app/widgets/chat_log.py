@@ -249,9 +249,26 @@ class ChatLog(VerticalScroll):
         self._streamed = False  # the open answer has received text
         self._text: list[str] = []  # what the open answer has received
         self._copied = False  # the first copy's notice says how the copy travels
+        # the latest message is in view: it stays in view while the messages mount (their
+        # Markdown lays out later) and re-wrap on a resize, until the user scrolls up
+        self._at_end = True
 
     def compose(self) -> ComposeResult:
         yield Static(WELCOME, id="chat-empty")
+
+    def on_mount(self) -> None:
+        self.watch(self, "scroll_y", self._scrolled, init=False)
+        self.watch(self, "virtual_size", self._keep_end, init=False)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._keep_end()
+
+    def _scrolled(self, scroll_y: float) -> None:
+        self._at_end = scroll_y >= self.max_scroll_y
+
+    def _keep_end(self) -> None:
+        if self._at_end and self.scroll_y < self.max_scroll_y:
+            self.scroll_end(animate=False, immediate=True)
 
     def welcome(self, description: str) -> None:
         """What the empty chat says: the model's own suggestion first, when it has one."""
@@ -275,6 +292,7 @@ class ChatLog(VerticalScroll):
         await self.mount_all([MessageView(m.role, m.content, m.cancelled, m.interrupted)
                               for m in conv.messages])
         self.query_one("#chat-empty").display = not conv.messages
+        self._at_end = True  # reopened at the latest message
         self.scroll_end(animate=False)
 
     async def begin_exchange(self, prompt: str) -> None:

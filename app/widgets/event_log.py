@@ -93,14 +93,18 @@ class EventLog(RichLog):
                     continue
                 self._twins.append(line.plain)
             self._entries.append(line)
-            self.write(line)
+            # at the width laid out, not RichLog's default (the visible region's): scrolled
+            # out of the dashboard's view, or hidden, that is 0 and a line wrapped at one cell
+            self.write(line, width=self._wrap_width or None)
 
     def on_resize(self, event: events.Resize) -> None:
-        width = self.scrollable_content_region.width
-        if width == self._wrap_width:
+        # from the laid-out size: the visible region is empty while scrolled out of view
+        width = event.size.width - self.styles.gutter.width - self.scrollbar_gutter.width
+        if width == self._wrap_width or width <= 0:
             return
         self._wrap_width = width
-        if self._size_known:  # lines written at the old width: lay them out again
-            self.clear()
-            for line in self._entries:
-                self.write(line)
+        # lines written at the old width (or not written while hidden): lay them out again;
+        # before the first size they queue, and RichLog's own handler writes them next
+        self.clear()
+        for line in self._entries:
+            self.write(line, width=width)

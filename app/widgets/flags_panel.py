@@ -19,6 +19,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Input, Label, Select, Static, Switch
 
+from app.widgets.toggle import Toggle
 from engine.config import (
     AUTO,
     ENV_NAMES,
@@ -49,12 +50,7 @@ class FlagsPanel(Widget):
         border-title-color: $text-primary;
         padding: 0 1;
         & Horizontal { height: 1; }
-        & Switch {
-            border: none; padding: 0; height: 1; width: 6; margin-right: 1;
-            & .switch--slider { color: $foreground 35%; background: $panel-darken-2; }
-            &.-on .switch--slider { color: $success; }
-            &:focus { border: none; background-tint: $foreground 25%; }
-        }
+        & Toggle { margin-right: 1; }
         & Label { height: 1; }
         & Input { width: 12; height: 1; border: none; padding: 0 1; }
         & Select { width: 14; }
@@ -87,7 +83,7 @@ class FlagsPanel(Widget):
     def compose(self) -> ComposeResult:
         for name in SWITCHES:
             with Horizontal():
-                yield Switch(value=getattr(self.flags, name), id=name, animate=False)
+                yield Toggle(value=getattr(self.flags, name), id=name, animate=False)
                 yield Label(short_name(name))
         with Horizontal():
             yield Input(
