@@ -14,7 +14,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
-from textual.widgets import Footer, Header, Input, TextArea
+from textual.widgets import Input, TextArea
 
 from app.chat_actions import (
     Resend,
@@ -26,7 +26,7 @@ from app.chat_actions import (
     prompt_index_of,
     put_back,
 )
-from app.commands import ChatCommands, FlagCommands, SettingsCommands
+from app.commands import ChatCommands, FlagCommands, SettingsCommands, screenshot_dir
 from app.config import ChatConfig
 from app.draft import Draft
 from app.engine_link import EngineLink, LocalLink
@@ -39,6 +39,8 @@ from app.store import Store, StoreError, export_markdown
 from app.widgets.base import EventView
 from app.widgets.chat_log import ChatLog
 from app.widgets.chat_settings import ChatSettings, ChatSettingsScreen
+from app.widgets.chrome import StrataFooter, StrataHeader
+from app.widgets.compact_strip import CompactStrip
 from app.widgets.dashboard import Dashboard
 from app.widgets.event_log import EventLog
 from app.widgets.flags_panel import FlagsPanel
@@ -49,7 +51,8 @@ from engine.errors import FlagError, StrataError
 from engine.events import Event, Loading, PrefillProgress, Ready, Token
 from engine.forecast import LoanVerdict
 
-NARROW_COLUMNS = 100  # below this the dashboard and the chat take turns
+NARROW_COLUMNS = 100  # below this a compact strip stands for the dashboard; F2 shows it above
+NARROW_DASHBOARD_HEIGHT = "55%"  # of the screen below the header, when F2 shows it there
 WHAT_IF_TOKENS = 4096  # the flags panel's what-if when the input holds no message
 # an answer's text so far goes to the store this often while it streams (one short
 # transaction): a kill -9 loses at most this much of what was shown
@@ -92,9 +95,6 @@ class StrataApp(App[None]):
     CSS = """
     #main { height: 1fr; }
     #chat-pane { width: 3fr; min-width: 40; }
-    #main.-dashboard-hidden > Dashboard { display: none; }
-    #main.-narrow > Dashboard { width: 1fr; }
-    #main.-narrow.-dashboard-shown > #chat-pane { display: none; }
     """
 
     running: reactive[bool] = reactive(False)
@@ -128,18 +128,21 @@ class StrataApp(App[None]):
         self._views: list[EventView | EventLog] = []
 
     def compose(self) -> ComposeResult:
-        yield Header(icon="▦")
+        yield StrataHeader(icon="▦")
         with Horizontal(id="main"):
             with Vertical(id="chat-pane"):
+                yield CompactStrip()
                 yield self._chat
                 yield Composer(self.link.count_tokens, self._ask)
             yield Dashboard()
-        yield Footer()
+        yield StrataFooter()
 
     def on_mount(self) -> None:
         self._views = [*self.query(EventView), *self.query(EventLog)]
         self._composer = self.query_one(Composer)
         self.push_screen(LoadingScreen(self.config.options.model, self.config.connect))
+        if self.config.connect:  # until the server says which model it runs
+            self.sub_title = f"remote: {self.config.connect}"
         self.query_one(FlagsPanel).show(self.config.flags, self.config.options)
         self._apply_settings()
         self._catch_signals()
@@ -210,10 +213,17 @@ class StrataApp(App[None]):
         self._layout()
 
     def _layout(self) -> None:
-        main = self.query_one("#main")
-        main.set_class(self.narrow, "-narrow")
-        main.set_class(not self.show_dashboard, "-dashboard-hidden")
-        main.set_class(self.show_dashboard, "-dashboard-shown")
+        # Inline styles on the two widgets, not classes on #main: a class there restyled every
+        # widget below it, the whole chat included (2.6 s of a resize during a prefill).
+        dashboard, strip = self.query_one(Dashboard), self.query_one(CompactStrip)
+        dashboard.display, strip.display = self.show_dashboard, not self.show_dashboard
+        if self.narrow:  # over the chat, which keeps its last lines and the input below
+            dashboard.styles.dock = "top"
+            dashboard.styles.width = "1fr"
+            dashboard.styles.height = NARROW_DASHBOARD_HEIGHT
+        else:  # beside the chat: its own CSS
+            for rule in ("dock", "width", "height"):
+                dashboard.styles.clear_rule(rule)
 
     # -- engine ------------------------------------------------------------------------------
     async def on_engine_link_events(self, message: EngineLink.Events) -> None:
@@ -241,9 +251,11 @@ class StrataApp(App[None]):
                 view.post_message(EngineLink.Events(others))
 
     def _show_model(self, ready: Ready) -> None:
-        """The header says what the model is; the empty chat says what to try."""
+        """The header says what the model is (and where, when it is remote: the first part,
+        kept when the header drops the rest to fit); the empty chat says what to try."""
+        remote = f"remote: {self.config.connect} · " if self.config.connect else ""
         self.sub_title = (
-            f"{ready.model_name} · {ready.n_layer} layers · {ready.n_expert} experts "
+            f"{remote}{ready.model_name} · {ready.n_layer} layers · {ready.n_expert} experts "
             f"({ready.n_expert_used} active) · vocab {ready.n_vocab:,}"
         )
         self._chat.welcome(ready.model_description)
@@ -712,11 +724,18 @@ class StrataApp(App[None]):
             self._keep(dashboard=self.show_dashboard)
 
     def action_flags(self) -> None:
-        """Show the flags panel and put the focus on its first switch."""
+        """Show the flags panel and put the focus on its first switch, in one press."""
         self.show_dashboard = True
-        panel = self.query_one(FlagsPanel)
-        panel.scroll_visible(top=True, animate=False)
+        self.call_after_refresh(self._to_flags, None, 3)
+
+    def _to_flags(self, laid_out: object, tries: int) -> None:
+        # a dashboard that was hidden settles in two layouts (its pictures measure their
+        # height at the new width): scroll again after each one that changed its height
+        dashboard, panel = self.query_one(Dashboard), self.query_one(FlagsPanel)
         panel.focus_first()
+        panel.scroll_visible(top=True, animate=False, immediate=True)
+        if tries > 1 and dashboard.virtual_size != laid_out:
+            self.call_after_refresh(self._to_flags, dashboard.virtual_size, tries - 1)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
@@ -786,6 +805,17 @@ class StrataApp(App[None]):
             return
         self.notify("Settings are back to their defaults; new conversations take them.",
                     title="Settings")
+
+    def deliver_screenshot(self, filename: str | None = None, path: str | None = None,
+                           time_format: str | None = None) -> str | None:
+        """The palette's Screenshot: into Downloads, else the data folder or the working
+        directory (`screenshot_dir`); saying so when Downloads was passed over."""
+        if path is None:
+            folder, why = screenshot_dir()
+            path = str(folder)
+            if why:
+                self.notify(f"{why}: the screenshot goes to {folder}", title="Screenshot")
+        return super().deliver_screenshot(filename, path, time_format)
 
     async def action_quit(self) -> None:
         if self.running:
