@@ -651,6 +651,7 @@ class StrataApp(App[None]):
         self.conv = self._new_conversation()
         await self.query_one(ChatLog).show(self.conv)
         self.query_one(Composer).measure()
+        self.query_one(Dashboard).conversation_changed("new conversation")
         self.notify("New conversation.", timeout=2)
 
     def action_open_conversation(self) -> None:
@@ -675,6 +676,7 @@ class StrataApp(App[None]):
         if message.conv_id == self.conv.id:  # the open one: a new conversation takes its place
             self.conv = self._new_conversation()
             await self._chat.show(self.conv)
+            self.query_one(Dashboard).conversation_changed("new conversation")
 
     def on_conversations_screen_renamed(self, message: ConversationsScreen.Renamed) -> None:
         assert self.store is not None
@@ -694,6 +696,8 @@ class StrataApp(App[None]):
             self._store_failed(exc)
             return
         if conv is not None:
+            if conv.id != self.conv.id:
+                self.query_one(Dashboard).conversation_changed("another conversation")
             self.conv = conv
             await self.query_one(ChatLog).show(conv)
             self.query_one(Composer).measure()
