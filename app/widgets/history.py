@@ -91,7 +91,10 @@ class SessionHistory:
     """The session's samples in time and its requests, both bounded rings."""
 
     def __init__(self, max_samples: int = MAX_SAMPLES, max_requests: int = MAX_REQUESTS,
-                 sample_s: float = SAMPLE_S, max_idle: int = MAX_IDLE) -> None:
+                 sample_s: float = SAMPLE_S, max_idle: int = MAX_IDLE,
+                 from_first_request: bool = False) -> None:
+        """`from_first_request`: memory is sampled from the first request on (the engine's
+        load is not activity, and a screen before any request draws the same every time)."""
         assert max_samples > 0 and max_requests > 0 and sample_s > 0 and max_idle >= 0
         self.sample_s, self.max_idle = sample_s, max_idle
         # a sample: {series: value}; None: an idle gap
@@ -104,11 +107,13 @@ class SessionHistory:
         self._interval: int | None = None  # index of the open interval (event time / sample_s)
         self._request_id = 0
         self.running = False
+        self.sampling = not from_first_request
 
     # -- feeding -----------------------------------------------------------------------------
     def apply(self, event: Event) -> bool:
         """Take `event` in; True when it changed what the plots show."""
-        ticked = self._tick(event.t)
+        self.sampling = self.sampling or isinstance(event, RequestStarted)
+        ticked = self._tick(event.t) if self.sampling else False
         if isinstance(event, LedgerChanged):
             self._set(memory_by_group(event))
         elif isinstance(event, CacheChanged):

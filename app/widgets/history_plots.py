@@ -77,7 +77,7 @@ class HistoryPlots(EventView):
 
     def __init__(self, history: SessionHistory | None = None, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.history = history or SessionHistory()
+        self.history = history or SessionHistory(from_first_request=True)
 
     def apply_event(self, event: Event) -> None:
         if self.history.apply(event):
