@@ -124,11 +124,11 @@ async def paste_loan(pilot: Pilot) -> None:
     await pilot.press("enter")
     await wait_until(pilot, lambda: app.link.loop is not None and not app.link.loop.busy
                      and len(app.conv.messages) >= 2)
-    app.post_message(_paste(sample_paste(400)))
+    app.post_message(_paste(sample_paste(300)))  # about 6,300 tokens: it fits --ctx 8,192
     await wait_until(pilot, lambda: bool(composer.pastes))
     await pilot.press("enter")
     await wait_until(pilot, lambda: _prefill_chunk(app) >= 3)
-    app.post_message(_paste(sample_paste(120)))
+    app.post_message(_paste(sample_paste(60)))  # the next message: its chip and forecast
     await wait_until(pilot, lambda: bool(composer.pastes))
     await pilot.pause(0.2)
 
