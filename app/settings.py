@@ -13,7 +13,6 @@ once. `STRATA_CONFIG_DIR` overrides the directory.
 from __future__ import annotations
 
 import os
-import time
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 from platformdirs import user_config_dir
 from textual.theme import BUILTIN_THEMES
 
-from engine.atomic_file import write_text_atomic
+from engine.atomic_file import aside_path, write_text_atomic
 from engine.bounded_input import InputFileError, read_capped
 from engine.config import REPEAT_MIN_CEILING, REPEAT_MIN_FLOOR, LoanFlags
 from engine.conversation import Sampling
@@ -295,11 +294,6 @@ def _flags(table: dict[str, Any], problems: list[str]) -> LoanFlags | None:
 
 def _move_aside(path: Path) -> Path:
     """Rename a settings file that cannot be used to `*.bad-<time>` beside it."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    bad = path.with_name(f"{path.name}.bad-{stamp}")
-    n = 1
-    while bad.exists():
-        n += 1
-        bad = path.with_name(f"{path.name}.bad-{stamp}-{n}")
+    bad = aside_path(path)
     os.replace(path, bad)
     return bad

@@ -47,6 +47,7 @@ from app.search import (
     search_terms,
     substring_snippet,
 )
+from engine.atomic_file import aside_path
 from engine.conversation import ROLES, Conversation, Message, Sampling, title_of
 from engine.errors import FlagError, StrataError
 from engine.sampler import SamplingParams
@@ -805,12 +806,7 @@ def _make_dir(directory: Path) -> None:
 
 def _move_aside(path: Path) -> Path:
     """Rename a file that is not a database of ours (and its companions) to `*.bad-<time>`."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    bad = path.with_name(f"{path.name}.bad-{stamp}")
-    n = 1
-    while bad.exists():
-        n += 1
-        bad = path.with_name(f"{path.name}.bad-{stamp}-{n}")
+    bad = aside_path(path)
     try:
         os.replace(path, bad)
         for suffix in _COMPANIONS:

@@ -1,10 +1,12 @@
 """Writing a small state file so a reader never sees half of it: a temporary file beside it,
-then one rename (the forecast's rates, the drafting policy)."""
+then one rename (the forecast's rates, the drafting policy); and the name a damaged file is
+moved aside to."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -20,3 +22,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def aside_path(path: Path) -> Path:
+    """A free name beside `path` for a file that cannot be used, moved aside rather than
+    deleted: `<name>.bad-<time>` (`-2`, `-3`, ... when taken)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    bad = path.with_name(f"{path.name}.bad-{stamp}")
+    n = 1
+    while bad.exists():
+        n += 1
+        bad = path.with_name(f"{path.name}.bad-{stamp}-{n}")
+    return bad
