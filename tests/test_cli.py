@@ -185,7 +185,8 @@ def test_messages_name_only_flags_that_exist() -> None:
     named = {}
     for path in [*root.glob("engine/**/*.py"), *root.glob("app/**/*.py")]:
         # the development tools (`python -m engine.graph_profile`) have parsers of their own
-        known.update(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', path.read_text()))
+        known.update(re.findall(r'add_argument\(\s*(?:"-\w",\s*)?"(--[a-z0-9-]+)"',
+                                path.read_text()))
         with path.open("rb") as f:
             for tok in tokenize.tokenize(f.readline):
                 if tok.type == tokenize.STRING:
