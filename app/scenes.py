@@ -14,7 +14,7 @@ from pathlib import Path
 from textual.pilot import Pilot
 
 from app.app import StrataApp
-from app.config import APP_DEFAULTS, ChatConfig
+from app.config import APP_DEFAULTS, APP_FLAGS, ChatConfig
 from app.store import Store
 from app.widgets.prompt_input import Composer, PromptInput
 from engine.config import EngineOptions, LoanFlags
@@ -160,9 +160,6 @@ def _prefill_chunk(app: StrataApp) -> int:
     return progress.chunk if progress is not None else 0
 
 
-LOAN_FLAGS = LoanFlags(elastic_loan=True, mtp_loan=True, head_loan=True,
-                       retain_startup_chunk=True, repeat_loan=True)
-
 def loan_ready(model: str) -> EngineOptions:
     """The app's own defaults (app.config.APP_DEFAULTS): loan-ready, MTP drafts checked by the
     verifier, their memory lent to the expert cache over plain spans."""
@@ -174,15 +171,12 @@ def drafting_always(model: str) -> EngineOptions:
     return loan_ready(model).with_changes(spec_always=True)
 
 
+# idle is the first screen a user sees with the app's defaults (loan-ready, every flag on);
+# refused-flag needs a plain set-up (no --serve/--vram-elastic) for the guards to refuse
 SCENES = {
-    "idle": Scene("idle", idle, lambda model: EngineOptions(model=model)),
-    "answer": Scene("answer", answer, drafting_always, LOAN_FLAGS),
-    "paste-loan": Scene(
-        "paste-loan",
-        paste_loan,
-        loan_ready,
-        LOAN_FLAGS,
-    ),
+    "idle": Scene("idle", idle, loan_ready, APP_FLAGS),
+    "answer": Scene("answer", answer, drafting_always, APP_FLAGS),
+    "paste-loan": Scene("paste-loan", paste_loan, loan_ready, APP_FLAGS),
     "refused-flag": Scene("refused-flag", refused_flag, lambda model: EngineOptions(model=model)),
 }
 
