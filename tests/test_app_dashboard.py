@@ -254,7 +254,7 @@ def test_history_plots_draw_a_row_per_series_and_name_the_requests() -> None:
     pp = next(line for line in lines if line.startswith("PP tok/s"))
     assert "▄▄▄██████" in pp and "2,000" in pp  # 1,000 then 2,000 twice, 3 cells a request
     # the caption names the requests; the line above their rows says how to read them
-    assert "per request · 3 columns a request, oldest left" in text
+    assert "per request, oldest left\n" in text
     assert "requests 1–3" not in text
 
 
@@ -263,7 +263,7 @@ def test_history_plots_say_which_requests_were_cancelled() -> None:
     events = three_requests()[:3] + request(1, 100.0, 2000, 2.0, 0, 0.0, cancelled=True)
     text = feed(plots, *events, size=(100, 30))
     assert plots.border_title == "History · request 1"
-    assert "per request · 3 columns a request, oldest left, 1 cancelled (yellow)" in text
+    assert "per request, oldest left, 1 cancelled (yellow)\n" in text
 
 
 # -- the app, on the real engine ---------------------------------------------------------------

@@ -133,10 +133,10 @@ class HistoryPlots(EventView):
             fmt = _count if group == LENT else _bytes
             self._row(text, group, values, width, fmt, GROUP_COLORS.get(group) or
                       region_color(group))
-        # a few requests: a few cells each, so three points read as three bars
-        k = max(1, min(REQUEST_CELLS, width // len(h.requests))) if h.requests else 0
-        text.append(f"per request · {self._requests_line(k)}", style="dim")
+        text.append(self._requests_line(), style="dim")
         if h.requests:
+            # a few requests: a few cells each, so three points read as three bars
+            k = max(1, min(REQUEST_CELLS, width // len(h.requests)))
             styles = [("red" if p.failed else "yellow" if p.cancelled else REQUEST_STYLE)
                       for p in h.requests for _ in range(k)]
             for label, field, fmt in REQUEST_ROWS:
@@ -146,16 +146,15 @@ class HistoryPlots(EventView):
                           newline=False)
         return text
 
-    def _requests_line(self, cells: int) -> str:
-        """How the per-request rows read (the caption names the requests they show): columns
-        a request, oldest left, and how many were cancelled or failed."""
+    def _requests_line(self) -> str:
+        """The line over the per-request rows: how they read (the caption names the requests
+        they show), oldest left, and how many were cancelled or failed."""
         h = self.history
         if not h.requests:
-            return "none finished yet"
-        columns = "1 column" if cells == 1 else f"{cells} columns"
+            return "per request · none finished yet"
         cancelled = sum(p.cancelled for p in h.requests)
         failed = sum(p.failed for p in h.requests)
-        return (f"{columns} a request, oldest left"
+        return ("per request, oldest left"
                 + (f", {cancelled} cancelled (yellow)" if cancelled else "")
                 + (f", {failed} failed (red)" if failed else ""))
 
