@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from engine.errors import ContextFullError
+from engine.errors import ContextFullError, TextTooLongError
 
 # what PastedText.marker writes: a number, and its line count with thousands separators
 MARKER = re.compile(r"\[paste #\d+: [\d,]+ lines?\]")
@@ -62,9 +62,11 @@ def tidy(text: str) -> str:
     return text if "\n" in text else text.lstrip()
 
 
-def too_long_line(exc: ContextFullError) -> str:
+def too_long_line(exc: ContextFullError | TextTooLongError) -> str:
     """The app's line for a message that cannot fit --ctx: the numbers, then what to do (the
     app's key for a new conversation named)."""
+    if isinstance(exc, TextTooLongError):  # too many bytes to be worth tokenizing
+        return f"cannot fit: {exc}"
     if exc.n_message is None:
         return str(exc)
     what = ("start a new conversation (ctrl+n), shorten the message" if exc.fits_alone

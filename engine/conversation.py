@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.errors import ContextFullError, FlagError, StrataError
+from engine.errors import ContextFullError, FlagError, TextTooLongError
 from engine.sampler import SamplingParams
 
 TITLE_CHARS = 60
@@ -20,7 +20,8 @@ MAX_TOKENS_CEILING = 2**31 - 1  # an answer's token cap, as every integer option
 
 def check_text_fits(texts: Iterable[str], ctx: int) -> None:
     """Refuse, in one line, text that cannot be a prompt of `ctx` tokens: more than
-    PROMPT_BYTES_PER_TOKEN bytes a token. Cheap: characters bound the bytes from below."""
+    PROMPT_BYTES_PER_TOKEN bytes a token (TextTooLongError). Cheap: characters bound the bytes
+    from below."""
     limit, n_bytes = PROMPT_BYTES_PER_TOKEN * ctx, 0
     for text in texts:
         n_bytes += len(text)  # >= 1 byte a character
@@ -28,7 +29,7 @@ def check_text_fits(texts: Iterable[str], ctx: int) -> None:
             break
         n_bytes += len(text.encode("utf-8", "surrogatepass")) - len(text)
     if n_bytes > limit:
-        raise StrataError(
+        raise TextTooLongError(
             f"the text is over {limit:,} bytes ({PROMPT_BYTES_PER_TOKEN} a token of --ctx "
             f"{ctx:,}), more than the context can hold; start a new conversation, shorten "
             "the message or raise --ctx")

@@ -48,6 +48,11 @@ class LedgerError(StrataError):
     """A reservation does not fit the device budget."""
 
 
+class TextTooLongError(StrataError):
+    """Text with more bytes than a prompt of --ctx tokens can hold, refused before the chat
+    template or the tokenizer sees it (`engine.conversation.check_text_fits`)."""
+
+
 class ContextFullError(StrataError):
     """A prompt that leaves no room in --ctx to answer, refused before anything is read.
     `n_message`: the new message's own tokens when known (the rest is the conversation and

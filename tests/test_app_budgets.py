@@ -13,7 +13,7 @@ import pytest
 from gates import Gate
 from rich.console import Console
 from test_app_flows import async_test, make_app
-from textual.events import Paste
+from textual.events import Key, Paste
 from textual.notifications import Notify
 from textual.widgets import Switch
 
@@ -58,6 +58,17 @@ def recorded(bus: EventBus) -> list[object]:
 
 def notes_of(notes: list[Notify]) -> list[str]:
     return [n.notification.message for n in notes if isinstance(n, Notify)]
+
+
+async def type_keys(pilot, keys: list[str], then: str) -> None:
+    """Key events sent to the app as a terminal sends a fast typist's keys, one after the
+    other with no wait between them (pilot.press waits for the app to idle after each, ~60 ms
+    a key here); returns once the input holds `then`."""
+    names = {" ": "space", "!": "exclamation_mark"}
+    for key in keys:
+        pilot.app.post_message(Key(names.get(key, key), key if len(key) == 1 else None))
+    prompt = pilot.app.query_one(PromptInput)
+    await wait_until(pilot, lambda: prompt.text == then)
 
 
 # -- the engine: the context rule, what a stopped prefill read, failed vs cancelled ---------
@@ -183,6 +194,76 @@ async def test_a_paste_that_cannot_fit_says_so_and_enter_refuses(tmp_path: Path)
         assert not app.running and app.conv.messages == []
         assert any(m.startswith("cannot fit: ") for m in notes_of(notes))
         assert composer.input.text == composer.pastes[0].marker  # kept to be shortened
+
+
+@async_test
+async def test_a_typed_message_that_cannot_fit_says_so_and_enter_refuses(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = make_app(tmp_path, ctx=256)
+    notes: list[Notify] = []
+    text = ("the quick brown fox jumps over the lazy dog " * 12).strip()  # ~320 tokens
+    short = text[:60].strip()
+    async with app.run_test(size=SIZE, message_hook=notes.append) as pilot:
+        await wait_ready(pilot)
+        composer = app.query_one(Composer)
+        line = composer.query_one("#too-long")
+        asked: list[str] = []
+        ask = composer.ask
+
+        def counted(message: str) -> object:  # the engine's own answer, counted
+            asked.append(message)
+            return ask(message)
+
+        composer.ask = counted
+        await type_keys(pilot, list(text), then=text)  # typed, key by key: no paste, no chip
+        await wait_until(pilot, lambda: line.display)
+        assert composer.pastes == () and not composer.query_one("#chips").display
+        assert len(asked) < len(text) // 20, len(asked)  # once typing pauses, not every key
+        with pytest.raises(ContextFullError) as engine_says:
+            app.link.loop.preview(app.conv, text)
+        e = engine_says.value
+        shown = str(line.render())
+        assert f"{e.n_message:,} tokens + {e.n_conversation:,} in the conversation = " \
+               f"{e.n_prompt:,} >= --ctx 256" in shown
+        assert "shorten the message or restart with a larger --ctx" in shown
+        assert composer.input.has_class("-too-long")
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        assert not app.running and app.conv.messages == []
+        assert any(m.startswith("cannot fit: ") for m in notes_of(notes))
+        assert composer.input.text == text  # kept, to be shortened
+        # shortened: the line goes once the engine says it fits; Enter sends it
+        await type_keys(pilot, ["backspace"] * (len(text) - len(short)), then=short)
+        await wait_until(pilot, lambda: not line.display)
+        assert not composer.input.has_class("-too-long")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(app.conv.messages) == 2 and not app.running)
+        assert app.conv.messages[0].content == short
+        # Enter right after an edit of a message that could not fit waits for the engine's
+        # answer about the edited text: too long still, refused; short enough, sent
+        monkeypatch.setattr("app.widgets.prompt_input.MEASURE_DELAY_S", 60.0)  # no pause ends
+        composer.input.load_text(text)
+        composer.input.move_cursor(composer.input.document.end)
+        composer.measure()
+        await wait_until(pilot, lambda: line.display)
+        n_notes = len(notes_of(notes))
+        await pilot.press("!", "enter")
+        await wait_until(pilot, lambda: len(notes_of(notes)) > n_notes)
+        assert notes_of(notes)[-1].startswith("cannot fit: ")
+        assert len(app.conv.messages) == 2 and composer.input.text == text + "!"
+        await type_keys(pilot, ["backspace"] * (len(text) + 1 - len(short)), then=short)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(app.conv.messages) == 4 and not app.running)
+        assert app.conv.messages[2].content == short and not line.display
+        # more bytes than --ctx could hold: refused before the tokenizer sees it, said the same
+        huge = "word " * 1000
+        composer.input.load_text(huge)
+        composer.measure()
+        await wait_until(pilot, lambda: line.display)
+        assert str(line.render()).startswith("cannot fit: the text is over 4,096 bytes")
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        assert len(app.conv.messages) == 4 and composer.input.text == huge
 
 
 @async_test

@@ -8,6 +8,12 @@ the loan it would take (or why not) and the forecast ("repeat loan: 5.0 s -> 3.9
 counting and the question run in a thread worker, never on the UI thread: a huge paste does
 not stop typing. Sending expands every marker into the full text.
 
+A message that cannot fit --ctx, pasted or typed, says so under the input before Enter (the
+engine's rule, asked the same way: `ServeLoop.preview`'s ContextFullError), with the numbers
+and what to do, and Enter refuses it. Typed text is asked about once typing pauses for
+MEASURE_DELAY_S, never on every key; Enter pressed before the answer about the text as it is
+now waits for that answer, then sends or refuses.
+
 Up on the first line and Down on the last walk the prompts sent before (`PromptHistory`); a
 message put back to be edited (`edit`) is sent again in its place, Esc stops editing.
 """
@@ -33,13 +39,13 @@ from app.chat_actions import EditTarget
 from app.draft import Draft
 from app.message_text import Location, stray_markers, tidy, too_long_line, whole_markers
 from app.prompt_history import PromptHistory
-from engine.errors import ContextFullError, StrataError
+from engine.errors import ContextFullError, StrataError, TextTooLongError
 from engine.forecast import LoanVerdict
 
 LONG_PASTE_LINES = 10
 LONG_PASTE_CHARS = 1000
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
-MEASURE_DELAY_S = 0.4  # typing beside a chip asks the engine again after this pause
+MEASURE_DELAY_S = 0.4  # typing asks the engine again after this pause
 
 
 def newlines(text: str) -> str:
@@ -245,6 +251,7 @@ class Composer(Vertical):
         self.history = PromptHistory()  # the app gives it the store's prompts
         self._before_edit: Draft | None = None  # the input before `edit`, back after it
         self._too_long: tuple[str, str] | None = None  # (message, why) when it cannot fit
+        self._send_when_measured = False  # Enter waits for the answer about the text as it is
         self._removed: dict[str, PastedText] = {}  # chips an edit took (by marker): ctrl+z
 
     def compose(self) -> ComposeResult:
@@ -279,18 +286,20 @@ class Composer(Vertical):
 
     # -- asking the engine (in a worker) ---------------------------------------------------
     def measure(self) -> None:
-        """Count the pastes' tokens and ask the engine what the message would get, in a thread
-        worker; the answer comes back as `Measured` (a newer measurement supersedes it)."""
+        """Count the pastes' tokens and ask the engine what the message would get (whether it
+        fits --ctx, typed or pasted), in a thread worker; the answer comes back as `Measured`
+        (a newer measurement supersedes it)."""
         if self._pending is not None:
             self._pending.stop()
             self._pending = None
         self._generation += 1
         generation, pastes = self._generation, self.pastes
-        if not pastes:
-            self.verdict, self._too_long = None, None
-            self._draw_chips()
-            return
         message = tidy(expand(self.input.text, pastes))
+        if not message:
+            self.verdict, self._too_long, self._error = None, None, ""
+            self._draw_chips()
+            self._answer_enter()
+            return
 
         def work() -> None:
             counts: dict[int, int | None] = {}
@@ -299,7 +308,7 @@ class Composer(Vertical):
                     counts[p.n] = (p.n_tokens if p.n_tokens is not None
                                    else self.count_tokens(p.text))
                 answer = self.Measured(generation, counts, self.ask(message), message=message)
-            except ContextFullError as e:  # said before Enter, with the numbers
+            except (ContextFullError, TextTooLongError) as e:  # said before Enter, with numbers
                 answer = self.Measured(generation, counts, None, message=message,
                                        too_long=too_long_line(e))
             except StrataError as e:  # e.g. the message would not fit the context
@@ -318,8 +327,15 @@ class Composer(Vertical):
             p if p.n_tokens is not None else replace(p, n_tokens=message.counts.get(p.n))
             for p in self.pastes
         )
-        self.verdict = message.verdict
+        self.verdict = message.verdict if self.pastes else None  # shown on the last chip
         self._draw_chips()  # the error alone changes no reactive
+        self._answer_enter()
+
+    def _answer_enter(self) -> None:
+        """Enter waited for this measurement: send now, or refuse (the line says why)."""
+        if self._send_when_measured:
+            self._send_when_measured = False
+            self._submit(self.input.text)
 
     def _measure_soon(self) -> None:
         if self._pending is not None:
@@ -350,29 +366,39 @@ class Composer(Vertical):
         for p in back:
             del self._removed[p.marker]
             self.notify(f"paste #{p.n} is back", timeout=2)
+        self._send_when_measured = False  # Enter was for the text before this edit
         if kept != self.pastes or back:
             self.pastes = tuple(sorted((*kept, *back), key=lambda p: p.n))
             self.measure()
-        elif self.pastes:
-            self._measure_soon()
+        elif self.pastes or text.strip() or self._too_long is not None:
+            self._measure_soon()  # typing: asked once it pauses, not on every key
 
     def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
         message.stop()
-        stray = stray_markers(message.text, {p.marker for p in self.pastes})
+        self._submit(message.text)
+
+    def _submit(self, text: str) -> None:
+        """Enter on `text`: post `Send`, or say why not."""
+        stray = stray_markers(text, {p.marker for p in self.pastes})
         if stray:  # sent as it is, it would be those characters in place of a paste
             self.notify(f"{stray[0]} names no paste any more: ctrl+z brings the paste back, "
                         "or delete the marker. Not sent.", severity="warning", timeout=8)
             return
-        prompt = tidy(expand(message.text, self.pastes))
+        prompt = tidy(expand(text, self.pastes))
         if not prompt:
-            if message.text:
+            if text:
                 self.notify("Nothing to send: the message is only spaces and blank lines.",
                             severity="warning", timeout=4)
             return
-        if self._too_long is not None and self._too_long[0] == prompt:
-            self.notify(self._too_long[1], title="Not sent", severity="error", timeout=10)
+        if self._too_long is not None:
+            if self._too_long[0] == prompt:
+                self.notify(self._too_long[1], title="Not sent", severity="error", timeout=10)
+                return
+            # it could not fit before the last edit: asked now, sent when the engine says it fits
+            self._send_when_measured = True
+            self.measure()
             return
-        draft = Draft(message.text, tuple((p.n, p.text) for p in self.pastes))
+        draft = Draft(text, tuple((p.n, p.text) for p in self.pastes))
         self.history.sent(prompt)
         self.post_message(self.Send(prompt, draft, self.editing))
 
