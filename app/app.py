@@ -227,9 +227,9 @@ class StrataApp(App[None]):
 
     # -- engine ------------------------------------------------------------------------------
     async def on_engine_link_events(self, message: EngineLink.Events) -> None:
-        await self._dispatch(message.events)
+        await self._dispatch(message.events, message.streaming)
 
-    async def _dispatch(self, events: tuple[Event, ...]) -> None:
+    async def _dispatch(self, events: tuple[Event, ...], streaming: bool = False) -> None:
         chat = self._chat
         if not events or not chat.is_attached:  # nothing new, or the app is shutting down
             return
@@ -248,7 +248,7 @@ class StrataApp(App[None]):
         others = tuple(e for e in events if not isinstance(e, Token))
         if others:  # while decoding a batch is all tokens: the dashboard has nothing to draw
             for view in self._views:
-                view.post_message(EngineLink.Events(others))
+                view.post_message(EngineLink.Events(others, streaming))
 
     def _show_model(self, ready: Ready) -> None:
         """The header says what the model is (and where, when it is remote: the first part,

@@ -12,7 +12,9 @@ first once the first token is a frame old, and the other events (the dashboard's
 ledger and cache snapshots, trace lines) at most every VIEWS_WHILE_STREAMING_S: a frame costs
 the UI thread milliseconds and a dashboard update, which reflows the whole screen, tens, time
 the engine thread waits for under the GIL; an answer decoded in less than a frame (a short one
-on a GPU) is drawn once, when it is done.
+on a GPU) is drawn once, when it is done. A frame goes only while the UI thread's CPU time since
+the answer's first token is within UI_BUDGET of the time since: however fast the engine, the
+UI thread takes at most that share from it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ from engine.serve import Reply, ServeLoop
 
 REFRESH_HZ = 10  # frames a second: each costs the UI thread 2-6 ms under the GIL at 120x40
 VIEWS_WHILE_STREAMING_S = 2.0  # nvitop redraws every 2 s by default
+# While an answer streams, the UI thread's CPU time since its first token stays under this share
+# of the time since (plus UI_BURST_S): past it, the next frame waits. A frame costs the same
+# whether the engine makes 60 tokens a second or 1,000, so on a fast GPU the text comes in
+# fewer, larger pieces, and the engine thread seldom waits for the GIL.
+UI_BUDGET = 0.03
+UI_BURST_S = 0.01
 # events that are whole snapshots: within one tick only the newest matters
 _SNAPSHOTS = (LedgerChanged, CacheChanged, PrefillProgress, GpuStats)
 
@@ -84,21 +92,25 @@ class Drain:
     """What goes out on each tick: every event, except while an answer streams (its first
     token to its RequestDone). Then the text goes in frames: the first once the first token
     is `frame_s` old (a frame's worth of text, and an answer that takes less than a frame to
-    decode draws once, when it is done), then every tick; the other events wait until
-    `views_s` passed since they last went, or the answer ends."""
+    decode draws once, when it is done), then every tick while the UI thread's CPU time since
+    the first token is within `budget` of the time since plus `burst_s`; the other events wait
+    until `views_s` passed since they last went, or the answer ends."""
 
     def __init__(self, frame_s: float = 1 / REFRESH_HZ,
-                 views_s: float = VIEWS_WHILE_STREAMING_S) -> None:
+                 views_s: float = VIEWS_WHILE_STREAMING_S,
+                 budget: float = UI_BUDGET, burst_s: float = UI_BURST_S) -> None:
         self.frame_s, self.views_s = frame_s, views_s
+        self.budget, self.burst_s = budget, burst_s
+        self._began = (0.0, 0.0)  # (time, UI thread CPU time) at the first tick with text
         self.streaming = False
         self._text: list[Event] = []  # the first frame's text, until it is a frame old
         self._text_at = 0.0  # when it is
         self._held: list[Event] = []  # events other than text, held while streaming
         self._views_at = 0.0  # when held events last went out
 
-    def tick(self, batch: list[Event], now: float) -> tuple[Event, ...]:
+    def tick(self, batch: list[Event], now: float, cpu: float | None = None) -> tuple[Event, ...]:
         """This tick's events, coalesced: of `batch` (what came since the last tick) and
-        those held."""
+        those held. `cpu`: the UI thread's CPU time now (None: no budget)."""
         if not self.streaming:
             first = next((e for e in batch if isinstance(e, Token)), None)
             if first is None:
@@ -106,17 +118,22 @@ class Drain:
             # what came with the first text waits too (a loan's snapshots, its trace lines)
             self.streaming, self._views_at = True, now
             self._text_at = first.t + self.frame_s
+            self._began = (now, cpu or 0.0)
         self._text += (e for e in batch if isinstance(e, Token))
         rest = [e for e in batch if not isinstance(e, Token)]
         self._held += rest
         if any(isinstance(e, RequestDone) for e in rest):
             return self._out([], now)
-        if now < self._text_at:
+        if now < self._text_at or (cpu is not None and self._over_budget(now, cpu)):
             return ()
         text, self._text = self._text, []
         if now - self._views_at >= self.views_s:
             return self._out(text, now)
         return coalesce(text)
+
+    def _over_budget(self, now: float, cpu: float) -> bool:
+        began_at, began_cpu = self._began
+        return cpu - began_cpu > self.budget * (now - began_at) + self.burst_s
 
     def take(self, batch: list[Event]) -> tuple[Event, ...]:
         """Everything held and `batch`, coalesced; the answer (if one streamed) is over."""
@@ -154,9 +171,11 @@ class EngineLink:
 
     @dataclass
     class Events(Message, bubble=False):
-        """A coalesced batch of engine events (one per refresh tick)."""
+        """A coalesced batch of engine events (one per refresh tick); `streaming`: an answer
+        streams on after it (the views hold their height until it ends)."""
 
         events: tuple[Event, ...]
+        streaming: bool = False
 
     @dataclass
     class Loaded(Message):
@@ -199,9 +218,9 @@ class EngineLink:
     def drain(self) -> None:
         """Post this tick's events (no-op when there are none): the text of a streaming
         answer every tick, the other events while it streams only now and then."""
-        batch = self._drain.tick(self._popped(), time.monotonic())
+        batch = self._drain.tick(self._popped(), time.monotonic(), time.thread_time())
         if batch:
-            self.app.post_message(self.Events(batch))
+            self.app.post_message(self.Events(batch, self._drain.streaming))
 
     def _popped(self) -> list[Event]:
         queue, batch = self._queue, []

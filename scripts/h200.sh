@@ -58,6 +58,10 @@
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
+#   adec      the app's decode speed against `strata run` (docs/app-decode.md): demo 256 (RUNS_ADEC,
+#             default 3), random-demo 256 and 1,024 (5 runs)                 -> $OUT/adec.md
+#   adec48    the same on the 48-layer file (after m48) at --vram-limit 8GiB, 256 tokens, RUNS_ADEC
+#             runs                                                    -> $OUT/adec48.md
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
@@ -165,6 +169,15 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
     katt) python3 -m engine.kernels.bench --only attention 2>&1 | tee "$OUT/katt.md" ;;
     kmoe) python3 -m engine.kernels.bench --only moe 2>&1 | tee "$OUT/kmoe.md" ;;
     m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;
+    adec) for spec in "--model demo --max-new 256 --runs ${RUNS_ADEC:-3}" \
+                "--model random-demo --max-new 256 --runs 5" \
+                "--model random-demo --max-new 1024 --runs 5"; do
+            echo "\`python -m app.bench_decode $spec --device cuda\`" >> "$OUT/adec.md"
+            python3 -m app.bench_decode $spec --device cuda 2>>"$OUT/adec.log" | tee -a "$OUT/adec.md"
+            echo >> "$OUT/adec.md"
+          done ;;
+    adec48) python3 -m app.bench_decode --model models/q48.gguf --vram-limit 8GiB --max-new 256 \
+              --runs "${RUNS_ADEC:-3}" --device cuda 2>"$OUT/adec48.log" | tee "$OUT/adec48.md" ;;
     m48) [ -f models/q48.gguf ] || strata make-model models/q48.gguf --preset qwen3-30b-a3b ;;
     mix) [ -f models/q48km.gguf ] || strata make-model models/q48km.gguf --preset qwen3-30b-a3b \
            --mix q4_k_m 2>"$OUT/make-model.log" || { tail -c 600 "$OUT/make-model.log"; exit 1; }

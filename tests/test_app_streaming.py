@@ -118,6 +118,30 @@ def test_an_answer_decoded_within_a_frame_is_drawn_once_when_it_is_done() -> Non
     assert out[1].text == "".join(t.text for t in tokens)  # type: ignore[union-attr]
 
 
+def test_the_drain_holds_frames_while_the_ui_thread_is_over_its_budget() -> None:
+    """Each frame costs the UI thread CPU time the engine thread waits for under the GIL: past
+    `budget` of the time since the answer began (plus `burst_s`), the text waits for a later
+    tick; the answer's end takes it all the same."""
+    drain = Drain(frame_s=0.1, views_s=2.0, budget=0.05, burst_s=0.01)
+    assert drain.tick([Token("a", t=0.0)], now=0.0, cpu=10.0) == ()
+    out = drain.tick([Token("b", t=0.1)], now=0.1, cpu=10.0)  # idle so far: the frame goes
+    assert [e.text for e in out] == ["ab"]  # type: ignore[union-attr]
+    # that frame (and a layout) cost 40 ms: over 5% of 0.2 s + 10 ms, the text waits
+    assert drain.tick([Token("c", t=0.2)], now=0.2, cpu=10.04) == ()
+    assert drain.tick([Token("d", t=0.3)], now=0.3, cpu=10.04) == ()
+    # 0.6 s in, 5% of it is 30 ms + 10 ms: within the budget again, what waited goes
+    out = drain.tick([Token("e", t=0.6)], now=0.6, cpu=10.04)
+    assert [e.text for e in out] == ["cde"]  # type: ignore[union-attr]
+    assert drain.tick([Token("f", t=0.7)], now=0.7, cpu=10.2) == ()
+    done = RequestDone(generated=6)
+    out = drain.tick([done], now=0.8, cpu=10.2)
+    assert done in out and any(isinstance(e, Token) and e.text == "f" for e in out)
+    assert not drain.streaming
+    # the next answer's budget counts from its own first token
+    assert drain.tick([Token("g", t=5.0)], now=5.0, cpu=10.2) == ()
+    assert drain.tick([Token("h", t=5.1)], now=5.1, cpu=10.2) != ()
+
+
 def test_a_finished_request_takes_everything_the_drain_held() -> None:
     drain = Drain(views_s=VIEWS_WHILE_STREAMING_S)
     a = Token("a", t=0.0)

@@ -18,6 +18,8 @@ from textual.widgets import Markdown, ProgressBar
 from app.engine_link import EngineLink, coalesce
 from app.widgets.answer_stream import (
     LAYOUT_INTERVAL_S,
+    SCROLL_INTERVAL_S,
+    SCROLL_STALL_S,
     AnswerStream,
     StreamTail,
     open_block_start,
@@ -487,3 +489,107 @@ def test_a_dashboard_picture_lays_out_only_when_its_height_changes() -> None:
     counts = asyncio.run(run())
     assert counts[0] >= 1, "the first snapshot gives the bar its height"
     assert counts[-1] == counts[0], f"layouts after each snapshot: {counts}"
+
+
+def test_event_log_lines_lay_the_screen_out_only_when_its_scrollbar_appears() -> None:
+    """A layout reflows the whole screen; a line written to the log changes only its scrollbar,
+    so the log asks for one when the scrollbar first shows, and then repaints."""
+    log = EventLog()
+
+    async def run() -> tuple[list[int], bool, float, float]:
+        app = Host(log)
+        async with app.run_test(size=(60, 12)) as pilot:
+            await pilot.pause()
+            layouts: list[object] = []
+            app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+            counts = []
+            for i in range(30):
+                log.post_message(EngineLink.Events((TraceLine(f"strata lend: line {i}"),)))
+                await pilot.pause()
+                await pilot.pause()
+                counts.append(len(layouts))
+            bar = log.vertical_scrollbar
+            return counts, log.show_vertical_scrollbar, log.scroll_y, bar.window_virtual_size
+
+    counts, shown, scroll_y, virtual = asyncio.run(run())
+    assert shown, "30 lines overflow a 12-line screen"
+    assert counts[-1] == counts[0] + 1 or counts[-1] <= 2, f"layouts after each line: {counts}"
+    assert counts[-1] <= 3, f"layouts after each line: {counts}"
+    assert virtual == 30, "the scrollbar knows the new height"
+    assert scroll_y > 0, "the log follows its newest line"
+
+
+def test_a_dashboard_picture_keeps_its_height_while_an_answer_streams() -> None:
+    """The legend of the VRAM bar loses a row when a region goes (the MTP experts lent during a
+    decode); while an answer streams the picture keeps its height (no layout) and gives the
+    lines back when the answer ends."""
+    bar = VramBar()
+    full = ledger()
+    extra = (RegionInfo("head.native", 4 * MIB, 2, 4 * MIB),
+             RegionInfo("verifier", 2 * MIB, 1, 2 * MIB),
+             RegionInfo("mtp.experts", 3 * MIB, 2, 3 * MIB))
+    tall = LedgerChanged(full.capacity_bytes, full.segment_bytes, full.regions + extra,
+                         full.free_bytes, full.segment_map)
+
+    async def run() -> list[tuple[int, int]]:
+        app = Host(bar)
+        async with app.run_test(size=(40, 20)) as pilot:
+            seen = []
+            for snapshot, streaming in ((tall, False), (tall, True), (full, True),
+                                        (tall, True), (full, True), (full, False)):
+                layouts: list[object] = []
+                app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+                bar.post_message(EngineLink.Events((snapshot,), streaming))
+                await pilot.pause()
+                await pilot.pause()
+                seen.append((bar.size.height, len(layouts)))
+            return seen
+
+    seen = asyncio.run(run())
+    tall_h = seen[0][0]
+    assert [h for h, _ in seen[1:5]] == [tall_h] * 4, seen
+    assert [n for _, n in seen[1:5]] == [0] * 4, f"layouts while streaming: {seen}"
+    assert seen[5][0] < tall_h and seen[5][1] >= 1, "the answer ended: the legend shrinks"
+
+
+def test_an_answer_that_outgrows_the_view_scrolls_its_top_away_in_one_layout() -> None:
+    """Past the view kept below the prompt, one layout takes a view more, so the answer's top
+    leaves the view and the tail follows its last lines (scrolling itself, no layout), not a
+    layout every LAYOUT_INTERVAL_S until the prompt above has scrolled away."""
+
+    async def run() -> tuple[bool, int, bool, str]:
+        app = Host(ChatLog())
+        async with app.run_test(size=(60, 16)) as pilot:
+            chat = app.query_one(ChatLog)
+            await chat.begin_exchange("hello")
+            await pilot.pause()
+            await pilot.pause()
+            tail = chat.query_one(StreamTail)
+            i = 0
+
+            async def line() -> None:
+                nonlocal i
+                await chat.append(f" line{i:02d} " + "word " * 9)
+                i += 1
+                await pilot.pause()
+
+            while tail.n_lines <= tail.size.height:  # fill the view kept for the answer
+                await line()
+            await pilot.pause(LAYOUT_INTERVAL_S)  # the layout that takes the lines is due
+            await line()  # it comes with this one
+            await pilot.pause()
+            top_hidden = app.screen.find_widget(tail).region.y < chat.region.y
+            layouts: list[object] = []
+            app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+            for _ in range(20):  # more lines than the view: the tail follows them
+                await line()
+            await pilot.pause(SCROLL_INTERVAL_S + SCROLL_STALL_S)  # it scrolls on a timer
+            last = f"line{i - 1:02d}"
+            bottom = [tail.render_line(y).text for y in range(tail.size.height)]
+            shown = any(last in text for text in bottom)
+            return top_hidden, len(layouts), shown, "\n".join(bottom[-3:])
+
+    top_hidden, n_layouts, shown, bottom = asyncio.run(run())
+    assert top_hidden, "one layout scrolled the answer's top out of view"
+    assert n_layouts == 0, f"{n_layouts} layouts while the tail followed 20 lines"
+    assert shown, f"the last line is drawn at the bottom:\n{bottom}"

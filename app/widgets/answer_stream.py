@@ -20,6 +20,7 @@ from markdown_it import MarkdownIt
 from rich.cells import cell_len, chop_cells
 from rich.segment import Segment
 from rich.style import Style
+from textual.containers import ScrollableContainer
 from textual.errors import NoWidget
 from textual.geometry import Region, Size
 from textual.strip import Strip
@@ -31,7 +32,7 @@ TAB = "    "
 LAYOUT_INTERVAL_S = 0.25  # at most four layouts a second while new lines show
 # ... and one in this long while the chat follows the answer, or its end is out of view: the
 # layout changes nothing seen but the scroll bar, and reflows the whole screen (tens of ms)
-UNSEEN_INTERVAL_S = 5.0
+UNSEEN_INTERVAL_S = 10.0
 SCROLL_INTERVAL_S = 0.2  # while following, lines scroll up at most five times a second
 SCROLL_STALL_S = 0.25  # ... on the next append; past this with none, on a timer
 
@@ -195,6 +196,12 @@ class StreamTail(Widget):
         unseen = self._follow or self._unseen
         layout_at = self._laid_out_at + (UNSEEN_INTERVAL_S if unseen else LAYOUT_INTERVAL_S)
         if now >= layout_at:
+            if not unseen:
+                # The text outgrew the view below the prompt: take a view and a line, so this
+                # one layout scrolls the answer's top out of view (the chat follows its end)
+                # and from then on the tail follows, scrolling its own lines, instead of a
+                # layout every LAYOUT_INTERVAL_S until the prompt above has scrolled away.
+                self._reserve = max(self._reserve, self._view_height() + 1)
             self._layout()
             return
         due = layout_at
@@ -232,6 +239,13 @@ class StreamTail(Widget):
         self._laid_out_at = time.monotonic()
         self._height = self._scrolled_to = self.n_lines
         self.refresh(layout=True)
+
+    def _view_height(self) -> int:
+        """The height of the view this widget scrolls in (0 outside a scrolling container)."""
+        for node in self.ancestors:
+            if isinstance(node, ScrollableContainer):
+                return node.scrollable_content_region.height
+        return 0
 
     def _in_view(self) -> tuple[bool, bool]:
         """Whether the top is scrolled out of view; whether the bottom is in view."""

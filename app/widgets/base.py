@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from textual.geometry import Size
 from textual.widget import Widget
 
 from app.engine_link import EngineLink
@@ -15,6 +16,11 @@ class EventView(Widget):
 
     Subclasses implement `apply_event`, setting reactives; their `watch_`/`render` draw. The
     reactives only repaint: after a batch the view asks for a layout if its height changed.
+    While an answer streams a view does not get shorter (it keeps the blank lines it had until
+    the answer ends), so a picture that goes back and forth between two heights (the slot map
+    while the MTP experts are lent and restored during a decode) lays the screen out once, not
+    on every change: a layout reflows the whole screen, chat included, time the engine thread
+    waits for under the GIL.
     """
 
     TITLE: ClassVar[str] = ""
@@ -32,6 +38,7 @@ class EventView(Widget):
     """
 
     _fitted = (0, 0)  # (width, content height) when the last layout was asked for
+    _held = (0, 0)  # while an answer streams: (width, the most lines drawn at that width)
 
     def on_mount(self) -> None:
         self.border_title = self.TITLE
@@ -49,7 +56,19 @@ class EventView(Widget):
     def on_engine_link_events(self, message: EngineLink.Events) -> None:
         for event in message.events:
             self.apply_event(event)
+        if not message.streaming:
+            self._held = (0, 0)
+        elif not self._held[0]:
+            self._held = self._fitted
         self._fit()
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        """The picture's height; while an answer streams, the most it had at this width."""
+        height = super().get_content_height(container, viewport, width)
+        if self._held[0] == width:
+            height = max(height, self._held[1])
+            self._held = (width, height)
+        return height
 
     def _fit(self) -> None:
         # A layout reflows the whole screen (chat included); the reactives only repaint, so

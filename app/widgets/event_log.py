@@ -6,6 +6,8 @@ from collections import deque
 
 from rich.text import Text
 from textual import events
+from textual.geometry import Size
+from textual.reactive import Reactive
 from textual.widgets import RichLog
 
 from app.engine_link import EngineLink
@@ -70,6 +72,16 @@ class EventLog(RichLog):
         scrollbar-gutter: stable;
     }
     """
+
+    # A line written grows the virtual height, and Textual's reactive asks for a layout for it:
+    # a reflow of the whole screen, tens of ms the engine thread waits for under the GIL while
+    # it decodes. The log's box does not change with its lines: only its scrollbar needs the
+    # new height, and a layout is due only when the scrollbar appears (`show_vertical_scrollbar`
+    # asks for one itself).
+    virtual_size = Reactive(Size(0, 0), layout=False)
+
+    def watch_virtual_size(self, size: Size) -> None:
+        self._scroll_update(size)
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(max_lines=MAX_LINES, min_width=1, wrap=True, markup=False, **kwargs)  # type: ignore[arg-type]
