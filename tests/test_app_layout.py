@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from test_app_flows import async_test, make_app, send
 from test_app_store import store_all
+from test_app_widgets import feed
 from textual.widgets._footer import FooterKey
 from textual.widgets._header import HeaderTitle
 
@@ -32,6 +34,7 @@ from app.widgets.prompt_input import PromptInput
 from app.widgets.toggle import OFF, ON, Toggle
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation, Message
+from engine.events import RequestDone
 
 SMALL, LARGE = (80, 24), (160, 48)
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +78,19 @@ async def test_below_100_columns_a_strip_stands_for_the_dashboard(tmp_path: Path
         await wait_ready(pilot)
         assert not pilot.app.query_one(CompactStrip).display
         assert on_screen(pilot.app, pilot.app.query_one(Dashboard))
+
+
+def test_the_strip_says_how_much_a_stopped_prefill_read() -> None:
+    """At 80x24 the strip is the timing panel: a request cancelled (or failed) in its
+    prefill says how much of its prompt it read; one cancelled while answering read it all."""
+    stopped = RequestDone(2139, 0, 2139, 0.25, 0, 0.0, 0.0, cancelled=True, decoded=False,
+                          read_tokens=768)
+    second = feed(CompactStrip(), stopped, size=(80, 4)).splitlines()[1]
+    assert second == "last request PP 3,072.0 tok/s · TG – · cancelled: 768 of 2,139 read"
+    failed = replace(stopped, cancelled=False, error="out of memory")
+    assert feed(CompactStrip(), failed, size=(80, 4)).endswith("· failed: 768 of 2,139 read")
+    answering = replace(stopped, read_tokens=None, generated=5, decode_s=0.1, decoded=True)
+    assert feed(CompactStrip(), answering, size=(80, 4)).endswith("· TG 50.0 tok/s · cancelled")
 
 
 @pytest.mark.parametrize("size", [SMALL, LARGE])

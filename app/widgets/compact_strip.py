@@ -24,7 +24,8 @@ BAR_CELLS = 16  # the VRAM bar: wide enough to show the loan's regions grow and 
 
 class CompactStrip(EventView):
     """Line 1: a VRAM bar with held / limit, the expert cache's lent slots, the prompt plan.
-    Line 2: the running request's prefill progress, else the last request's PP and TG."""
+    Line 2: the running request's prefill progress, else the last request's PP and TG (and,
+    when it was cancelled or failed in the prefill, how much of the prompt it read)."""
 
     DEFAULT_CSS = """
     CompactStrip {
@@ -108,8 +109,10 @@ class CompactStrip(EventView):
             ("PP ", "bold"), rate(done.n_read, done.prefill_s * 1e3),
             " · ", ("TG ", "bold"), tg,
         )
-        if done.failed:
-            text.append(" · failed", style="red")
-        elif done.cancelled:
-            text.append(" · cancelled", style="yellow")
+        word = "failed" if done.failed else "cancelled" if done.cancelled else ""
+        if word:
+            # a stopped prefill: how much of the prompt it read (the PP above is of those)
+            read = (f": {done.n_read:,} of {done.fresh_tokens:,} read"
+                    if done.read_tokens is not None else "")
+            text.append(f" · {word}{read}", style="red" if done.failed else "yellow")
         return text
