@@ -259,6 +259,8 @@ class StrataApp(App[None]):
             f"({ready.n_expert_used} active) · vocab {ready.n_vocab:,}"
         )
         self._chat.welcome(ready.model_description)
+        # the empty input keeps saying what to try after the welcome has scrolled away
+        self.query_one(Composer).input.show_hint(ready.model_description)
 
     def on_engine_link_loaded(self, message: EngineLink.Loaded) -> None:
         loop = message.loop

@@ -657,3 +657,9 @@ async def test_the_header_and_the_empty_chat_say_what_the_model_is(tmp_path: Pat
         assert "dictionary to chat with" in welcome and "What is a cat?" in welcome
         await send(pilot, "What is a cat?")
         assert "feline" in app.conv.messages[1].content
+        # the welcome is gone with the first message; the empty input still says what works
+        prompt = app.query_one(PromptInput)
+        assert not app.query_one("#chat-empty").display and prompt.text == ""
+        assert prompt.placeholder.startswith("Try: house") and "What is a cat?" in prompt.placeholder
+        shown = "\n".join(prompt.render_line(y).text for y in range(prompt.size.height))
+        assert "Try: house" in shown

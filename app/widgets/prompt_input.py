@@ -129,6 +129,12 @@ class PromptInput(TextArea):
 
         older: bool
 
+    def show_hint(self, description: str) -> None:
+        """Show the model's own suggestion of what to try (the 'Try: ...' part of its
+        description) while the input is empty; nothing when it has none."""
+        at = description.find("Try:")
+        self.placeholder = description[at:].strip() if at >= 0 else ""
+
     def action_cursor_up(self, select: bool = False) -> None:
         first = self.navigator.is_first_wrapped_line(self.cursor_location)
         super().action_cursor_up(select)
