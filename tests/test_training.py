@@ -125,16 +125,16 @@ def test_ids_mask_the_reply_and_its_end_only() -> None:
 
     tok = tokenizer_of(train_vocab(_texts(), 600))
     pair = corpus.Pair("What does 'river' mean?", "river (noun): a stream", "river", "define")
-    enc = data.encode(tok, [pair, pair])
+    enc = data.encode(tok, [(pair,), (pair,)])  # two conversations of one exchange
     prompt, reply = data.render(pair)
     n_prompt, n_reply = len(tok.encode(prompt)), len(tok.encode(reply))
-    assert enc.n_pairs == 2 and len(enc.ids) == 2 * (n_prompt + n_reply)
+    assert enc.n_conversations == 2 and len(enc.ids) == 2 * (n_prompt + n_reply)
     one = enc.mask[: n_prompt + n_reply]
     assert not one[:n_prompt].any() and one[n_prompt : n_prompt + n_reply - 1].all()
     assert not one[-1]  # the '\n' after <|im_end|> is context, not a target
     assert tok.decode(enc.ids[n_prompt : n_prompt + n_reply - 1].tolist()).endswith("<|im_end|>")
-    ids, mask = data.epoch(enc, 8, np.random.default_rng(0))
-    assert ids.shape == mask.shape == (len(enc.ids) // 8, 8)
+    ids, mask = data.epoch(enc, n_prompt + n_reply, np.random.default_rng(0), pad_id=0)
+    assert ids.shape == mask.shape == (2, n_prompt + n_reply)  # a row a conversation
 
 
 def test_the_pytorch_model_computes_what_the_engine_computes(tmp_path: Path) -> None:

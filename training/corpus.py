@@ -23,6 +23,8 @@ HOLDOUT_PER_MILLE = 58  # of the rare lemmas: about 5% of all lemmas
 # Definitions are what a user asks most: each is phrased twice an epoch, four times for the
 # lemmas that occur in WordNet's sense-tagged text (~21k everyday words: dog, house, hello).
 DEFINE_COPIES, COMMON_DEFINE_COPIES = 2, 4
+MAX_SYNONYMS = 6
+KINDS = ("define", "kind", "synonym", "antonym", "example")  # the dictionary pairs
 
 DEFINE = (
     "What does '{w}' mean?", "What does {w} mean?", "what does {w} mean", "Define {w}.",
@@ -63,6 +65,17 @@ def sense_line(lemma: str, s: Synset, with_example: bool = True) -> str:
     return line
 
 
+def distinct(words: list[str], asked: str) -> list[str]:
+    """`words` in order without repeats (ignoring case) and without the asked word itself:
+    a synonym or kind list never repeats a word and never names the word asked about."""
+    seen, out = {asked.lower()}, []
+    for w in words:
+        if w.lower() not in seen:
+            seen.add(w.lower())
+            out.append(w)
+    return out
+
+
 def _article(word: str) -> str:
     return "an" if word[:1].lower() in "aeiou" else "a"
 
@@ -87,15 +100,16 @@ def pairs_for(wn: WordNet, lemma: str, rng: random.Random) -> Iterator[Pair]:
         while s.hypernyms and len(chain) < 2:
             s = wn.synsets[("n", s.hypernyms[0])]
             chain.append(s.lemmas[0])
-        kinds = chain[0] + (f", itself a kind of {chain[1]}" if len(chain) > 1 else "")
-        reply = f"{_article(lemma).capitalize()} {lemma} is a kind of {kinds}."
-        yield Pair(_ask(KIND, lemma, rng), reply, lemma, "kind")
-    words = [w for w in first.lemmas if w.lower() != lemma.lower()]
-    words += [wn.synsets[("a", o)].lemmas[0] for o in first.similar]
-    words = list(dict.fromkeys(words))[:6]
-    if words:
-        listed = ", ".join(words)
-        yield Pair(_ask(SYNONYM, lemma, rng), f"Words like '{lemma}': {listed}.", lemma, "synonym")
+        chain = distinct(chain, lemma)
+        if chain:
+            kinds = chain[0] + (f", itself a kind of {chain[1]}" if len(chain) > 1 else "")
+            reply = f"{_article(lemma).capitalize()} {lemma} is a kind of {kinds}."
+            yield Pair(_ask(KIND, lemma, rng), reply, lemma, "kind")
+    words = distinct(first.lemmas + [wn.synsets[("a", o)].lemmas[0] for o in first.similar],
+                     lemma)[:MAX_SYNONYMS]
+    reply = (f"Words like '{lemma}': {', '.join(words)}." if words else
+             f"WordNet gives no other word for '{lemma}'.")
+    yield Pair(_ask(SYNONYM, lemma, rng), reply, lemma, "synonym")
     if first.antonyms:
         off, idx = first.antonyms[0]
         target = wn.synsets[(first.key[0], off)]

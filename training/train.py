@@ -1,6 +1,6 @@
 """Training the demo model on the GPU, then exporting it through the engine's GGUF writer.
 
-`build` is the whole recipe: WordNet -> pairs -> tokenizer -> ids -> AdamW on the main
+`build` is the whole recipe: WordNet -> conversations (`data.prepare`) -> tokenizer -> ids -> AdamW on the main
 next-token loss plus the MTP next-next-token loss (DeepSeek-V3's objective, weight
 `MTP_WEIGHT`) plus a load-balancing loss over every MoE layer -> GGUF with the spec's quant
 types. The same seed and step count give the same model (up to GPU summation order).
@@ -22,9 +22,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
 from engine.synth.model import PRESETS, SynthSpec, synth_tensors, write_gguf
-from training import corpus, data, wordnet
+from training import data, wordnet
 from training.model import DemoModel
-from training.tokenizer import tokenizer_of, train_vocab
 
 SPEC: SynthSpec = replace(PRESETS["random-demo"], seed=0)
 TITLE = "strata demo: a 4-layer MoE trained on WordNet (a dictionary to chat with)"
@@ -45,8 +44,8 @@ class Recipe:
     seed: int = 0
     steps: int = 0  # 0: as many as fit `minutes` (measured on the first steps, then fixed)
     minutes: float = 6.0
-    batch: int = 64
-    seq_tokens: int = 1024
+    batch: int = 16  # 16 x 4,096 tokens: a conversation with a long paste fits one row
+    seq_tokens: int = 4096
     lr: float = 3e-3
     lr_min: float = 3e-4
     warmup: int = 200
@@ -75,13 +74,12 @@ def build(
     torch.manual_seed(r.seed)
     rng = np.random.default_rng(r.seed)
     wn = wordnet.load(wordnet_path)
-    phrasings = [corpus.pairs(wn, "train", r.seed + k) for k in range(N_PHRASINGS)]
-    vocab = train_vocab((t for p in phrasings[0] for t in (p.user, p.reply)), SPEC.n_vocab)
-    tok = tokenizer_of(vocab)
-    encoded = [data.encode(tok, pairs) for pairs in phrasings]
+    prepared = data.prepare(wn, r.seed, N_PHRASINGS, SPEC.n_vocab)
+    vocab, encoded, stats = prepared.vocab, prepared.encoded, prepared.stats
+    pad_id = vocab.tokens.index("<|endoftext|>")
     t_data = time.perf_counter() - t0
-    print(f"data: {len(phrasings[0])} pairs, {len(encoded[0].ids)} tokens a phrasing, "
-          f"{t_data:.0f} s", flush=True)
+    print(f"data: {stats['conversations']} conversations, {stats['exchanges']} exchanges, "
+          f"{len(encoded[0].ids)} tokens a phrasing, {t_data:.0f} s", flush=True)
 
     dev = torch.device(r.device)
     model = DemoModel(SPEC).to(dev)
@@ -98,7 +96,7 @@ def build(
     t_train = t_pace = time.perf_counter()
     while steps == 0 or step < steps:
         if ids_ep is None or cursor + r.batch > len(ids_ep):
-            ids_np, mask_np = data.epoch(encoded[epoch_no % N_PHRASINGS], r.seq_tokens, rng)
+            ids_np, mask_np = data.epoch(encoded[epoch_no % N_PHRASINGS], r.seq_tokens, rng, pad_id)
             ids_ep, mask_ep = torch.from_numpy(ids_np).to(dev), torch.from_numpy(mask_np).to(dev)
             cursor, epoch_no = 0, epoch_no + 1
         ids = ids_ep[cursor : cursor + r.batch]  # [B, T]
@@ -146,7 +144,7 @@ def build(
         write_gguf(path, spec, vocab, synth_tensors(spec), _encoded(tensors, spec), TITLE,
                    description=DESCRIPTION)
     record = {
-        "recipe": r.__dict__ | {"steps": steps}, "pairs": len(phrasings[0]),
+        "recipe": r.__dict__ | {"steps": steps}, "corpus": stats,
         "tokens_per_phrasing": len(encoded[0].ids), "epochs": epoch_no,
         "data_seconds": round(t_data, 1), "train_seconds": round(train_s, 1),
         "gguf_bytes": out.stat().st_size,
