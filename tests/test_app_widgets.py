@@ -593,3 +593,27 @@ def test_an_answer_that_outgrows_the_view_scrolls_its_top_away_in_one_layout() -
     assert top_hidden, "one layout scrolled the answer's top out of view"
     assert n_layouts == 0, f"{n_layouts} layouts while the tail followed 20 lines"
     assert shown, f"the last line is drawn at the bottom:\n{bottom}"
+
+
+def test_a_dashboard_picture_is_measured_at_the_width_it_gets() -> None:
+    """A layout that gives a picture a new width measures its height from a drawing at that
+    width (`EventView.content_width` while measuring), not the old one: no blank line left
+    under it, none of it cut."""
+    bar = VramBar()
+
+    async def run() -> tuple[int, int, int]:
+        app = Host(bar)
+        async with app.run_test(size=(100, 30)) as pilot:
+            bar.post_message(EngineLink.Events((ledger(),)))
+            await pilot.pause()
+            await pilot.pause()
+            wide = bar.size.height
+            await pilot.resize_terminal(30, 30)
+            await pilot.pause()
+            await pilot.pause()
+            drawn = len(plain(bar.render(), bar.content_size.width).splitlines())
+            return wide, bar.content_size.height, drawn
+
+    wide, height, drawn = asyncio.run(run())
+    assert height > wide - bar.styles.gutter.height, "the legend wraps at 30 columns"
+    assert height == drawn, f"laid out {height} lines for a drawing of {drawn}"

@@ -38,6 +38,7 @@ class EventView(Widget):
     """
 
     _fitted = (0, 0)  # (width, content height) when the last layout was asked for
+    _measuring = 0  # the width a layout measures the picture for, while it does
     _held = (0, 0)  # while an answer streams: (width, the most lines drawn at that width)
 
     def on_mount(self) -> None:
@@ -48,10 +49,12 @@ class EventView(Widget):
         self.border_title = f"{self.TITLE} · {detail}" if detail else self.TITLE
 
     def content_width(self) -> int:
-        """The width to draw at, from the laid-out size: `content_size` goes through the
-        screen region, and for a widget scrolled out of the dashboard's view that arranges
-        the whole screen again (the chat included: seconds with a long history)."""
-        return max(1, self.outer_size.width - self.styles.gutter.width)
+        """The width to draw at: the one a layout measures the picture for (its height comes
+        from a drawing at that width), else the laid-out size's. Not `content_size`: that
+        goes through the screen region, and for a widget scrolled out of the dashboard's
+        view that arranges the whole screen again (the chat included: seconds with a long
+        history)."""
+        return max(1, self._measuring or self.outer_size.width - self.styles.gutter.width)
 
     def on_engine_link_events(self, message: EngineLink.Events) -> None:
         for event in message.events:
@@ -64,7 +67,11 @@ class EventView(Widget):
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         """The picture's height; while an answer streams, the most it had at this width."""
-        height = super().get_content_height(container, viewport, width)
+        self._measuring = width  # a new width (the dashboard's scrollbar came): drawn at it
+        try:
+            height = super().get_content_height(container, viewport, width)
+        finally:
+            self._measuring = 0
         if self._held[0] == width:
             height = max(height, self._held[1])
             self._held = (width, height)
