@@ -227,3 +227,14 @@ def test_the_real_wordnet_if_present() -> None:
     s = unknown.Speller(big)
     assert s.suggest("beautifull") == "beautiful" and s.suggest("recieve") == "receive"
     assert not s.is_lemma("wasser") and "bonjour" in unknown.foreign_words(s)
+
+
+def test_encoding_in_batches_gives_the_same_ids(wn: wordnet.WordNet,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = _tok()
+    convs = conversations.build(wn, 0, conversations.Mix(paste_share=0.3))[:9]
+    whole = data.encode(tok, convs)
+    monkeypatch.setattr(data, "ENCODE_BATCH", 2)
+    parts = data.encode(tok, convs)
+    assert (parts.ids == whole.ids).all() and (parts.mask == whole.mask).all()
+    assert (parts.starts == whole.starts).all() and parts.n_conversations == 9

@@ -2,6 +2,7 @@
 
     python -m training build --wordnet wordnet-base.deb --out demo.gguf --steps N   # GPU
     python -m training eval --model demo.gguf --wordnet wordnet-base.deb           # CPU
+    python -m training corpus --wordnet wordnet-base.deb --seed 0    # the data step's statistics
     python -m training plot --log loss.jsonl --out docs/demo-loss.svg
 """
 
@@ -26,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seq-tokens", type=int, default=4096)
     b.add_argument("--device", default="cuda")
     b.add_argument("--also-q8", type=Path, help="also export with Q8_0 experts here")
+    c = sub.add_parser("corpus", help="the data step alone: corpus statistics and its time")
+    c.add_argument("--wordnet", type=Path, required=True)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--phrasings", type=int, default=1)
     e = sub.add_parser("eval", help="the acceptance figures of a model file (CPU)")
     e.add_argument("--model", default="demo")
     e.add_argument("--wordnet", type=Path, required=True)
@@ -43,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
                                                     seq_tokens=a.seq_tokens, device=a.device),
                     a.log_dir, also)
         print(json.dumps(rec, indent=1))
+    elif a.cmd == "corpus":
+        from engine.synth.model import PRESETS
+        from training import data, wordnet
+
+        n_vocab = PRESETS["random-demo"].n_vocab  # the demo's (training.train.SPEC)
+        prepared = data.prepare(wordnet.load(a.wordnet), a.seed, a.phrasings, n_vocab)
+        print(json.dumps(prepared.stats, indent=1))
     elif a.cmd == "eval":
         from training.evaluate import main as evaluate
 

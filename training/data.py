@@ -54,8 +54,21 @@ def messages(conv: Conversation) -> list[dict[str, str]]:
                                       {"role": "assistant", "content": p.reply})]
 
 
+ENCODE_BATCH = 20_000  # conversations encoded at once: Python lists of ids are 8x numpy's size
+
+
 def encode(tok: Tokenizer, convs: Sequence[Conversation]) -> Encoded:
     """Token ids of every conversation, the loss on every reply (not the '\\n' after it)."""
+    parts = [_encode(tok, convs[i : i + ENCODE_BATCH]) for i in range(0, len(convs), ENCODE_BATCH)]
+    lengths = np.concatenate([np.diff(e.starts) for e in parts])
+    return Encoded(
+        np.concatenate([e.ids for e in parts]),
+        np.concatenate([e.mask for e in parts]),
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+    )
+
+
+def _encode(tok: Tokenizer, convs: Sequence[Conversation]) -> Encoded:
     enc = tok.encode_many([t for c in convs for p in c for t in render(p)])
     ids, mask, starts = [], [], [0]
     k = 0
