@@ -27,7 +27,7 @@ class Mix:
     """How much of each kind of exchange, and how they are cut into conversations."""
 
     unknown_share: float = 0.05  # non-word exchanges, as a share of the dictionary pairs
-    persona_each: int = 400  # exchanges of each kind of persona message (10 kinds)
+    persona_each: int = 2000  # exchanges of each kind of persona message (10 kinds): 3%
     single_share: float = 0.25  # conversations of one exchange
     min_turns: int = 3  # the others: 2-8 earlier exchanges, then the last question
     max_turns: int = 9

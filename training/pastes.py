@@ -81,12 +81,18 @@ class PasteMaker:
                 line = " ".join(p[:1].upper() + p[1:] + "." for p in parts)
             lines.append(line)
             size += len(line) + 1
-        return "\n".join(lines)
+        text = "\n".join(lines)
+        if not self._lemmas(text):  # a few glosses may hold no lemma of ours: name one
+            text += f"\nSee also: {rng.choice(self.words)}."
+        return text
+
+    def _lemmas(self, text: str) -> list[str]:
+        return sorted({w for w in re.findall(r"[a-z]{3,}", text.lower())
+                       if w in self.wn.senses and w not in STOP})  # fmt: skip
 
     def lemma_in(self, text: str, rng: random.Random) -> str:
         """A real lemma that occurs in `text` as a word (an everyday one where there is one)."""
-        found = sorted({w for w in re.findall(r"[a-z]{4,}", text.lower())
-                        if w in self.wn.senses and w not in STOP})  # fmt: skip
+        found = self._lemmas(text)
         everyday = [w for w in found if self.wn.tagged.get(w)]
         pool = everyday or found
         assert pool, "a paste made of WordNet text always holds a lemma"

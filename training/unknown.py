@@ -150,8 +150,9 @@ def _typo_sources(wn: WordNet) -> list[str]:
 
 def nonwords(wn: WordNet, sp: Speller, n: int, rng: random.Random, for_eval: bool = False
              ) -> Iterator[tuple[str, str]]:
-    """`n` (non-word, how it was made) pairs, distinct, none a lemma: half typos of everyday
-    lemmas, a third made-up words, the rest foreign words (cycled). `for_eval` draws from the
+    """`n` (non-word, how it was made) pairs, none a lemma: half typos of everyday lemmas
+    and a third made-up words (each once), the rest foreign words (they repeat in training;
+    in the evaluation set every word is another). `for_eval` draws from the
     evaluation share instead of the training one."""
     sources, foreign = _typo_sources(wn), foreign_words(sp)
     seen: set[str] = set()
@@ -164,7 +165,10 @@ def nonwords(wn: WordNet, sp: Speller, n: int, rng: random.Random, for_eval: boo
             word, how = pronounceable(rng), "made-up"
         else:
             word, how = rng.choice(foreign), "foreign"
-        if word in seen or sp.is_lemma(word) or eval_only(word) != for_eval:
+        # a foreign word may come back (there are ~100 of them; a typo or a made-up word
+        # is met once)
+        again = word in seen and (for_eval or how != "foreign")
+        if again or sp.is_lemma(word) or eval_only(word) != for_eval:
             continue
         seen.add(word)
         made += 1
