@@ -1,4 +1,13 @@
-"""ChatLog: the conversation — user messages as text, answers as streaming Markdown."""
+"""ChatLog: the conversation — user messages as text, answers as streaming Markdown.
+
+Only the messages in or near the view are laid out. Textual lays out every widget of the
+screen on each layout, and a new width re-wraps them all: forty long Markdown answers (some
+1,400 widgets) took seconds of the UI thread on a resize. A message more than NEAR_VIEWS view
+heights above or below the view is folded: its children leave the layout and it stands as
+blank lines as tall as it was (at another width, an estimate), until the view comes near it.
+The message at the top of the view stays there across a resize and across folds (its place is
+put back after the layout), and a chat at its end stays at its end.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +33,7 @@ USER_PREVIEW_LINES = 12
 SHOWN_CHARS = 64 * 1024
 # C0/C1 control characters other than tab and newline: models can emit them; terminals must not
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+NEAR_VIEWS = 1.0  # messages within this many view heights above or below the view stay laid out
 
 
 def printable(text: str) -> str:
@@ -38,6 +48,17 @@ def user_preview(text: str) -> Text:
     if n_lines > USER_PREVIEW_LINES:
         shown.append(f"\n… {n_lines - USER_PREVIEW_LINES:,} more lines", style="dim italic")
     return shown
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """The message at the top of the chat's view: `lines` down it the view starts, `share` of
+    its height, at `width`."""
+
+    view: MessageView
+    lines: int
+    share: float
+    width: int
 
 
 class ShowAll(Static, can_focus=True):
@@ -110,6 +131,37 @@ class MessageView(Vertical, can_focus=True):
         self.set_class(cancelled or interrupted, "-cancelled")
         self._block = 0  # the code block `b` copied last (0: none yet; counted from the end)
         self._blocks_of: tuple[str, list[CodeBlock]] = ("", [])
+        self._status = ""
+        self.folded = False  # out of the layout, standing as blank lines (`fold`)
+        self._measured = (0, 0)  # (width, height) when it was folded
+
+    # -- folded: out of the layout while far from the view -----------------------------------
+    def fold(self, width: int) -> None:
+        """Stand as blank lines as tall as the message is at `width`: its children leave the
+        layout (a new layout of the chat, or a resize, does not lay them out again). Folded
+        at another width than it was laid out at, the height is an estimate."""
+        if not self.folded:
+            self.folded = True
+            self._measured = (width, self.outer_size.height)
+            for child in self.children:
+                child.display = False
+        self.styles.height = self.height_at(width)
+
+    def unfold(self) -> None:
+        """Lay the message out again, whole."""
+        if self.folded:
+            self.folded = False
+            for child in self.children:
+                child.display = bool(self._status) if child.has_class("status") else True
+            self.styles.height = None  # auto again
+
+    def height_at(self, width: int) -> int:
+        """Its height at `width` while folded: as measured, or scaled from it (the label's
+        line stays, the body's lines wrap the inverse of the width)."""
+        measured_width, height = self._measured
+        if width == measured_width or not measured_width or height < 2:
+            return height
+        return max(2, round(1 + (height - 1) * measured_width / max(1, width)))
 
     def compose(self) -> ComposeResult:
         yield Label(self._label())
@@ -124,6 +176,7 @@ class MessageView(Vertical, can_focus=True):
 
     async def set_content(self, content: str) -> None:
         """Replace an answer's text (its start, when it is long)."""
+        self.unfold()
         self.content = content
         await self.query(ShowAll).remove()
         self.full_renders += 1
@@ -133,6 +186,7 @@ class MessageView(Vertical, can_focus=True):
 
     async def show_all(self) -> None:
         """Draw the whole message (as long as that takes: the user asked)."""
+        self.unfold()
         self.shown_chars = len(self.content)
         await self.query(ShowAll).remove()
         if self.role == "user":
@@ -142,9 +196,10 @@ class MessageView(Vertical, can_focus=True):
             await self.query_one(Markdown).update(printable(self.content))
 
     def set_status(self, text: str) -> None:
+        self._status = text
         status = self.query_one(".status", Static)
         status.update(text)
-        status.display = bool(text)
+        status.display = bool(text) and not self.folded
 
     def mark_cancelled(self) -> None:
         """Mark the answer as cut short by the user (the label says so)."""
@@ -252,6 +307,11 @@ class ChatLog(VerticalScroll):
         # the latest message is in view: it stays in view while the messages mount (their
         # Markdown lays out later) and re-wrap on a resize, until the user scrolls up
         self._at_end = True
+        self._width = 0  # the width the messages were last laid out at
+        self._anchor: Anchor | None = None  # the message at the top of the view
+        self._anchor_at: tuple[int, int] | None = None  # its top and height when noted
+        self._scroll_seen = 0.0  # scroll_y when the anchor was noted or put back
+        self._fold_due = False
 
     def compose(self) -> ComposeResult:
         yield Static(WELCOME, id="chat-empty")
@@ -259,6 +319,7 @@ class ChatLog(VerticalScroll):
     def on_mount(self) -> None:
         self.watch(self, "scroll_y", self._scrolled, init=False)
         self.watch(self, "virtual_size", self._keep_end, init=False)
+        self.screen.screen_layout_refresh_signal.subscribe(self, self._laid_out)
 
     def on_resize(self, event: events.Resize) -> None:
         self._keep_end()
@@ -269,6 +330,105 @@ class ChatLog(VerticalScroll):
     def _keep_end(self) -> None:
         if self._at_end and self.scroll_y < self.max_scroll_y:
             self.scroll_end(animate=False, immediate=True)
+
+    # -- laying out only what is near the view -----------------------------------------------
+    def _placed(self) -> dict[MessageView, tuple[int, int]]:
+        """Each message view's top and height in the log, as last laid out (in order)."""
+        placed: dict[MessageView, tuple[int, int]] = {}
+        y = margin_below = 0
+        for view in self.query_children(MessageView):
+            if not view.display:
+                continue
+            margin = view.styles.margin
+            y += max(margin_below, margin.top)  # adjacent margins overlap
+            height = view.outer_size.height
+            placed[view] = (y, height)
+            y += height
+            margin_below = margin.bottom
+        return placed
+
+    def _note_top(self, placed: dict[MessageView, tuple[int, int]]) -> None:
+        """Note the message at the top of the view, how far down it the view starts (lines,
+        and a share of its height for another width) and where it is now."""
+        scroll_y = self.scroll_y
+        self._anchor = None
+        for view, (top, height) in placed.items():
+            if top + height > scroll_y:
+                lines = max(0, round(scroll_y) - top)
+                self._anchor = Anchor(view, lines, lines / max(1, height), self._width)
+                break
+        self._anchor_at = self._place_of_anchor(placed)
+        self._scroll_seen = self.scroll_y
+
+    def _place_of_anchor(self, placed: dict[MessageView, tuple[int, int]]
+                         ) -> tuple[int, int] | None:
+        return placed.get(self._anchor.view) if self._anchor is not None else None
+
+    def _laid_out(self, _screen: object) -> None:
+        """After each layout or scroll of the screen. A new width re-estimates the folded
+        messages. A layout that moved the message at the top of the view (a new width, a
+        message above it folded or unfolded) scrolls it back to where it was in the view; a
+        scroll (the user's) notes which message is at the top now. Then the messages far from
+        the view are folded, those near it unfolded."""
+        width = self.scrollable_content_region.width
+        if not width:
+            return
+        if width != self._width:
+            self._width = width
+            for view in self.views:
+                if view.folded:
+                    view.fold(width)  # the estimate at this width: the next layout moves them
+        placed = self._placed()
+        anchor_at = self._place_of_anchor(placed)
+        if self._at_end:
+            self._keep_end()
+            self._note_top(placed)
+        elif anchor_at is not None and anchor_at != self._anchor_at:
+            self._put_back(anchor_at)
+        elif anchor_at is None or self.scroll_y != self._scroll_seen:
+            self._note_top(placed)
+        if not self._fold_due:
+            self._fold_due = True
+            self.call_after_refresh(self._fold_far)
+
+    def _put_back(self, anchor_at: tuple[int, int]) -> None:
+        """Scroll the message noted at the top of the view back to where it was in the view:
+        as many lines down it, or (at another width) as large a share of its height."""
+        assert self._anchor is not None
+        top, height = anchor_at
+        anchor = self._anchor
+        lines = anchor.lines if anchor.width == self._width else round(anchor.share * height)
+        self.scroll_to(y=top + lines, animate=False, immediate=True)
+        self._anchor_at, self._scroll_seen = anchor_at, self.scroll_y
+
+    def _fold_far(self) -> None:
+        """Fold the messages far from the view, unfold those near it (the open exchange and the
+        message holding the focus are never folded); the layout this takes puts the message at
+        the top of the view back (`_laid_out`)."""
+        self._fold_due = False
+        view_height = self.scrollable_content_region.height
+        if not view_height or not self._width:
+            return
+        placed = self._placed()
+        if self._place_of_anchor(placed) != self._anchor_at:
+            return  # laid out since, not put back yet: `_laid_out` comes and calls again
+        near_top = self.scroll_y - NEAR_VIEWS * view_height
+        near_bottom = self.scroll_y + (1 + NEAR_VIEWS) * view_height
+        focused = self.screen.focused
+        kept = {*self._pending, *(focused.ancestors_with_self if focused is not None else ())}
+        for view, (top, height) in placed.items():
+            if not height and not view.folded:
+                continue  # not laid out yet
+            near = (top < near_bottom and top + height > near_top) or view in kept
+            if near and view.folded:
+                view.unfold()
+            elif not near and not view.folded:
+                view.fold(self._width)
+
+    @property
+    def laid_out(self) -> list[MessageView]:
+        """The message views laid out whole (the others are folded, far from the view)."""
+        return [view for view in self.views if not view.folded]
 
     def welcome(self, description: str) -> None:
         """What the empty chat says: the model's own suggestion first, when it has one."""
