@@ -55,6 +55,9 @@ VIEWS_WHILE_STREAMING_S = 2.0  # nvitop redraws every 2 s by default
 # fewer, larger pieces, and the engine thread seldom waits for the GIL.
 UI_BUDGET = 0.03
 UI_BURST_S = 0.01
+# ... but the text never waits longer than this: the budget counts all the UI thread's work
+# (a user scrolling or typing while the answer streams), and the answer must still move
+MAX_HOLD_S = 0.5
 # events that are whole snapshots: within one tick only the newest matters
 _SNAPSHOTS = (LedgerChanged, CacheChanged, PrefillProgress, GpuStats)
 
@@ -93,14 +96,17 @@ class Drain:
     token to its RequestDone). Then the text goes in frames: the first once the first token
     is `frame_s` old (a frame's worth of text, and an answer that takes less than a frame to
     decode draws once, when it is done), then every tick while the UI thread's CPU time since
-    the first token is within `budget` of the time since plus `burst_s`; the other events wait
-    until `views_s` passed since they last went, or the answer ends."""
+    the first token is within `budget` of the time since plus `burst_s`, and at least every
+    `max_hold_s`; the other events wait until `views_s` passed since they last went, or the
+    answer ends."""
 
     def __init__(self, frame_s: float = 1 / REFRESH_HZ,
                  views_s: float = VIEWS_WHILE_STREAMING_S,
-                 budget: float = UI_BUDGET, burst_s: float = UI_BURST_S) -> None:
+                 budget: float = UI_BUDGET, burst_s: float = UI_BURST_S,
+                 max_hold_s: float = MAX_HOLD_S) -> None:
         self.frame_s, self.views_s = frame_s, views_s
-        self.budget, self.burst_s = budget, burst_s
+        self.budget, self.burst_s, self.max_hold_s = budget, burst_s, max_hold_s
+        self._sent_at = 0.0  # when text last went out (or the first text came)
         self._began = (0.0, 0.0)  # (time, UI thread CPU time) at the first tick with text
         self.streaming = False
         self._text: list[Event] = []  # the first frame's text, until it is a frame old
@@ -119,14 +125,17 @@ class Drain:
             self.streaming, self._views_at = True, now
             self._text_at = first.t + self.frame_s
             self._began = (now, cpu or 0.0)
+            self._sent_at = first.t
         self._text += (e for e in batch if isinstance(e, Token))
         rest = [e for e in batch if not isinstance(e, Token)]
         self._held += rest
         if any(isinstance(e, RequestDone) for e in rest):
             return self._out([], now)
-        if now < self._text_at or (cpu is not None and self._over_budget(now, cpu)):
+        if now < self._text_at or (cpu is not None and self._over_budget(now, cpu)
+                                   and now - self._sent_at < self.max_hold_s):
             return ()
         text, self._text = self._text, []
+        self._sent_at = now
         if now - self._views_at >= self.views_s:
             return self._out(text, now)
         return coalesce(text)

@@ -122,7 +122,7 @@ def test_the_drain_holds_frames_while_the_ui_thread_is_over_its_budget() -> None
     """Each frame costs the UI thread CPU time the engine thread waits for under the GIL: past
     `budget` of the time since the answer began (plus `burst_s`), the text waits for a later
     tick; the answer's end takes it all the same."""
-    drain = Drain(frame_s=0.1, views_s=2.0, budget=0.05, burst_s=0.01)
+    drain = Drain(frame_s=0.1, views_s=2.0, budget=0.05, burst_s=0.01, max_hold_s=10.0)
     assert drain.tick([Token("a", t=0.0)], now=0.0, cpu=10.0) == ()
     out = drain.tick([Token("b", t=0.1)], now=0.1, cpu=10.0)  # idle so far: the frame goes
     assert [e.text for e in out] == ["ab"]  # type: ignore[union-attr]
@@ -140,6 +140,20 @@ def test_the_drain_holds_frames_while_the_ui_thread_is_over_its_budget() -> None
     # the next answer's budget counts from its own first token
     assert drain.tick([Token("g", t=5.0)], now=5.0, cpu=10.2) == ()
     assert drain.tick([Token("h", t=5.1)], now=5.1, cpu=10.2) != ()
+
+
+def test_over_its_budget_the_drain_still_sends_the_text_now_and_then() -> None:
+    """The budget counts all the UI thread's work (a user scrolling while the answer streams):
+    the text waits at most `max_hold_s`, however busy the UI thread is."""
+    drain = Drain(frame_s=0.1, budget=0.03, burst_s=0.01, max_hold_s=0.5)
+    assert drain.tick([Token("a", t=0.0)], now=0.0, cpu=0.0) == ()
+    sent = []
+    for i in range(1, 31):  # the UI thread busy half of every tick
+        now = i * 0.1
+        out = drain.tick([Token("x", t=now)], now=now, cpu=now / 2)
+        if out:
+            sent.append(round(now, 1))
+    assert sent == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0], sent
 
 
 def test_a_finished_request_takes_everything_the_drain_held() -> None:
