@@ -60,6 +60,11 @@
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
 #   adec      the app's decode speed against `strata run` (docs/app-decode.md): demo 256 (RUNS_ADEC,
 #             default 3), random-demo 256 and 1,024 (5 runs)                 -> $OUT/adec.md
+#   train     the demo model (docs/demo-model.md): python -m training build, the WordNet .deb carried
+#             as .whl/wordnet-base.deb, TRAIN_MINUTES (default 5.5) of training; the GGUF comes
+#             back in 15 MiB parts (a file from $OUT is at most 16 MiB: `cat demo.gguf.part.* >
+#             engine/assets/demo.gguf`, check demo.sha256), the loss log and build record too
+#                                                         -> $OUT/demo.gguf.part.*, $OUT/train/
 #   adec48    the same on the 48-layer file (after m48) at --vram-limit 8GiB, 256 tokens, RUNS_ADEC
 #             runs                                                    -> $OUT/adec48.md
 set -euo pipefail
@@ -176,6 +181,12 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
             python3 -m app.bench_decode $spec --device cuda 2>>"$OUT/adec.log" | tee -a "$OUT/adec.md"
             echo >> "$OUT/adec.md"
           done ;;
+    train) mkdir -p "$OUT/train" models
+           python3 -m training build --wordnet .whl/wordnet-base.deb --out models/demo.gguf \
+             --minutes "${TRAIN_MINUTES:-5.5}" --seed 0 --log-dir "$OUT/train" 2>&1 | tail -40 \
+             | tee "$OUT/train/build.log"
+           (cd models && sha256sum demo.gguf > "$OUT/demo.sha256" && split -b 15M demo.gguf \
+             "$OUT/demo.gguf.part.") ;;
     adec48) python3 -m app.bench_decode --model models/q48.gguf --vram-limit 8GiB --max-new 256 \
               --runs "${RUNS_ADEC:-3}" --device cuda 2>"$OUT/adec48.log" | tee "$OUT/adec48.md" ;;
     m48) [ -f models/q48.gguf ] || strata make-model models/q48.gguf --preset qwen3-30b-a3b ;;
