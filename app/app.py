@@ -229,7 +229,11 @@ class StrataApp(App[None]):
     async def on_engine_link_events(self, message: EngineLink.Events) -> None:
         await self._dispatch(message.events, message.streaming)
 
-    async def _dispatch(self, events: tuple[Event, ...], streaming: bool = False) -> None:
+    async def _dispatch(self, events: tuple[Event, ...], streaming: bool = False,
+                        at_once: bool = False) -> None:
+        """Give `events` to the chat and the dashboard's views; `at_once`: the views apply
+        them before this returns (a request's last batch: what the app shows once it is no
+        longer running is the request's end), else in a message of their own."""
         chat = self._chat
         if not events or not chat.is_attached:  # nothing new, or the app is shutting down
             return
@@ -248,7 +252,11 @@ class StrataApp(App[None]):
         others = tuple(e for e in events if not isinstance(e, Token))
         if others:  # while decoding a batch is all tokens: the dashboard has nothing to draw
             for view in self._views:
-                view.post_message(EngineLink.Events(others, streaming))
+                batch = EngineLink.Events(others, streaming)
+                if at_once:
+                    view.on_engine_link_events(batch)
+                else:
+                    view.post_message(batch)
 
     def _show_model(self, ready: Ready) -> None:
         """The header says what the model is (and where, when it is remote: the first part,
@@ -384,7 +392,8 @@ class StrataApp(App[None]):
     async def on_engine_link_reply_done(self, message: EngineLink.ReplyDone) -> None:
         if self._quitting:  # the app quit mid-request; what it showed is stored already
             return
-        await self._dispatch(self.link.take())  # every token of this request, before closing it
+        # every token and event of this request, before closing it
+        await self._dispatch(self.link.take(), at_once=True)
         chat, reply = self.query_one(ChatLog), message.reply
         if reply.withdrawn:  # cancelled before any text: the prompt goes back to the input
             self._withdraw(message.conversation)
@@ -404,7 +413,7 @@ class StrataApp(App[None]):
     async def on_engine_link_reply_failed(self, message: EngineLink.ReplyFailed) -> None:
         if self._quitting:
             return
-        await self._dispatch(self.link.take())
+        await self._dispatch(self.link.take(), at_once=True)
         self._withdraw(message.conversation)
         await self.query_one(ChatLog).withdraw()
         if not await self._put_back(message.draft, failed=True):
