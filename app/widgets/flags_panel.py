@@ -120,7 +120,10 @@ class FlagsPanel(Widget):
         self.call_later(self._sync)  # `is_mounted` turns true once this handler returns
 
     def focus_first(self) -> None:
-        self.query_one(f"#{SWITCHES[0]}", Switch).focus()
+        """Focus the first switch without scrolling to it (the caller scrolls the panel to
+        the top at once: Textual's own focus scroll is animated, and it ended where the two
+        met, a fraction of a line apart from one run to the next)."""
+        self.query_one(f"#{SWITCHES[0]}", Switch).focus(scroll_visible=False)
 
     # -- the app's answers -------------------------------------------------------------------
     def show(self, flags: LoanFlags, options: EngineOptions) -> None:
