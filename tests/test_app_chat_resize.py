@@ -10,6 +10,7 @@ from pathlib import Path
 from test_app_flows import async_test, make_app
 from test_app_store import store_all
 
+from app.bench_resize import PARAGRAPH
 from app.scenes import wait_ready
 from app.store import Store
 from app.widgets.chat_log import ChatLog, MessageView
@@ -17,9 +18,6 @@ from engine.conversation import Conversation, Message
 
 SMALL, MIDDLE, LARGE = (80, 24), (120, 40), (160, 48)
 N_EXCHANGES = 24
-PARAGRAPH = ("The expert cache holds the quantized blobs of the experts the profile ranks "
-             "first; a prompt lends its tail to the staging ring and refills it after the "
-             "last chunk, so decoding finds every slot where it left it. ")
 
 
 def answer(i: int) -> str:
