@@ -37,8 +37,8 @@ from engine.devices import peak_sampler, vram_limit_bytes
 from engine.events import EventBus, PlanChosen, TraceLine
 from engine.memory.sizes import MiB
 from engine.process_memory import DEVICE, PROCESS, MemoryReading, PeakSampler
-from engine.profile_record import calibration_text
 from engine.serve import ServeLoop
+from engine.startup.profile_record import calibration_text
 
 SIMULATED = "simulated device"  # the peak's source on the sim backend
 PEAK_HEADERS = {  # the peak column's header by where the peak was read

@@ -139,7 +139,7 @@ def head_bytes(model: Shapes, wb: int = F32, quant: bool = False) -> int:
 
 
 def draft_head_bytes(model: Shapes, draft_vocab: int, wb: int = F32, quant: bool = False) -> int:
-    """The draft head's rows (`engine.spec.draft_head`): the MTP block's own head, else the
+    """The draft head's rows (`engine.speculative.draft_head`): the MTP block's own head, else the
     output head, else the tied embedding; `draft_vocab` rows (0: all). 0 where it is every row
     of the native head (`shares_native_head`: the native head itself, no region)."""
     hp = model.hp

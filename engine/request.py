@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from engine.memory.plan_types import PromptGeometry
 from engine.sampler import Sampler, SamplingParams
 from engine.session import Session
-from engine.spec.decoder import SpecDecoder
+from engine.speculative.decoder import SpecDecoder
 from engine.timing import Timing
 
 

@@ -1,5 +1,5 @@
 """Runtime: one loaded engine running requests — prefill (with the loan when it is admitted)
-and decode. `engine.build.startup` makes it; the serve loop drives it; flag changes between
+and decode. `engine.startup.runtime` makes it; the serve loop drives it; flag changes between
 requests are `engine.runtime_flags`; it holds no conversation logic.
 """
 
@@ -36,7 +36,7 @@ from engine.report import Reporter
 from engine.request import Progress, Request, decode_tokens
 from engine.sampler import Sampler
 from engine.session import Session
-from engine.spec.decoder import SpecDecoder
+from engine.speculative.decoder import SpecDecoder
 from engine.timing import Timing
 from engine.token_graph import make_token_graph, token_graph_wanted
 

@@ -15,8 +15,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine import runtime_flags
-from engine.build.cache import startup_profile
-from engine.build.startup import build_runtime
 from engine.config import EngineOptions, LoanFlags
 from engine.conversation import Conversation, check_prompt_fits, check_text_fits
 from engine.devices import hardware_name
@@ -52,7 +50,9 @@ from engine.request_workload import request_workload
 from engine.runtime import Runtime
 from engine.sampler import Sampler, SamplingParams
 from engine.session import reusable
-from engine.spec import policy as draft_policy
+from engine.speculative import policy as draft_policy
+from engine.startup.cache import startup_profile
+from engine.startup.runtime import build_runtime
 from engine.stops import StopStrings
 from engine.synth.demo import cache_dir
 from engine.timing import Timing

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from engine.build.device import plan_options_for
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes, model_costs
 from engine.devices import weight_bytes
 from engine.memory.planner import plan_startup
 from engine.memory.sizes import MiB
+from engine.startup.device import plan_options_for
 from engine.synth.model import PRESETS
 
 MIXES = ("", "q4_k_m", "q5_k_m", "q3_k_m", "iq4_xs", "q2_k")

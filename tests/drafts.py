@@ -9,7 +9,7 @@ import numpy as np
 
 from engine.sampler import Sampler
 from engine.session import Session
-from engine.spec.draft import Draft, draft_token
+from engine.speculative.draft import Draft, draft_token
 
 
 class TargetDraft:

@@ -13,7 +13,7 @@ from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.loan.cache_lend import PREFIX
 from engine.serve import ServeLoop
-from engine.spec.policy import PLAIN, DraftPolicy
+from engine.speculative.policy import PLAIN, DraftPolicy
 
 REGIONS = ("mtp.experts", "mtp.draft_head")
 
@@ -145,7 +145,7 @@ def test_a_new_engine_goes_on_from_the_last_policy(random_demo_path: Path, tmp_p
     assert reply.timing.drafted_steps == 0 and second.rt.spec.lender.n_lends == 1
     other = tmp_path / "x.policy.json"
     other.write_text("not json")
-    from engine.spec import policy as draft_policy
+    from engine.speculative import policy as draft_policy
 
     assert draft_policy.load(other, "cpu") is None  # an unreadable file: measured from scratch
 

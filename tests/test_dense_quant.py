@@ -19,7 +19,7 @@ from engine.model.loader import load_model
 from engine.quant import QuantMatrix, keeps_quantized, row_bytes
 from engine.sampler import SamplingParams
 from engine.serve import ServeLoop
-from engine.spec.draft_head import NativeDraftHead
+from engine.speculative.draft_head import NativeDraftHead
 
 
 def loop_for(path: Path, dense: str, draft_vocab: int = 0) -> ServeLoop:

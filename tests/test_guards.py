@@ -89,7 +89,7 @@ def test_cli_refuses_before_deferring(tmp_path: Path, tiny_path: Path,
                                       monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI exits with 2, lists every violation on one line, and builds no engine."""
-    from engine.build import startup
+    from engine.startup import runtime as startup
 
     monkeypatch.setenv("STRATA_PREFILL_ELASTIC_LOAN", "1")
     monkeypatch.setenv("STRATA_PREFILL_HEAD_LOAN", "1")

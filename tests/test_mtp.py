@@ -20,10 +20,10 @@ from engine.quant import dequantize
 from engine.request import generate
 from engine.sampler import SamplingParams
 from engine.session import Session
-from engine.spec.decoder import SpecDecoder
-from engine.spec.draft import MTPDraft
-from engine.spec.draft_head import DraftHead, select_draft_ids
-from engine.spec.verifier import Verifier
+from engine.speculative.decoder import SpecDecoder
+from engine.speculative.draft import MTPDraft
+from engine.speculative.draft_head import DraftHead, select_draft_ids
+from engine.speculative.verifier import Verifier
 from engine.synth.fit_mtp import fit_mtp
 from engine.timing import Timing
 

@@ -14,8 +14,8 @@ from engine.config import EngineOptions
 from engine.conversation import Conversation
 from engine.events import EventBus, PlanChosen
 from engine.faults import Faults
-from engine.profile_record import calibration_text
 from engine.serve import ServeLoop
+from engine.startup.profile_record import calibration_text
 
 
 def loop_for(path: Path, **kw: object) -> ServeLoop:

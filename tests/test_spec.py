@@ -16,8 +16,8 @@ from engine.model.loader import Model, load_model
 from engine.request import generate
 from engine.sampler import Sampler, SamplingParams
 from engine.session import Session
-from engine.spec.decoder import SpecDecoder, rejection_step, speculative_accept
-from engine.spec.verifier import Verifier
+from engine.speculative.decoder import SpecDecoder, rejection_step, speculative_accept
+from engine.speculative.verifier import Verifier
 from engine.timing import Timing
 
 GREEDY = SamplingParams()
@@ -307,7 +307,7 @@ def test_bench_spec_table(tiny_path: Path) -> None:
 
 def test_host_rows_slice_across_their_blocks() -> None:
     """The prompt's hidden stays in its prefill chunks' blocks; slices span them as one array."""
-    from engine.spec.decoder import HostRows
+    from engine.speculative.decoder import HostRows
 
     whole = np.arange(2 * 23, dtype=np.float32).reshape(23, 2)
     rows = HostRows([whole[:10], whole[10:11], whole[11:]])

@@ -13,9 +13,9 @@ from engine.model.loader import Model, load_model
 from engine.request import generate
 from engine.sampler import SamplingParams
 from engine.session import Session
-from engine.spec.decoder import SpecDecoder
-from engine.spec.policy import DRAFT, PLAIN, PROBE_SHARE, DraftPolicy
-from engine.spec.verifier import Verifier
+from engine.speculative.decoder import SpecDecoder
+from engine.speculative.policy import DRAFT, PLAIN, PROBE_SHARE, DraftPolicy
+from engine.speculative.verifier import Verifier
 from engine.timing import Timing
 
 GREEDY = SamplingParams()

@@ -23,7 +23,7 @@ from engine.model.loader import load_model
 from engine.request import generate
 from engine.sampler import SamplingParams
 from engine.session import Session
-from engine.spec.decoder import SpecDecoder, check_spec
+from engine.speculative.decoder import SpecDecoder, check_spec
 from engine.synth.demo import resolve_model
 from engine.timing import Timing
 

@@ -1,7 +1,7 @@
 """`strata plan`: the startup memory plan of a model on a device, as a table; with
 `--prompt-tokens N`, the forecast of prefilling N tokens with the loan and without it.
 
-It runs the same guards as `strata run` (`engine.build.device.plan_device`): a combination `run`
+It runs the same guards as `strata run` (`engine.startup.device.plan_device`): a combination `run`
 refuses is refused here, with the same one line and exit code 2.
 """
 
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.build.device import DevicePlan, plan_device
 from engine.cli.options import add_engine_args, engine_options, loan_flags
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes
@@ -33,8 +32,9 @@ from engine.gguf.type_mix import layer_ranges
 from engine.memory.planner import format_plan_table, plan_loan
 from engine.memory.sizes import format_mib
 from engine.model.loader import load_model
-from engine.profile_record import cached_profile
 from engine.prompt.path import shrink_geometry
+from engine.startup.device import DevicePlan, plan_device
+from engine.startup.profile_record import cached_profile
 from engine.synth.demo import cache_dir, preset_path, resolve_model
 from engine.synth.model import PRESETS
 

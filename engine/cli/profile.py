@@ -10,7 +10,7 @@ import numpy as np
 from engine.cli.options import integer
 from engine.errors import StrataError
 from engine.model.loader import load_model
-from engine.profile_record import calibration_text, record_profile
+from engine.startup.profile_record import calibration_text, record_profile
 from engine.synth.demo import resolve_model
 
 

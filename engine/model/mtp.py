@@ -180,7 +180,7 @@ class MTPBlock:
         self.embd = TokenEmbedding(
             own_embd if own_embd is not None else mf.tensor(names.TOKEN_EMBD)
         )  # host rows
-        self.head = head  # the draft head (`engine.spec.draft_head.DraftHead`)
+        self.head = head  # the draft head (`engine.speculative.draft_head.DraftHead`)
         # default: a resident, releasable copy of the quantized experts (not the host map)
         self.experts: ExpertProvider = experts or MTPExperts(model.mtp_experts, be, to_device)
 

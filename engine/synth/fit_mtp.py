@@ -41,7 +41,7 @@ from engine.model.loader import Model, load_model
 from engine.model.mtp import MTPBlock, require_mtp
 from engine.quant import ExpertLayout, dequantize
 from engine.session import Session
-from engine.spec.draft_head import DraftHead
+from engine.speculative.draft_head import DraftHead
 
 
 @dataclass

@@ -40,10 +40,10 @@ from engine.model.loader import Model
 from engine.model.mtp import MTPBlock
 from engine.sampler import Sampler, SamplingParams, distribution
 from engine.session import Session
-from engine.spec.draft import Draft, DraftSource, MTPDraft
-from engine.spec.draft_head import draft_head_of
-from engine.spec.policy import LEND_MIN_STEPS, DraftPolicy
-from engine.spec.verifier import Verifier
+from engine.speculative.draft import Draft, DraftSource, MTPDraft
+from engine.speculative.draft_head import draft_head_of
+from engine.speculative.policy import LEND_MIN_STEPS, DraftPolicy
+from engine.speculative.verifier import Verifier
 from engine.timing import Timing
 
 MIN_WINDOW, MAX_WINDOW = 2, 8

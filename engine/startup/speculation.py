@@ -14,10 +14,10 @@ from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts
 from engine.model.loader import Model
 from engine.model.mtp import MTPBlock, MTPExperts, require_mtp
-from engine.spec.decoder import SpecDecoder
-from engine.spec.draft import MTPDraft
-from engine.spec.draft_head import DraftHead, NativeDraftHead, shares_native_head
-from engine.spec.verifier import Verifier
+from engine.speculative.decoder import SpecDecoder
+from engine.speculative.draft import MTPDraft
+from engine.speculative.draft_head import DraftHead, NativeDraftHead, shares_native_head
+from engine.speculative.verifier import Verifier
 
 
 def build_spec(

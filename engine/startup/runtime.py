@@ -11,9 +11,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.build.cache import make_cache, pin_model_file, startup_profile
-from engine.build.device import plan_device
-from engine.build.spec import build_spec
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes
 from engine.devices import cache_policy, weight_bytes
@@ -30,6 +27,9 @@ from engine.prompt.path import PromptPath
 from engine.report import Reporter
 from engine.runtime import Runtime
 from engine.session import Session
+from engine.startup.cache import make_cache, pin_model_file, startup_profile
+from engine.startup.device import plan_device
+from engine.startup.speculation import build_spec
 from engine.synth.demo import resolve_model
 from engine.token_graph import make_token_graph, token_graph_wanted
 

@@ -25,7 +25,7 @@ from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
 from engine.memory.planner import plan_startup
 from engine.memory.sizes import format_mib
 from engine.model.loader import Model
-from engine.profile_record import default_profile
+from engine.startup.profile_record import default_profile
 
 Sink = Callable[[str], None]
 
