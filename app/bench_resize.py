@@ -33,7 +33,7 @@ from app.scenes import wait_ready
 from app.store import Store
 from app.widgets.chat_log import ChatLog
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation, Message
+from engine.request.conversation import Conversation, Message
 
 START = (120, 40)
 SIZES = ((80, 24), (160, 48), (100, 30), (120, 40))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from markdown_it import MarkdownIt
 
-from engine.conversation import Conversation, Message, title_of
+from engine.request.conversation import Conversation, Message, title_of
 
 # OSC 52 sends the text base64-encoded through the terminal: past this many characters a copy
 # is refused with a notice (terminals cap the sequence, some freeze on megabytes)

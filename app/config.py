@@ -25,9 +25,9 @@ from engine.cli.options import (
     loan_flags,
 )
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Sampling
 from engine.errors import StrataError
-from engine.sampler import SamplingParams
+from engine.request.conversation import Sampling
+from engine.request.sampler import SamplingParams
 from engine.server.config import API_KEY_ENV
 from engine.synth.demo import is_model_name
 from engine.synth.model import PRESETS

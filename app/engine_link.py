@@ -31,7 +31,6 @@ from textual.message import Message
 
 from app.draft import Draft
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.errors import StrataError
 from engine.events import (
     CacheChanged,
@@ -44,7 +43,8 @@ from engine.events import (
     Token,
 )
 from engine.forecast import LoanVerdict
-from engine.sampler import SamplingParams
+from engine.request.conversation import Conversation
+from engine.request.sampler import SamplingParams
 from engine.serve import Reply, ServeLoop
 
 REFRESH_HZ = 10  # frames a second: each costs the UI thread 2-6 ms under the GIL at 120x40

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.store import Store, StoreError
-from engine.conversation import Conversation, Message
+from engine.request.conversation import Conversation, Message
 
 
 @dataclass(eq=False)

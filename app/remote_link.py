@@ -22,11 +22,11 @@ from textual.app import App
 from app.draft import Draft
 from app.engine_link import EngineLink
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.errors import FlagError, StrataError
 from engine.events import Token
 from engine.forecast import LoanVerdict
-from engine.sampler import SamplingParams
+from engine.request.conversation import Conversation
+from engine.request.sampler import SamplingParams
 from engine.serve import Reply, converse
 from engine.server.codec import (
     event_from_json,

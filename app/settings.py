@@ -24,9 +24,9 @@ from textual.theme import BUILTIN_THEMES
 from engine.atomic_file import aside_path, write_text_atomic
 from engine.bounded_input import InputFileError, read_capped
 from engine.config import REPEAT_MIN_CEILING, REPEAT_MIN_FLOOR, LoanFlags
-from engine.conversation import Sampling
 from engine.errors import FlagError, StrataError
-from engine.sampler import SamplingParams
+from engine.request.conversation import Sampling
+from engine.request.sampler import SamplingParams
 
 CONFIG_DIR_ENV = "STRATA_CONFIG_DIR"
 THEME_ENV = "TEXTUAL_THEME"  # Textual's own: set, it wins over the file as our options do

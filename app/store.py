@@ -48,9 +48,9 @@ from app.search import (
     substring_snippet,
 )
 from engine.atomic_file import aside_path
-from engine.conversation import ROLES, Conversation, Message, Sampling, title_of
 from engine.errors import FlagError, StrataError
-from engine.sampler import SamplingParams
+from engine.request.conversation import ROLES, Conversation, Message, Sampling, title_of
+from engine.request.sampler import SamplingParams
 
 DB_NAME = "conversations.sqlite3"
 # the input's Up/Down history: the newest prompts, and the characters of them kept in memory

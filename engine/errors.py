@@ -50,7 +50,7 @@ class LedgerError(StrataError):
 
 class TextTooLongError(StrataError):
     """Text with more bytes than a prompt of --ctx tokens can hold, refused before the chat
-    template or the tokenizer sees it (`engine.conversation.check_text_fits`)."""
+    template or the tokenizer sees it (`engine.request.conversation.check_text_fits`)."""
 
 
 class ContextFullError(StrataError):

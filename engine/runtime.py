@@ -33,9 +33,9 @@ from engine.model.loader import Model
 from engine.phases import PhaseClock
 from engine.prompt.path import PromptPath
 from engine.report import Reporter
-from engine.request import Progress, Request, decode_tokens
-from engine.sampler import Sampler
-from engine.session import Session
+from engine.request.record import Progress, Request, decode_tokens
+from engine.request.sampler import Sampler
+from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder
 from engine.timing import Timing
 from engine.token_graph import make_token_graph, token_graph_wanted

@@ -16,7 +16,6 @@ import numpy as np
 
 from engine import runtime_flags
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation, check_prompt_fits, check_text_fits
 from engine.devices import hardware_name
 from engine.errors import ContextFullError, FlagError, StrataError, TokenizerError
 from engine.events import (
@@ -45,15 +44,16 @@ from engine.forecast import (
     save_rates,
 )
 from engine.loan.transaction import REPEAT, STARTUP, admission
-from engine.request import Request
+from engine.request.conversation import Conversation, check_prompt_fits, check_text_fits
+from engine.request.record import Request
+from engine.request.sampler import Sampler, SamplingParams
+from engine.request.session import reusable
+from engine.request.stops import StopStrings
 from engine.request_workload import request_workload
 from engine.runtime import Runtime
-from engine.sampler import Sampler, SamplingParams
-from engine.session import reusable
 from engine.speculative import policy as draft_policy
 from engine.startup.cache import startup_profile
 from engine.startup.runtime import build_runtime
-from engine.stops import StopStrings
 from engine.synth.demo import cache_dir
 from engine.timing import Timing
 
@@ -459,7 +459,7 @@ class ServeLoop:
             if on_text:
                 on_text(text)
 
-    # -- the request's progress (engine.request.Progress) ----------------------------------
+    # -- the request's progress (engine.request.record.Progress) ----------------------------------
     def planned(self, req: Request) -> None:
         """The runtime chose the loan and the prompt geometry."""
         g = req.geometry

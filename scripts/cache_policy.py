@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import EngineOptions
-from engine.conversation import Conversation
 from engine.experts.admission import Admission
 from engine.experts.residency import ResidencyTable
-from engine.sampler import SamplingParams
+from engine.request.conversation import Conversation
+from engine.request.sampler import SamplingParams
 from engine.serve import ServeLoop
 from engine.synth.vocab import word_list
 

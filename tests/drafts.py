@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.sampler import Sampler
-from engine.session import Session
+from engine.request.sampler import Sampler
+from engine.request.session import Session
 from engine.speculative.draft import Draft, draft_token
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.request import Request
+from engine.request.record import Request
 from engine.runtime import Runtime
 
 

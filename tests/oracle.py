@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.model.loader import load_model
-from engine.session import Session
+from engine.request.session import Session
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

@@ -14,9 +14,9 @@ import httpx
 
 from engine.cli.options import options_argv
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.events import EventBus
-from engine.sampler import SamplingParams
+from engine.request.conversation import Conversation
+from engine.request.sampler import SamplingParams
 from engine.serve import ServeLoop
 from engine.server.config import ServerConfig
 from engine.server.runner import ServerThread

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from engine.config import EngineOptions
-from engine.conversation import Conversation
 from engine.errors import DeviceError, FlagError
 from engine.experts.admission import BUDGET, MARGIN, SEED, Admission, Move
 from engine.experts.cache import EMPTY, LENT, RESIDENT
-from engine.sampler import SamplingParams
+from engine.request.conversation import Conversation
+from engine.request.sampler import SamplingParams
 from engine.serve import ServeLoop
 from tests.test_expert_cache import BORROW, make_cache, make_host, order, slot_bytes
 

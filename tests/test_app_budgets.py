@@ -25,7 +25,6 @@ from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer, PromptInput
 from app.widgets.timing_panel import TimingPanel
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.errors import ContextFullError
 from engine.events import (
     EventBus,
@@ -38,6 +37,7 @@ from engine.events import (
 )
 from engine.faults import Faults, InjectedFault
 from engine.loan import guards
+from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 
 SIZE = (120, 40)

@@ -14,7 +14,7 @@ from app.bench_resize import PARAGRAPH
 from app.scenes import wait_ready
 from app.store import Store
 from app.widgets.chat_log import ChatLog, MessageView
-from engine.conversation import Conversation, Message
+from engine.request.conversation import Conversation, Message
 
 SMALL, MIDDLE, LARGE = (80, 24), (120, 40), (160, 48)
 N_EXCHANGES = 24

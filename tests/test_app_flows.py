@@ -26,9 +26,9 @@ from app.widgets.prompt_input import Composer, PromptInput, expand
 from app.widgets.timing_panel import TimingPanel
 from app.widgets.vram_bar import BLOCK, VramBar
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.events import PrefillProgress
 from engine.forecast import seconds_text
+from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 
 MAX_NEW = 8

@@ -18,7 +18,7 @@ from app.store import Store
 from app.widgets.chat_log import ChatLog
 from app.widgets.toggle import Toggle
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation, Message
+from engine.request.conversation import Conversation, Message
 
 SIZES = [(80, 24), (160, 48)]
 ANSWER = """The expert cache lends its tail to the prompt path:

@@ -27,8 +27,8 @@ from app.store import DB_NAME, SCHEMA_VERSION, Store
 from app.widgets.chat_log import SHOWN_CHARS, ChatLog, MessageView, ShowAll
 from app.widgets.prompt_input import Composer, PromptInput
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation, Message
 from engine.events import Event, EventBus, PrefillProgress, Token
+from engine.request.conversation import Conversation, Message
 from engine.serve import ServeLoop
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from app.screens import ConversationsScreen, OpenAt
 from app.search import SEARCH_LIMIT, fts_query, parse_snippet, substring_snippet
 from app.store import MIGRATIONS, SCHEMA_VERSION, Store
 from app.widgets.chat_log import MessageView
-from engine.conversation import Conversation, Message
+from engine.request.conversation import Conversation, Message
 
 
 def stored(store: Store, *texts: str, updated: float | None = None) -> Conversation:

@@ -35,9 +35,9 @@ from app.widgets.chat_settings import ChatSettingsScreen, SamplingForm
 from app.widgets.timing_panel import TimingPanel
 from engine.cli import OneLineParser
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation, Message, Sampling
 from engine.errors import FlagError
-from engine.sampler import SamplingParams
+from engine.request.conversation import Conversation, Message, Sampling
+from engine.request.sampler import SamplingParams
 from engine.serve import ServeLoop
 
 SIZE = (120, 40)

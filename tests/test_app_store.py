@@ -24,7 +24,7 @@ from app.store import (
     data_dir,
     export_markdown,
 )
-from engine.conversation import Conversation, Message
+from engine.request.conversation import Conversation, Message
 
 ROOT = Path(__file__).resolve().parents[1]
 DB = "conversations.sqlite3"
@@ -237,7 +237,7 @@ WRITER = """
     import sys, time
     from pathlib import Path
     from app.store import Store
-    from engine.conversation import Message
+    from engine.request.conversation import Message
 
     path, name, n, go = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     store = Store.open(path)
@@ -278,7 +278,7 @@ def test_a_prompt_is_on_disk_as_soon_as_append_returns(tmp_path: Path) -> None:
         import sys, time
         from pathlib import Path
         from app.store import Store
-        from engine.conversation import Conversation, Message
+        from engine.request.conversation import Conversation, Message
 
         store = Store.open(Path(sys.argv[1]))
         store.append(Conversation(), Message("user", "written before the crash"))
@@ -404,7 +404,7 @@ def test_kill_9_while_an_answer_streams_keeps_it_marked_interrupted(tmp_path: Pa
         import sys, time
         from pathlib import Path
         from app.store import Store
-        from engine.conversation import Conversation, Message
+        from engine.request.conversation import Conversation, Message
 
         store = Store.open(Path(sys.argv[1]))
         conv = Conversation()
@@ -491,7 +491,7 @@ READ_ONLY = """
     import sys
     from pathlib import Path
     from app.store import Store, StoreError
-    from engine.conversation import Message
+    from engine.request.conversation import Message
 
     store = Store.open(Path(sys.argv[1]))
     print(store.read_only)

@@ -4,9 +4,8 @@ worked out from the model's shapes), and the model holds no device-specific code
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import ast
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +18,9 @@ from engine.config import EngineOptions
 from engine.kv import KVCache
 from engine.memory.sizes import MiB
 from engine.model.loader import Model, load_model
-from engine.sampler import Sampler, SamplingParams
+from engine.request.sampler import Sampler, SamplingParams
+from engine.request.session import Session
 from engine.serve import ServeLoop
-from engine.session import Session
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams()
@@ -128,7 +127,7 @@ def test_the_sim_backend_implements_the_whole_protocol() -> None:
 
 
 DEVICE_CODE = ("engine/model", "engine/kv.py", "engine/experts", "engine/memory",
-               "engine/phases.py", "engine/session.py", "engine/prompt")
+               "engine/phases.py", "engine/request/session.py", "engine/prompt")
 
 
 def test_model_code_never_asks_which_device_it_runs_on() -> None:

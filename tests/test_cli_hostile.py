@@ -23,7 +23,7 @@ from engine.cli import main
 from engine.errors import FlagError
 from engine.experts.profile import ExpertProfile
 from engine.forecast import Observation, RatesError, load_rates
-from engine.sampler import MAX_SEED, Sampler, SamplingParams, distribution
+from engine.request.sampler import MAX_SEED, Sampler, SamplingParams, distribution
 
 
 def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineOptions
-from engine.conversation import Conversation
 from engine.gguf.hparams import read_hparams
 from engine.gguf.reader import open_gguf
-from engine.sampler import SamplingParams
+from engine.request.conversation import Conversation
+from engine.request.sampler import SamplingParams
 from engine.serve import ServeLoop
 from engine.synth.demo import resolve_model
 

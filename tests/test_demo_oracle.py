@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.conversation import Conversation
 from engine.gguf.strip_mtp import strip_mtp
 from engine.model.loader import load_model
-from engine.request import generate
-from engine.sampler import SamplingParams
-from engine.session import Session
+from engine.request.conversation import Conversation
+from engine.request.record import generate
+from engine.request.sampler import SamplingParams
+from engine.request.session import Session
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

@@ -10,14 +10,14 @@ import pytest
 from engine_helpers import host, prefill_request
 
 from engine.config import EngineOptions
-from engine.conversation import Conversation
 from engine.costs import Shapes, dense_bytes, head_bytes
 from engine.errors import FlagError
 from engine.gguf import names
 from engine.memory.arena import padded
 from engine.model.loader import load_model
 from engine.quant import QuantMatrix, keeps_quantized, row_bytes
-from engine.sampler import SamplingParams
+from engine.request.conversation import Conversation
+from engine.request.sampler import SamplingParams
 from engine.serve import ServeLoop
 from engine.speculative.draft_head import NativeDraftHead
 

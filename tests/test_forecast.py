@@ -14,7 +14,6 @@ import pytest
 
 from engine.bench import LOAN_ON, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.costs import Shapes, attention_flops, moe_flops, prefill_flops
 from engine.errors import FlagError
 from engine.events import EventBus, PlanChosen, RequestDone
@@ -43,6 +42,7 @@ from engine.forecast import (
 )
 from engine.loan.transaction import admission
 from engine.memory.plan_types import PromptGeometry
+from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 from engine.synth.model import PRESETS
 

@@ -20,7 +20,7 @@ from engine.kv import KVCache
 from engine.memory.sizes import MiB
 from engine.model.loader import load_model
 from engine.quant import ExpertLayout, row_bytes
-from engine.session import Session
+from engine.request.session import Session
 
 pytestmark = pytest.mark.gpu
 RNG = np.random.default_rng(11)

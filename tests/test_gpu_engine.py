@@ -10,8 +10,8 @@ import pytest
 from engine_helpers import host, prefill_request
 
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.events import EventBus, LoanStep
+from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 from engine.synth.model import PRESETS, write_model
 

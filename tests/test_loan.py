@@ -11,9 +11,9 @@ import pytest
 
 from engine.bench import LOAN_ON, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.events import EventBus, LoanStep, PrefillProgress
 from engine.faults import Faults, InjectedFault
+from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 
 OPTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 4, "prefill": "auto", "ctx": 4096}

@@ -17,9 +17,9 @@ from engine.model.loader import Model, load_model
 from engine.model.moe import moe_block
 from engine.model.mtp import MTPBlock, MTPExperts
 from engine.quant import dequantize
-from engine.request import generate
-from engine.sampler import SamplingParams
-from engine.session import Session
+from engine.request.record import generate
+from engine.request.sampler import SamplingParams
+from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder
 from engine.speculative.draft import MTPDraft
 from engine.speculative.draft_head import DraftHead, select_draft_ids

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineOptions
-from engine.conversation import Conversation
 from engine.events import EventBus, PlanChosen
 from engine.faults import Faults
+from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 from engine.startup.profile_record import calibration_text
 

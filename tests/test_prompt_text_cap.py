@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineOptions
-from engine.conversation import PROMPT_BYTES_PER_TOKEN, Conversation, check_text_fits
 from engine.errors import StrataError
+from engine.request.conversation import PROMPT_BYTES_PER_TOKEN, Conversation, check_text_fits
 from engine.serve import ServeLoop
 
 CTX = 256

@@ -30,10 +30,10 @@ from quant_corpus import IMATRIX_MIXES, MIXES, SOURCE, SOURCE_BF16, corpus_file,
 from engine.bench import LOAN_ON, prompt_tokens
 from engine.cli import main
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.events import EventBus, LoanStep
 from engine.gguf.reader import open_gguf
 from engine.gguf.type_mix import type_mix
+from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 from engine.synth.model import synth_tensors
 

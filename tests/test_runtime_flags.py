@@ -9,10 +9,10 @@ import pytest
 from engine import runtime_flags
 from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.devices import deferred_regions
 from engine.events import EventBus, FlagsChanged, FlagsRefused, LoanStep, PlanChosen
 from engine.faults import Faults, InjectedFault
+from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 
 

@@ -15,8 +15,8 @@ import openai
 import pytest
 from servers import FLAGS, LOAN, Running, run_argv, running, strata
 
-from engine.conversation import Conversation
 from engine.events import LoanStep, RequestDone
+from engine.request.conversation import Conversation
 from engine.server.codec import event_from_json
 
 WATER = "What does 'water' mean?"

@@ -26,9 +26,9 @@ from app.widgets.timing_panel import TimingPanel
 from app.widgets.vram_bar import VramBar
 from engine.cli import OneLineParser
 from engine.config import EngineOptions, LoanFlags
-from engine.conversation import Conversation
 from engine.errors import StrataError
 from engine.events import EventBus, PrefillProgress, RequestDone
+from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 from engine.server.config import ServerConfig
 from engine.server.runner import ServerThread

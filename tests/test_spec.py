@@ -13,9 +13,9 @@ from drafts import AdversarialDraft, TargetDraft
 from engine.cli.bench_spec import bench, format_table, parse_specs
 from engine.errors import FlagError
 from engine.model.loader import Model, load_model
-from engine.request import generate
-from engine.sampler import Sampler, SamplingParams
-from engine.session import Session
+from engine.request.record import generate
+from engine.request.sampler import Sampler, SamplingParams
+from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder, rejection_step, speculative_accept
 from engine.speculative.verifier import Verifier
 from engine.timing import Timing

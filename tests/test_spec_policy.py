@@ -10,9 +10,9 @@ import pytest
 from drafts import AdversarialDraft
 
 from engine.model.loader import Model, load_model
-from engine.request import generate
-from engine.sampler import SamplingParams
-from engine.session import Session
+from engine.request.record import generate
+from engine.request.sampler import SamplingParams
+from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder
 from engine.speculative.policy import DRAFT, PLAIN, PROBE_SHARE, DraftPolicy
 from engine.speculative.verifier import Verifier

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineOptions
-from engine.conversation import Conversation
+from engine.request.conversation import Conversation
+from engine.request.stops import StopStrings
 from engine.serve import ServeLoop
-from engine.stops import StopStrings
 
 
 def stream(stops: list[str], pieces: list[str]) -> tuple[str, str | None]:

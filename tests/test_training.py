@@ -141,7 +141,7 @@ def test_the_pytorch_model_computes_what_the_engine_computes(tmp_path: Path) -> 
     torch = pytest.importorskip("torch")
     from engine.model.loader import load_model
     from engine.model.mtp import MTPBlock
-    from engine.session import Session
+    from engine.request.session import Session
     from engine.speculative.draft_head import DraftHead
     from engine.synth.model import synth_tensors, write_gguf
     from engine.synth.vocab import build_vocab

@@ -14,8 +14,8 @@ import random
 from pathlib import Path
 
 from engine.config import EngineOptions
-from engine.conversation import Conversation
-from engine.sampler import SamplingParams
+from engine.request.conversation import Conversation
+from engine.request.sampler import SamplingParams
 from engine.serve import ServeLoop
 from training import acceptance, unknown, wordnet
 from training.acceptance import QUESTION, rate

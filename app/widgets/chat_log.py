@@ -25,7 +25,7 @@ from textual.widgets import Label, Markdown, Static
 
 from app.chat_actions import CodeBlock, code_blocks, copy_notice, copy_refusal
 from app.widgets.answer_stream import AnswerStream, StreamTail
-from engine.conversation import Conversation
+from engine.request.conversation import Conversation
 
 USER_PREVIEW_LINES = 12
 # a message longer than this shows its start until asked: drawing 50 MB of Markdown took 35 s

@@ -21,9 +21,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Checkbox, Input, Label, TextArea
 
 from engine.cli.options import integer, number
-from engine.conversation import Sampling, check_text_fits
 from engine.errors import FlagError, StrataError
-from engine.sampler import SamplingParams
+from engine.request.conversation import Sampling, check_text_fits
+from engine.request.sampler import SamplingParams
 
 # (field id, label, parser of its text, Input type)
 FIELDS: tuple[tuple[str, str, Callable[[str], float], str], ...] = (

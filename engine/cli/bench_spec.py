@@ -20,9 +20,9 @@ from engine.errors import FlagError, StrataError
 from engine.experts.provider import DirectExperts
 from engine.gguf.tokenizer import TokenType
 from engine.model.loader import load_model
-from engine.request import generate
-from engine.sampler import SamplingParams
-from engine.session import Session
+from engine.request.record import generate
+from engine.request.sampler import SamplingParams
+from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder, check_spec
 from engine.synth.demo import resolve_model
 from engine.timing import Timing

@@ -10,7 +10,7 @@ import numpy as np
 from engine.cli.options import integer
 from engine.errors import StrataError
 from engine.model.loader import load_model
-from engine.session import Session
+from engine.request.session import Session
 from engine.synth.demo import resolve_model
 
 

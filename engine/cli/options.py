@@ -10,7 +10,7 @@ from dataclasses import fields
 from engine.backend.array_ops import KV_KINDS
 from engine.config import CACHE_POLICIES, DENSE_FORMATS, EngineOptions, LoanFlags, parse_auto_int
 from engine.errors import FlagError
-from engine.sampler import SamplingParams
+from engine.request.sampler import SamplingParams
 
 # ASCII only: int() and float() also take '1_000', ' 7 ' and Unicode digits such as '١٢'
 _INTEGER = re.compile(r"[+-]?[0-9]+")

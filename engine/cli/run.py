@@ -17,11 +17,11 @@ from engine.cli.options import (
     loan_flags,
     sampling_params,
 )
-from engine.conversation import Conversation
 from engine.devices import peak_sampler, vram_limit_bytes
 from engine.errors import StrataError
 from engine.memory.sizes import MiB
 from engine.process_memory import MemoryReading
+from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 
 

@@ -25,10 +25,10 @@ from engine.cli.options import (
     sampling_params,
 )
 from engine.cli.run import stderr_line
-from engine.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.errors import StrataError
 from engine.events import EventBus
 from engine.memory.sizes import MiB, format_mib
+from engine.request.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.serve import ServeLoop
 from engine.server.config import API_KEY_ENV, ServerConfig
 from engine.server.runner import ServerThread

@@ -25,7 +25,7 @@ from engine.memory.ring import StagingRing, split_prompt_buffer
 from engine.model.transformer import PromptChunk
 from engine.phases import PhaseClock
 from engine.report import Reporter
-from engine.session import Session
+from engine.request.session import Session
 
 
 @dataclass(frozen=True)

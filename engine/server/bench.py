@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import httpx
 
 from engine.errors import StrataError
-from engine.sampler import SamplingParams
+from engine.request.sampler import SamplingParams
 
 # `strata run`'s timing line: "prompt P tokens = ... read in X ms (...), G generated in Z ms"
 TIMING = re.compile(r"read in (\d+) ms .*?(\d+) generated in (\d+) ms")

@@ -6,10 +6,10 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
-from engine.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.errors import FlagError
 from engine.memory.sizes import MiB
-from engine.sampler import SamplingParams
+from engine.request.conversation import PROMPT_BYTES_PER_TOKEN
+from engine.request.sampler import SamplingParams
 
 API_KEY_ENV = "STRATA_API_KEY"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")

@@ -34,7 +34,7 @@ from starlette.types import ASGIApp
 from engine import runtime_flags
 from engine.errors import FlagError, StrataError
 from engine.events import CacheChanged, Event, LedgerChanged, Ready
-from engine.sampler import SamplingParams
+from engine.request.sampler import SamplingParams
 from engine.server import codec, sse
 from engine.server.completions import chat_completions
 from engine.server.feed import EventFeed

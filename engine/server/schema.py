@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.errors import FlagError, StrataError
-from engine.sampler import SamplingParams
+from engine.request.sampler import SamplingParams
 
 MAX_STOPS = 4  # OpenAI's limit on `stop`
 MAX_SEED = 2**63 - 1

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 import anyio
 from starlette.requests import Request
 
-from engine.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.events import EventBus
+from engine.request.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.serve import ServeLoop
 from engine.server.admission import Admission
 from engine.server.config import ServerConfig

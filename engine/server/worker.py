@@ -20,9 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.conversation import Conversation
 from engine.errors import StrataError
 from engine.events import Event, PrefillProgress, RequestStarted
+from engine.request.conversation import Conversation
 from engine.serve import Reply, ServeLoop
 from engine.server.schema import ChatRequest, RequestError
 from engine.timing import Timing

@@ -20,7 +20,7 @@ next draft or after the reply (`settle`); after each verify the block runs over 
 positions, whose hidden the verifier holds, and that same pass yields the next step's first
 draft.
 
-A request calls `begin` (engine.request.prompt_start) -> prefill with `collect` on each
+A request calls `begin` (engine.request.record.prompt_start) -> prefill with `collect` on each
 chunk -> `decode` -> `settle` once the reply's timing is taken.
 """
 
@@ -38,8 +38,8 @@ from engine.backend.base import Backend
 from engine.errors import FlagError, StrataError
 from engine.model.loader import Model
 from engine.model.mtp import MTPBlock
-from engine.sampler import Sampler, SamplingParams, distribution
-from engine.session import Session
+from engine.request.sampler import Sampler, SamplingParams, distribution
+from engine.request.session import Session
 from engine.speculative.draft import Draft, DraftSource, MTPDraft
 from engine.speculative.draft_head import draft_head_of
 from engine.speculative.policy import LEND_MIN_STEPS, DraftPolicy

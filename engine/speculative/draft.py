@@ -12,8 +12,8 @@ import numpy as np
 
 from engine.kv import KVCache
 from engine.model.mtp import MTPBlock
-from engine.sampler import Sampler, distribution
-from engine.session import Session
+from engine.request.sampler import Sampler, distribution
+from engine.request.session import Session
 
 MTP_CHUNK = 2048  # cells per MTP pass when catching up over a prompt (its passes each read the
 # whole context's K/V: at 31k tokens 512-cell passes took ~1 s of the first 128 tokens' decode)

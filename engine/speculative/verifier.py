@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from engine.model.loader import Model
-from engine.session import Session
+from engine.request.session import Session
 
 Alloc = Callable[[tuple[int, ...], Any], Any]
 

@@ -25,8 +25,8 @@ from engine.memory.ledger import Ledger
 from engine.model.loader import load_model
 from engine.prompt.path import PromptPath
 from engine.report import Reporter
+from engine.request.session import Session
 from engine.runtime import Runtime
-from engine.session import Session
 from engine.startup.cache import make_cache, pin_model_file, startup_profile
 from engine.startup.device import plan_device
 from engine.startup.speculation import build_spec

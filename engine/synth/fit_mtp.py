@@ -40,7 +40,7 @@ from engine.model.attention import attention_block
 from engine.model.loader import Model, load_model
 from engine.model.mtp import MTPBlock, require_mtp
 from engine.quant import ExpertLayout, dequantize
-from engine.session import Session
+from engine.request.session import Session
 from engine.speculative.draft_head import DraftHead
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.errors import ContextFullError, FlagError, TextTooLongError
-from engine.sampler import SamplingParams
+from engine.request.sampler import SamplingParams
 
 TITLE_CHARS = 60
 ROLES = ("system", "user", "assistant")

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.memory.plan_types import PromptGeometry
-from engine.sampler import Sampler, SamplingParams
-from engine.session import Session
+from engine.request.sampler import Sampler, SamplingParams
+from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder
 from engine.timing import Timing
 

@@ -1,6 +1,6 @@
 """A generation session: one model, one KV cache, the tokens it holds, and the decode loop.
 
-A request's pipeline (`engine.request`) adds the reuse rule and speculative decoding on top,
+A request's pipeline (`engine.request.record`) adds the reuse rule and speculative decoding on top,
 the runtime the VRAM loan and the prompt path; this module is prefill and plain decoding.
 """
 
@@ -20,9 +20,8 @@ from engine.kv import KVCache
 from engine.memory.plan_types import chunk_count
 from engine.model.loader import Model
 from engine.model.transformer import ForwardResult, PromptChunk
-from engine.sampler import Sampler
+from engine.request.sampler import Sampler
 from engine.timing import Timing
-
 
 # A forward of at most this many rows is a decode step (one token, or a speculative window):
 # what `Session.on_step` is told about. Prompt chunks are longer (or short and harmless).
