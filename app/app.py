@@ -47,9 +47,9 @@ from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import FlagError, StrataError
-from engine.events import Event, Loading, PrefillProgress, Ready, Token
 from engine.forecast import LoanVerdict
 from engine.request.conversation import Conversation, Message, Sampling
+from engine.trace.events import Event, Loading, PrefillProgress, Ready, Token
 
 NARROW_COLUMNS = 100  # below this a compact strip stands for the dashboard; F2 shows it above
 NARROW_DASHBOARD_HEIGHT = "55%"  # of the screen below the header, when F2 shows it there

@@ -41,7 +41,7 @@ from app.widgets.timing_panel import TimingPanel
 from engine.cli import OneLineParser, build_parser
 from engine.cli.options import engine_options, options_argv, sampling_params
 from engine.errors import StrataError
-from engine.events import Event, RequestDone, Token
+from engine.trace.events import Event, RequestDone, Token
 
 DEFAULT_PROMPT = "Tell me how the expert cache lends its tail to the prompt path."
 SIZE = (120, 40)

@@ -32,7 +32,11 @@ from textual.message import Message
 from app.draft import Draft
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import StrataError
-from engine.events import (
+from engine.forecast import LoanVerdict
+from engine.request.conversation import Conversation
+from engine.request.sampler import SamplingParams
+from engine.serve import Reply, ServeLoop
+from engine.trace.events import (
     CacheChanged,
     Event,
     EventBus,
@@ -42,10 +46,6 @@ from engine.events import (
     RequestDone,
     Token,
 )
-from engine.forecast import LoanVerdict
-from engine.request.conversation import Conversation
-from engine.request.sampler import SamplingParams
-from engine.serve import Reply, ServeLoop
 
 REFRESH_HZ = 10  # frames a second: each costs the UI thread 2-6 ms under the GIL at 120x40
 VIEWS_WHILE_STREAMING_S = 2.0  # nvitop redraws every 2 s by default

@@ -23,7 +23,6 @@ from app.draft import Draft
 from app.engine_link import EngineLink
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import FlagError, StrataError
-from engine.events import Token
 from engine.forecast import LoanVerdict
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
@@ -35,7 +34,8 @@ from engine.server.codec import (
     options_from_json,
     verdict_from_json,
 )
-from engine.timing import Timing
+from engine.trace.events import Token
+from engine.trace.timing import Timing
 
 RETRY_S = 1.0  # between tries while the server loads, or after its event stream ends
 SYNC_TIMEOUT_S = 3.0  # flags and token counts are asked on the UI thread: kept short

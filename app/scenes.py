@@ -18,7 +18,7 @@ from app.config import APP_DEFAULTS, APP_FLAGS, ChatConfig
 from app.store import Store
 from app.widgets.prompt_input import Composer, PromptInput
 from engine.config import EngineOptions, LoanFlags
-from engine.events import PrefillProgress
+from engine.trace.events import PrefillProgress
 
 SIZE = (120, 40)
 PNG_FONT = "DejaVu Sans Mono"  # Debian: fonts-dejavu-core

@@ -19,7 +19,7 @@ from textual.widgets.option_list import Option
 from app.search import SEARCH_CHARS, Found, SearchHit
 from app.store import ConversationInfo, StoreError
 from app.widgets.chat_log import printable
-from engine.events import Loading
+from engine.trace.events import Loading
 
 HELP = """\
 # strata chat

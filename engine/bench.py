@@ -34,11 +34,11 @@ from engine.backend import SimBackend
 from engine.config import REPEAT_MIN_FLOOR, EngineOptions, LoanFlags
 from engine.costs import Shapes, prefill_flops
 from engine.devices import peak_sampler, vram_limit_bytes
-from engine.events import EventBus, PlanChosen, TraceLine
 from engine.memory.sizes import MiB
 from engine.process_memory import DEVICE, PROCESS, MemoryReading, PeakSampler
 from engine.serve import ServeLoop
 from engine.startup.profile_record import calibration_text
+from engine.trace.events import EventBus, PlanChosen, TraceLine
 
 SIMULATED = "simulated device"  # the peak's source on the sim backend
 PEAK_HEADERS = {  # the peak column's header by where the peak was read

@@ -29,9 +29,9 @@ from pathlib import Path
 from engine.bench import LOAN_ON, WARMUP_NEW, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import hardware_name, resolve_device
-from engine.events import EventBus
 from engine.forecast import PARTS, Rates
 from engine.serve import ServeLoop
+from engine.trace.events import EventBus
 
 LOAN_FLAGS = LOAN_ON.with_changes(repeat_min_tokens=256)  # every measured size takes the loan
 CONFIGS = ("startup loan", "loan off", "repeat loan")

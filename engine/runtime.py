@@ -14,7 +14,6 @@ from typing import Any, Self
 
 from engine.backend.base import Backend
 from engine.config import EngineOptions, LoanFlags
-from engine.events import Ready
 from engine.experts.cache import ExpertCache
 from engine.experts.provider import CachedExperts
 from engine.faults import Faults
@@ -30,15 +29,16 @@ from engine.memory.plan_types import (
 )
 from engine.memory.sizes import format_mib
 from engine.model.loader import Model
-from engine.phases import PhaseClock
 from engine.prompt.path import PromptPath
-from engine.report import Reporter
 from engine.request.record import Progress, Request, decode_tokens
 from engine.request.sampler import Sampler
 from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder
-from engine.timing import Timing
 from engine.token_graph import make_token_graph, token_graph_wanted
+from engine.trace.events import Ready
+from engine.trace.phases import PhaseClock
+from engine.trace.report import Reporter
+from engine.trace.timing import Timing
 
 
 @dataclass(eq=False)

@@ -18,17 +18,6 @@ from engine import runtime_flags
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import hardware_name
 from engine.errors import ContextFullError, FlagError, StrataError, TokenizerError
-from engine.events import (
-    EventBus,
-    FlagsChanged,
-    FlagsRefused,
-    PlanChosen,
-    PrefillProgress,
-    RequestDone,
-    RequestStarted,
-    Token,
-    TraceLine,
-)
 from engine.experts.provider import StreamCounters
 from engine.faults import Faults
 from engine.forecast import (
@@ -55,7 +44,18 @@ from engine.speculative import policy as draft_policy
 from engine.startup.cache import startup_profile
 from engine.startup.runtime import build_runtime
 from engine.synth.demo import cache_dir
-from engine.timing import Timing
+from engine.trace.events import (
+    EventBus,
+    FlagsChanged,
+    FlagsRefused,
+    PlanChosen,
+    PrefillProgress,
+    RequestDone,
+    RequestStarted,
+    Token,
+    TraceLine,
+)
+from engine.trace.timing import Timing
 
 
 class Cancelled(StrataError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from engine.events import Event, EventBus
+from engine.trace.events import Event, EventBus
 
 
 class Gate:

@@ -14,13 +14,13 @@ import httpx
 
 from engine.cli.options import options_argv
 from engine.config import EngineOptions, LoanFlags
-from engine.events import EventBus
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
 from engine.serve import ServeLoop
 from engine.server.config import ServerConfig
 from engine.server.runner import ServerThread
 from engine.server.service import Service
+from engine.trace.events import EventBus
 
 # the loan on: the serve path, elastic segments, MTP drafts, every loan flag; small context
 LOAN = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 2, "ctx": 1024, "prefill": 256}

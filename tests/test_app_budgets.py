@@ -26,7 +26,11 @@ from app.widgets.prompt_input import Composer, PromptInput
 from app.widgets.timing_panel import TimingPanel
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import ContextFullError
-from engine.events import (
+from engine.faults import Faults, InjectedFault
+from engine.loan import guards
+from engine.request.conversation import Conversation
+from engine.serve import ServeLoop
+from engine.trace.events import (
     EventBus,
     FlagsRefused,
     LoanStep,
@@ -35,10 +39,6 @@ from engine.events import (
     RequestStarted,
     TraceLine,
 )
-from engine.faults import Faults, InjectedFault
-from engine.loan import guards
-from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
 
 SIZE = (120, 40)
 CHUNK = 16  # --prefill 16: a 200-line paste is many chunks

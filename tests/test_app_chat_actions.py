@@ -27,8 +27,8 @@ from app.scenes import wait_ready, wait_until
 from app.store import Store
 from app.widgets.chat_log import MessageView
 from app.widgets.prompt_input import Composer
-from engine.events import RequestDone, RequestStarted
 from engine.request.conversation import Conversation, Message
+from engine.trace.events import RequestDone, RequestStarted
 
 ANSWER_WITH_CODE = (
     "Two ways:\n\n```python\nprint(1)\n```\n\n- or in a list:\n\n  ```sh\n  ls -l\n  ```\n"

@@ -32,7 +32,8 @@ from app.widgets.request_label import RequestLabel
 from app.widgets.spark import LEVELS, spark, squeeze
 from app.widgets.timing_panel import TimingPanel
 from engine.config import EngineOptions, LoanFlags
-from engine.events import (
+from engine.telemetry import GpuSnapshot
+from engine.trace.events import (
     CacheChanged,
     Event,
     GpuStats,
@@ -45,7 +46,6 @@ from engine.events import (
     RequestDone,
     RequestStarted,
 )
-from engine.telemetry import GpuSnapshot
 
 CAPACITY = 64 * MIB
 SEGMENT = 2 * MIB

@@ -26,10 +26,10 @@ from app.widgets.prompt_input import Composer, PromptInput, expand
 from app.widgets.timing_panel import TimingPanel
 from app.widgets.vram_bar import BLOCK, VramBar
 from engine.config import EngineOptions, LoanFlags
-from engine.events import PrefillProgress
 from engine.forecast import seconds_text
 from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
+from engine.trace.events import PrefillProgress
 
 MAX_NEW = 8
 SIZE = (120, 40)

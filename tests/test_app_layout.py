@@ -33,8 +33,8 @@ from app.widgets.flags_panel import SWITCHES, FlagsPanel
 from app.widgets.prompt_input import PromptInput
 from app.widgets.toggle import OFF, ON, Toggle
 from engine.config import EngineOptions, LoanFlags
-from engine.events import RequestDone
 from engine.request.conversation import Conversation, Message
+from engine.trace.events import RequestDone
 
 SMALL, LARGE = (80, 24), (160, 48)
 ROOT = Path(__file__).resolve().parents[1]

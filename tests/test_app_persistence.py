@@ -27,9 +27,9 @@ from app.store import DB_NAME, SCHEMA_VERSION, Store
 from app.widgets.chat_log import SHOWN_CHARS, ChatLog, MessageView, ShowAll
 from app.widgets.prompt_input import Composer, PromptInput
 from engine.config import EngineOptions, LoanFlags
-from engine.events import Event, EventBus, PrefillProgress, Token
 from engine.request.conversation import Conversation, Message
 from engine.serve import ServeLoop
+from engine.trace.events import Event, EventBus, PrefillProgress, Token
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,7 @@ APP_KILLED_MID_REQUEST = """
     from app.scenes import wait_ready
     from app.store import DB_NAME, Store
     from engine.config import EngineOptions, LoanFlags
-    from engine.events import PrefillProgress
+    from engine.trace.events import PrefillProgress
 
     config = ChatConfig(EngineOptions(model="tiny"), LoanFlags(), max_new=8)
     app = StrataApp(config, store=Store.open(Path(sys.argv[1]) / DB_NAME))
@@ -348,7 +348,7 @@ APP_STREAMING = """
     from app.scenes import wait_ready
     from app.store import DB_NAME, Store
     from engine.config import EngineOptions, LoanFlags
-    from engine.events import Token
+    from engine.trace.events import Token
 
     config = ChatConfig(EngineOptions(model="tiny"), LoanFlags(), max_new=8)
     app = StrataApp(config, store=Store.open(Path(sys.argv[1]) / DB_NAME))

@@ -37,7 +37,7 @@ from app.screens import ConversationsScreen
 from app.store import Store
 from app.widgets.chat_settings import ChatSettingsScreen
 from app.widgets.prompt_input import Composer
-from engine.events import (
+from engine.trace.events import (
     Event,
     EventBus,
     LoanStep,

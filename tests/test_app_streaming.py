@@ -24,7 +24,7 @@ from app.scenes import wait_ready, wait_until
 from app.widgets.answer_stream import BlockCutter, open_block_start
 from app.widgets.chat_log import ChatLog, MessageView, printable
 from engine.config import EngineOptions, LoanFlags
-from engine.events import CacheChanged, LedgerChanged, RequestDone, Token, TraceLine
+from engine.trace.events import CacheChanged, LedgerChanged, RequestDone, Token, TraceLine
 
 PIECES = ["```", "~~~", "````", "py", "x = 1", "\n", "\n\n", "# Title", "- item", "1. one",
           "text", " ", "`", "> quote", "    indented", "| a | b |", "|---|---|", "**b**"]

@@ -34,7 +34,7 @@ from app.widgets.segment_map import SegmentMap
 from app.widgets.slot_map import SlotMap
 from app.widgets.timing_panel import TimingPanel
 from app.widgets.vram_bar import BLOCK, VramBar, bar_cells
-from engine.events import (
+from engine.trace.events import (
     CacheChanged,
     Event,
     FlagsRefused,
@@ -333,8 +333,8 @@ def test_flow_never_splits_an_item() -> None:
 
 def test_gpu_panel_appears_with_nvml_readings() -> None:
     from app.widgets.gpu_panel import GpuPanel
-    from engine.events import GpuStats
     from engine.telemetry import GpuSnapshot
+    from engine.trace.events import GpuStats
 
     snap = GpuSnapshot(
         index=0, name="NVIDIA H200", driver_version="580", memory_api="v2",

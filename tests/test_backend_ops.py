@@ -127,7 +127,7 @@ def test_the_sim_backend_implements_the_whole_protocol() -> None:
 
 
 DEVICE_CODE = ("engine/model", "engine/kv.py", "engine/experts", "engine/memory",
-               "engine/phases.py", "engine/request/session.py", "engine/prompt")
+               "engine/trace/phases.py", "engine/request/session.py", "engine/prompt")
 
 
 def test_model_code_never_asks_which_device_it_runs_on() -> None:
@@ -160,5 +160,5 @@ def test_model_code_never_asks_which_device_it_runs_on() -> None:
 
 
 def _is_context_var(node: ast.expr) -> bool:
-    """`_ACTIVE.get()`: engine.phases reads its ContextVar, not a device array."""
+    """`_ACTIVE.get()`: engine.trace.phases reads its ContextVar, not a device array."""
     return isinstance(node, ast.Name) and node.id == "_ACTIVE"

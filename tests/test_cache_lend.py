@@ -189,7 +189,7 @@ def test_off_by_default_the_mtp_regions_stay_resident(random_demo_path: Path,
     """With no STRATA_PREFILL_* variable and no --cache-lend, the default path is unchanged: a
     long plain span lends nothing, the MTP regions never leave the ledger, and no line says
     'strata loan:' or 'strata lend:'."""
-    from engine.events import EventBus, LedgerChanged
+    from engine.trace.events import EventBus, LedgerChanged
 
     for var in [v for v in os.environ if v.startswith("STRATA_PREFILL_")]:
         monkeypatch.delenv(var)

@@ -10,8 +10,8 @@ import pytest
 
 from engine.bench import LOAN_ON, SCENARIOS, SIMULATED, run_once, scenario
 from engine.config import EngineOptions
-from engine.events import EventBus, LedgerChanged
 from engine.serve import ServeLoop
+from engine.trace.events import EventBus, LedgerChanged
 
 
 def test_close_empties_the_ledger_and_the_device_and_is_idempotent(tiny_path: Path) -> None:

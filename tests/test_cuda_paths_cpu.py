@@ -183,7 +183,7 @@ def test_an_upload_into_a_released_slot_waits_only_for_its_readers() -> None:
 
 
 def test_phase_clock_sums_laps_per_phase() -> None:
-    from engine.phases import PhaseClock
+    from engine.trace.phases import PhaseClock
 
     clock = PhaseClock(SimBackend(1 * MiB))
     clock.lap("ignored")  # no mark yet: nothing to close
@@ -197,7 +197,7 @@ def test_phase_clock_sums_laps_per_phase() -> None:
 
 
 def test_kernel_laps_mark_the_active_clock_only() -> None:
-    from engine import phases
+    from engine.trace import phases
 
     clock = phases.PhaseClock(SimBackend(1 * MiB))
     clock.start()

@@ -16,7 +16,6 @@ from engine.bench import LOAN_ON, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes, attention_flops, moe_flops, prefill_flops
 from engine.errors import FlagError
-from engine.events import EventBus, PlanChosen, RequestDone
 from engine.experts.profile import ExpertProfile
 from engine.forecast import (
     AUTO_MARGIN,
@@ -45,6 +44,7 @@ from engine.memory.plan_types import PromptGeometry
 from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 from engine.synth.model import PRESETS
+from engine.trace.events import EventBus, PlanChosen, RequestDone
 
 OPTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 4, "prefill": "auto",
         "ctx": 4096}
@@ -489,7 +489,7 @@ def test_a_question_during_a_loan_sees_the_engine_between_requests(demo_path: Pa
     lent slots and released regions are not the engine's resting state)."""
     import threading
 
-    from engine.events import PrefillProgress
+    from engine.trace.events import PrefillProgress
 
     bus = EventBus()
     reached, release = threading.Event(), threading.Event()

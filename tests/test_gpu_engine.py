@@ -10,10 +10,10 @@ import pytest
 from engine_helpers import host, prefill_request
 
 from engine.config import EngineOptions, LoanFlags
-from engine.events import EventBus, LoanStep
 from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 from engine.synth.model import PRESETS, write_model
+from engine.trace.events import EventBus, LoanStep
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")

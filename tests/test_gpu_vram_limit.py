@@ -13,12 +13,12 @@ import pytest
 from test_gpu_engine import LOAN, cupy, mid_path  # noqa: F401 - the fixture, and skips without a GPU
 
 from engine.config import EngineOptions
-from engine.events import EventBus, LedgerChanged, LoanStep
 from engine.memory.budget import GROWTH_MARGIN_BYTES
 from engine.memory.sizes import GiB, MiB
 from engine.process_memory import PROCESS, PeakSampler, ProcessMemory
 from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
+from engine.trace.events import EventBus, LedgerChanged, LoanStep
 
 pytestmark = pytest.mark.gpu
 

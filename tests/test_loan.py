@@ -11,10 +11,10 @@ import pytest
 
 from engine.bench import LOAN_ON, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
-from engine.events import EventBus, LoanStep, PrefillProgress
 from engine.faults import Faults, InjectedFault
 from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
+from engine.trace.events import EventBus, LoanStep, PrefillProgress
 
 OPTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 4, "prefill": "auto", "ctx": 4096}
 FLAGS = LoanFlags.make(**{**LOAN_ON.as_kwargs(), "repeat_min_tokens": 256})

@@ -25,7 +25,7 @@ from engine.speculative.draft import MTPDraft
 from engine.speculative.draft_head import DraftHead, select_draft_ids
 from engine.speculative.verifier import Verifier
 from engine.synth.fit_mtp import fit_mtp
-from engine.timing import Timing
+from engine.trace.timing import Timing
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineOptions
-from engine.events import EventBus, PlanChosen
 from engine.faults import Faults
 from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 from engine.startup.profile_record import calibration_text
+from engine.trace.events import EventBus, PlanChosen
 
 
 def loop_for(path: Path, **kw: object) -> ServeLoop:

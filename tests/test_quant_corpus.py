@@ -30,12 +30,12 @@ from quant_corpus import IMATRIX_MIXES, MIXES, SOURCE, SOURCE_BF16, corpus_file,
 from engine.bench import LOAN_ON, prompt_tokens
 from engine.cli import main
 from engine.config import EngineOptions, LoanFlags
-from engine.events import EventBus, LoanStep
 from engine.gguf.reader import open_gguf
 from engine.gguf.type_mix import type_mix
 from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 from engine.synth.model import synth_tensors
+from engine.trace.events import EventBus, LoanStep
 
 REL_TOL = 0.03
 # every quantized type the corpus files hold (the README's list is checked against it)

@@ -10,10 +10,10 @@ from engine import runtime_flags
 from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import deferred_regions
-from engine.events import EventBus, FlagsChanged, FlagsRefused, LoanStep, PlanChosen
 from engine.faults import Faults, InjectedFault
 from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
+from engine.trace.events import EventBus, FlagsChanged, FlagsRefused, LoanStep, PlanChosen
 
 
 def test_prefill_and_spec_change_between_requests(demo_path: Path) -> None:

@@ -15,9 +15,9 @@ import openai
 import pytest
 from servers import FLAGS, LOAN, Running, run_argv, running, strata
 
-from engine.events import LoanStep, RequestDone
 from engine.request.conversation import Conversation
 from engine.server.codec import event_from_json
+from engine.trace.events import LoanStep, RequestDone
 
 WATER = "What does 'water' mean?"
 TIMING = re.compile(r"prompt (\d+) tokens = (\d+) reused.*?, (\d+) generated")

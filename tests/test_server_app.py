@@ -27,12 +27,12 @@ from app.widgets.vram_bar import VramBar
 from engine.cli import OneLineParser
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import StrataError
-from engine.events import EventBus, PrefillProgress, RequestDone
 from engine.request.conversation import Conversation
 from engine.serve import ServeLoop
 from engine.server.config import ServerConfig
 from engine.server.runner import ServerThread
 from engine.server.service import Service
+from engine.trace.events import EventBus, PrefillProgress, RequestDone
 
 MAX_NEW = 12
 

@@ -18,7 +18,7 @@ from gates import Gate
 from servers import fresh_answer, run_argv, running, strata
 from test_gpu_engine import LOAN, mid_path  # noqa: F401 - the fixture, and skips without a GPU
 
-from engine.events import RequestDone, Token
+from engine.trace.events import RequestDone, Token
 
 pytestmark = pytest.mark.gpu
 OPTIONS = {"device": "cuda", "ctx": 4096, "serve": True, "vram_elastic": True, "mtp": True,

@@ -30,8 +30,8 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from engine.events import RequestStarted, Token
 from engine.server.routes import LastResort
+from engine.trace.events import RequestStarted, Token
 
 HI = [{"role": "user", "content": "hi"}]
 INTERNALS = re.compile(r"Traceback|RecursionError|OverflowError|TypeError|ValueError|unhashable|"

@@ -22,7 +22,7 @@ import pytest
 from gates import Gate
 from servers import Running, fresh_answer, running
 
-from engine.events import Event, LoanStep, PrefillProgress, RequestDone, Token
+from engine.trace.events import Event, LoanStep, PrefillProgress, RequestDone, Token
 
 PROMPTS = ["house", "What is a cat?", "What does 'water' mean?", "Synonyms of big?",
            "What is the opposite of 'hot'?"]

@@ -18,7 +18,7 @@ from engine.request.sampler import Sampler, SamplingParams
 from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder, rejection_step, speculative_accept
 from engine.speculative.verifier import Verifier
-from engine.timing import Timing
+from engine.trace.timing import Timing
 
 GREEDY = SamplingParams()
 # prompt lengths: a single token, shorter than a chunk, several chunks, and a longer one

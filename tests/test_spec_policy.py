@@ -16,7 +16,7 @@ from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder
 from engine.speculative.policy import DRAFT, PLAIN, PROBE_SHARE, DraftPolicy
 from engine.speculative.verifier import Verifier
-from engine.timing import Timing
+from engine.trace.timing import Timing
 
 GREEDY = SamplingParams()
 

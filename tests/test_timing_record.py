@@ -14,10 +14,10 @@ from app.engine_link import EngineLink
 from app.widgets.timing_panel import TimingPanel
 from engine.cli import main
 from engine.config import EngineOptions, LoanFlags
-from engine.events import RequestDone
 from engine.request.sampler import SamplingParams
 from engine.serve import ServeLoop
-from engine.timing import Timing
+from engine.trace.events import RequestDone
+from engine.trace.timing import Timing
 
 
 def test_the_timing_line_omits_tg_without_a_decode_step() -> None:

@@ -8,7 +8,7 @@ from textual.geometry import Size
 from textual.widget import Widget
 
 from app.engine_link import EngineLink
-from engine.events import Event
+from engine.trace.events import Event
 
 
 class EventView(Widget):

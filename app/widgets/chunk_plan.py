@@ -10,7 +10,7 @@ from textual.widgets import ProgressBar, Static
 from app.widgets.base import EventView
 from app.widgets.fmt import fmt_ms
 from app.widgets.request_label import RequestLabel
-from engine.events import Event, PlanChosen, PrefillProgress, RequestDone, RequestStarted
+from engine.trace.events import Event, PlanChosen, PrefillProgress, RequestDone, RequestStarted
 
 MAX_REASONS = 3  # one line each; the tooltip has them all
 

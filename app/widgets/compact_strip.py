@@ -9,7 +9,7 @@ from textual.reactive import reactive
 from app.widgets.base import EventView
 from app.widgets.fmt import fmt_bytes, fmt_ms, rate, region_color
 from app.widgets.vram_bar import BLOCK, OUTSIDE, bar_cells, held_bytes, limit_bytes
-from engine.events import (
+from engine.trace.events import (
     CacheChanged,
     Event,
     LedgerChanged,

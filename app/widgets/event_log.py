@@ -11,7 +11,7 @@ from textual.reactive import Reactive
 from textual.widgets import RichLog
 
 from app.engine_link import EngineLink
-from engine.events import (
+from engine.trace.events import (
     Event,
     FlagsChanged,
     FlagsRefused,

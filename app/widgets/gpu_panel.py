@@ -11,7 +11,7 @@ from textual.reactive import reactive
 from app.widgets.base import EventView
 from app.widgets.fmt import flow, fmt_bytes
 from app.widgets.spark import spark
-from engine.events import Event, GpuStats, LedgerChanged, Ready
+from engine.trace.events import Event, GpuStats, LedgerChanged, Ready
 
 MAX_READINGS = 600  # the engine reads NVML every 0.5 s: the last 5 minutes
 SPARK_WIDTH = 24

@@ -19,7 +19,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from engine.events import (
+from engine.trace.events import (
     CacheChanged,
     Event,
     LedgerChanged,

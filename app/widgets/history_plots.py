@@ -13,7 +13,7 @@ from app.widgets.fmt import fmt_bytes, region_color
 from app.widgets.history import GROUPS, LENT, SessionHistory
 from app.widgets.request_label import RequestLabel
 from app.widgets.spark import spark
-from engine.events import Event
+from engine.trace.events import Event
 
 LABEL_WIDTH = 14
 VALUE_WIDTH = 23  # "1.50 GiB · max 2.25 GiB"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.events import Event, RequestDone, RequestStarted
+from engine.trace.events import Event, RequestDone, RequestStarted
 
 
 @dataclass(frozen=True)

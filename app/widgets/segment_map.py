@@ -9,7 +9,7 @@ from textual.reactive import reactive
 
 from app.widgets.base import EventView
 from app.widgets.fmt import flow, fmt_bytes, region_color
-from engine.events import Event, LedgerChanged
+from engine.trace.events import Event, LedgerChanged
 
 FREE_NAMES = ("", "free")
 

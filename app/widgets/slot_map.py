@@ -8,7 +8,7 @@ from textual.reactive import reactive
 
 from app.widgets.base import EventView
 from app.widgets.fmt import flow
-from engine.events import CacheChanged, Event
+from engine.trace.events import CacheChanged, Event
 
 # CacheChanged.states codes -> (glyph, style, label)
 STATES = {

@@ -10,7 +10,7 @@ from textual.reactive import reactive
 from app.widgets.base import EventView
 from app.widgets.fmt import fmt_bytes, fmt_ms, rate
 from app.widgets.request_label import RequestLabel
-from engine.events import Event, PrefillProgress, RequestDone, RequestStarted
+from engine.trace.events import Event, PrefillProgress, RequestDone, RequestStarted
 
 
 class TimingPanel(EventView):

@@ -8,7 +8,7 @@ from textual.reactive import reactive
 
 from app.widgets.base import EventView
 from app.widgets.fmt import flow, fmt_bytes, region_color
-from engine.events import Event, LedgerChanged
+from engine.trace.events import Event, LedgerChanged
 
 BLOCK = "█"
 OUTSIDE = "unaccounted"  # the part outside the ledger, as the ledger snapshot names it

@@ -25,7 +25,6 @@ import cupy
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine import phases
 from engine.backend.array_ops import ArrayOps
 from engine.backend.base import DECODE_ROWS, ExpertProvider
 from engine.kernels import fused
@@ -35,6 +34,7 @@ from engine.kernels.flash import flash_attention
 from engine.kernels.flash import supported as flash_supported
 from engine.kernels.moe import moe_decode, moe_prefill
 from engine.quant import ExpertLayout, QuantMatrix, QuantStack
+from engine.trace import phases
 
 EMBED_ON_HOST_ROWS = 8  # longer token runs decode their embedding rows on the device
 

@@ -25,7 +25,7 @@ from engine.request.sampler import SamplingParams
 from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder, check_spec
 from engine.synth.demo import resolve_model
-from engine.timing import Timing
+from engine.trace.timing import Timing
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -26,7 +26,6 @@ from engine.cli.options import (
 )
 from engine.cli.run import stderr_line
 from engine.errors import StrataError
-from engine.events import EventBus
 from engine.memory.sizes import MiB, format_mib
 from engine.request.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.serve import ServeLoop
@@ -34,6 +33,7 @@ from engine.server.config import API_KEY_ENV, ServerConfig
 from engine.server.runner import ServerThread
 from engine.server.service import Service
 from engine.synth.demo import is_model_name
+from engine.trace.events import EventBus
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

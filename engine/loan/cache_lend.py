@@ -27,7 +27,7 @@ from engine.faults import Faults
 from engine.loan.resources import LABELS, DecodeResource, ResourceSet
 from engine.memory.ledger import Ledger
 from engine.memory.sizes import format_mib
-from engine.report import Reporter
+from engine.trace.report import Reporter
 
 REGIONS = frozenset({"mtp.experts", "mtp.draft_head"})
 PREFIX = "strata lend: "  # its trace lines, named apart from the prefill loan's

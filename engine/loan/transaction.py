@@ -24,7 +24,6 @@ from typing import Self
 from engine.config import REPEAT_MIN_FLOOR, EngineOptions, LoanFlags
 from engine.devices import deferred_regions
 from engine.errors import StrataError
-from engine.events import LoanStep
 from engine.experts.cache import ExpertCache
 from engine.faults import Faults
 from engine.loan.resources import LABELS, DecodeResource, ResourceSet
@@ -33,7 +32,8 @@ from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, St
 from engine.memory.planner import plan_loan
 from engine.memory.sizes import MiB
 from engine.prompt.path import PromptPath
-from engine.report import Reporter
+from engine.trace.events import LoanStep
+from engine.trace.report import Reporter
 
 STARTUP, REPEAT = "startup", "repeat"
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from engine import phases
 from engine.backend.base import Backend, ExpertProvider
 from engine.gguf import names
 from engine.gguf.hparams import HParams
@@ -18,8 +17,9 @@ from engine.memory.compute_arena import ArenaStats
 from engine.model.attention import attention_block
 from engine.model.moe import moe_block
 from engine.model.weights import BlockWeights, TokenEmbedding, WeightLoader, load_block
-from engine.phases import PhaseClock
 from engine.quant import dequantize
+from engine.trace import phases
+from engine.trace.phases import PhaseClock
 
 
 @dataclass

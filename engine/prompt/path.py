@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.backend.base import Backend
-from engine.events import LoanStep
 from engine.experts.cache import ExpertCache, LentRange
 from engine.experts.provider import CachedExperts, StreamCounters
 from engine.faults import Faults
@@ -23,9 +22,10 @@ from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts, PromptGeometry, chunk_count
 from engine.memory.ring import StagingRing, split_prompt_buffer
 from engine.model.transformer import PromptChunk
-from engine.phases import PhaseClock
-from engine.report import Reporter
 from engine.request.session import Session
+from engine.trace.events import LoanStep
+from engine.trace.phases import PhaseClock
+from engine.trace.report import Reporter
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from engine.memory.plan_types import PromptGeometry
 from engine.request.sampler import Sampler, SamplingParams
 from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder
-from engine.timing import Timing
+from engine.trace.timing import Timing
 
 
 @dataclass

@@ -21,7 +21,7 @@ from engine.memory.plan_types import chunk_count
 from engine.model.loader import Model
 from engine.model.transformer import ForwardResult, PromptChunk
 from engine.request.sampler import Sampler
-from engine.timing import Timing
+from engine.trace.timing import Timing
 
 # A forward of at most this many rows is a decode step (one token, or a speculative window):
 # what `Session.on_step` is told about. Prompt chunks are longer (or short and harmless).

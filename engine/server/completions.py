@@ -21,14 +21,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from engine.errors import StrataError
-from engine.events import PrefillProgress
 from engine.serve import Reply
 from engine.server import sse
 from engine.server.admission import Closed, QueueFull, Ticket
 from engine.server.schema import ChatRequest, RequestError, parse_chat
 from engine.server.service import Service
 from engine.server.worker import Job
-from engine.timing import Timing
+from engine.trace.events import PrefillProgress
+from engine.trace.timing import Timing
 
 
 async def chat_completions(request: Request) -> Completion:

@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from engine.events import CacheChanged, Event, EventBus, GpuStats, LedgerChanged, Ready
+from engine.trace.events import CacheChanged, Event, EventBus, GpuStats, LedgerChanged, Ready
 
 SNAPSHOTS = (Ready, LedgerChanged, CacheChanged, GpuStats)  # a new client gets these first
 QUEUE_EVENTS = 8192  # a client further behind than this is let go

@@ -19,7 +19,8 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.events import (
+from engine.server.codec import SLOT_STATES
+from engine.trace.events import (
     CacheChanged,
     Event,
     EventBus,
@@ -28,7 +29,6 @@ from engine.events import (
     PlanChosen,
     RequestDone,
 )
-from engine.server.codec import SLOT_STATES
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -33,7 +33,6 @@ from starlette.types import ASGIApp
 
 from engine import runtime_flags
 from engine.errors import FlagError, StrataError
-from engine.events import CacheChanged, Event, LedgerChanged, Ready
 from engine.request.sampler import SamplingParams
 from engine.server import codec, sse
 from engine.server.completions import chat_completions
@@ -43,6 +42,7 @@ from engine.server.origin import SameOrigin
 from engine.server.schema import RequestError, parse_chat, parse_json
 from engine.server.service import Service
 from engine.server.worker import LOG_NAME, conversation
+from engine.trace.events import CacheChanged, Event, LedgerChanged, Ready
 
 PUBLIC_PATHS = ("/health",)
 log = logging.getLogger(LOG_NAME)

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 import anyio
 from starlette.requests import Request
 
-from engine.events import EventBus
 from engine.request.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.serve import ServeLoop
 from engine.server.admission import Admission
@@ -23,6 +22,7 @@ from engine.server.feed import EventFeed
 from engine.server.metrics import Metrics
 from engine.server.schema import ChatRequest, RequestError
 from engine.server.worker import EngineWorker, Job
+from engine.trace.events import EventBus
 
 T = TypeVar("T")
 N_QUESTIONS = 1  # questions (tokenize, forecast) tokenizing at once beside the engine thread

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.errors import StrataError
-from engine.events import Event, PrefillProgress, RequestStarted
 from engine.request.conversation import Conversation
 from engine.serve import Reply, ServeLoop
 from engine.server.schema import ChatRequest, RequestError
-from engine.timing import Timing
+from engine.trace.events import Event, PrefillProgress, RequestStarted
+from engine.trace.timing import Timing
 
 API_CONVERSATION = "api"
 LOG_NAME = "strata.server"  # the server's own log (uvicorn's is `uvicorn.error`)

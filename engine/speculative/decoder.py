@@ -44,7 +44,7 @@ from engine.speculative.draft import Draft, DraftSource, MTPDraft
 from engine.speculative.draft_head import draft_head_of
 from engine.speculative.policy import LEND_MIN_STEPS, DraftPolicy
 from engine.speculative.verifier import Verifier
-from engine.timing import Timing
+from engine.trace.timing import Timing
 
 MIN_WINDOW, MAX_WINDOW = 2, 8
 

@@ -14,7 +14,6 @@ import numpy as np
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes
 from engine.devices import cache_policy, weight_bytes
-from engine.events import EventBus, LedgerChanged, Loading
 from engine.experts.decoded import DecodedLRU
 from engine.experts.provider import CachedExperts
 from engine.faults import Faults
@@ -24,7 +23,6 @@ from engine.memory.arena import Arena
 from engine.memory.ledger import Ledger
 from engine.model.loader import load_model
 from engine.prompt.path import PromptPath
-from engine.report import Reporter
 from engine.request.session import Session
 from engine.runtime import Runtime
 from engine.startup.cache import make_cache, pin_model_file, startup_profile
@@ -32,6 +30,8 @@ from engine.startup.device import plan_device
 from engine.startup.speculation import build_spec
 from engine.synth.demo import resolve_model
 from engine.token_graph import make_token_graph, token_graph_wanted
+from engine.trace.events import EventBus, LedgerChanged, Loading
+from engine.trace.report import Reporter
 
 
 def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None = None,

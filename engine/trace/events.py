@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.memory.ledger import LedgerSnapshot, RegionInfo
-from engine.timing import Timing
+from engine.trace.timing import Timing
 
 __all__ = ["RegionInfo"]
 

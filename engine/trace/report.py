@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 
 from engine.backend.base import Backend
-from engine.events import CacheChanged, EventBus, GpuStats, TraceLine
 from engine.experts.cache import LENT, ExpertCache
 from engine.gguf.type_mix import layer_ranges, layers_by_value
 from engine.memory.ledger import Ledger
 from engine.telemetry import Sampler, Telemetry
+from engine.trace.events import CacheChanged, EventBus, GpuStats, TraceLine
 
 Sink = Callable[[str], None]
 GPU_SAMPLE_S = 0.5  # on CUDA a GpuStats reading at least this often, requests or not
