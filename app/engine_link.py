@@ -35,7 +35,7 @@ from engine.errors import StrataError
 from engine.forecast import LoanVerdict
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
-from engine.serve import Reply, ServeLoop
+from engine.runtime.serve import Reply, ServeLoop
 from engine.trace.events import (
     CacheChanged,
     Event,

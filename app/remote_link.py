@@ -26,7 +26,7 @@ from engine.errors import FlagError, StrataError
 from engine.forecast import LoanVerdict
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
-from engine.serve import Reply, converse
+from engine.runtime.serve import Reply, converse
 from engine.server.codec import (
     event_from_json,
     flags_from_json,

@@ -36,7 +36,7 @@ from engine.costs import Shapes, prefill_flops
 from engine.devices import peak_sampler, vram_limit_bytes
 from engine.memory.sizes import MiB
 from engine.process_memory import DEVICE, PROCESS, MemoryReading, PeakSampler
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.startup.profile_record import calibration_text
 from engine.trace.events import EventBus, PlanChosen, TraceLine
 

@@ -6,7 +6,7 @@ then a calibration pair (loan off, then a repeat loan) and `runs` measured pairs
 request a new prompt of the same size with all its tokens fresh. Each forecast is made just
 before its request from the rates measured by every earlier request (the engine's own
 `verdict`), and every request is then kept for the next forecasts, as in normal use (but
-the first prefill of each engine, engine.serve). Sizes run in the order given; the rates
+the first prefill of each engine, engine.runtime.serve). Sizes run in the order given; the rates
 carry over from one size's engine to the next (and start from the model's stored rates, or
 from the defaults with `fresh_rates`).
 
@@ -30,7 +30,7 @@ from engine.bench import LOAN_ON, WARMUP_NEW, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import hardware_name, resolve_device
 from engine.forecast import PARTS, Rates
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.trace.events import EventBus
 
 LOAN_FLAGS = LOAN_ON.with_changes(repeat_min_tokens=256)  # every measured size takes the loan

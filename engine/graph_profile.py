@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from engine.config import EngineOptions
-    from engine.serve import ServeLoop
+    from engine.runtime.serve import ServeLoop
 
     p = argparse.ArgumentParser(prog="python -m engine.graph_profile", description=__doc__)
     p.add_argument("--model", required=True)

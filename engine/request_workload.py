@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from engine import runtime_flags
 from engine.config import EngineOptions, LoanFlags
 from engine.costs import Shapes
 from engine.forecast import Workload, workload
@@ -16,7 +15,8 @@ from engine.loan.transaction import REPEAT, loan_regions
 from engine.memory.plan_types import PromptGeometry
 from engine.memory.planner import plan_loan
 from engine.memory.sizes import ceil_div
-from engine.runtime import Runtime
+from engine.runtime import flags as runtime_flags
+from engine.runtime.parts import Runtime
 
 
 def request_workload(rt: Runtime, kind: str | None, n_fresh: int, pos0: int, odds: np.ndarray,

@@ -22,7 +22,7 @@ from engine.experts.admission import Admission
 from engine.experts.residency import ResidencyTable
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.synth.vocab import word_list
 
 FORMS = ("Define the word {}.", "What does {} mean?", "What is a {}?", "Tell me about {}.")

@@ -16,7 +16,7 @@ import statistics
 
 from engine.bench import prompt_tokens
 from engine.config import EngineOptions
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 
 CONFIGS = {
     "--mtp --spec 2 --cache-lend": {"mtp": True, "spec": 2, "cache_lend": True},

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from engine.request.record import Request
-from engine.runtime import Runtime
+from engine.runtime.parts import Runtime
 
 
 class QuietProgress:

@@ -16,7 +16,7 @@ from engine.cli.options import options_argv
 from engine.config import EngineOptions, LoanFlags
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.server.config import ServerConfig
 from engine.server.runner import ServerThread
 from engine.server.service import Service

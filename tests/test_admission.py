@@ -15,7 +15,7 @@ from engine.experts.admission import BUDGET, MARGIN, SEED, Admission, Move
 from engine.experts.cache import EMPTY, LENT, RESIDENT
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from tests.test_expert_cache import BORROW, make_cache, make_host, order, slot_bytes
 
 L, E = 2, 6

@@ -29,7 +29,7 @@ from engine.errors import ContextFullError
 from engine.faults import Faults, InjectedFault
 from engine.loan import guards
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.trace.events import (
     EventBus,
     FlagsRefused,

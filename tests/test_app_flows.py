@@ -28,7 +28,7 @@ from app.widgets.vram_bar import BLOCK, VramBar
 from engine.config import EngineOptions, LoanFlags
 from engine.forecast import seconds_text
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.trace.events import PrefillProgress
 
 MAX_NEW = 8

@@ -28,7 +28,7 @@ from app.widgets.chat_log import SHOWN_CHARS, ChatLog, MessageView, ShowAll
 from app.widgets.prompt_input import Composer, PromptInput
 from engine.config import EngineOptions, LoanFlags
 from engine.request.conversation import Conversation, Message
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.trace.events import Event, EventBus, PrefillProgress, Token
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ from engine.config import EngineOptions, LoanFlags
 from engine.errors import FlagError
 from engine.request.conversation import Conversation, Message, Sampling
 from engine.request.sampler import SamplingParams
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 
 SIZE = (120, 40)
 SAMPLED = Sampling(SamplingParams(temperature=0.5, top_p=0.9, top_k=7, seed=2**64 - 1), 5)

@@ -20,7 +20,7 @@ from engine.memory.sizes import MiB
 from engine.model.loader import Model, load_model
 from engine.request.sampler import Sampler, SamplingParams
 from engine.request.session import Session
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams()

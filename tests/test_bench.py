@@ -64,7 +64,7 @@ def test_a_tg_that_is_not_at_depth_says_so() -> None:
 
 def test_a_reply_counts_the_experts_its_decode_steps_read(tiny_nomtp_path: Path) -> None:
     """Every decode step routes each layer's row to k experts: each is a cache hit or a miss."""
-    from engine.serve import ServeLoop
+    from engine.runtime.serve import ServeLoop
 
     opts = EngineOptions(model=str(tiny_nomtp_path), ctx=1024, prefill=128, expert_cache=6)
     loop = ServeLoop.create(opts)

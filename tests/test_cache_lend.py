@@ -12,7 +12,7 @@ import pytest
 from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.loan.cache_lend import PREFIX
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.speculative.policy import PLAIN, DraftPolicy
 
 REGIONS = ("mtp.experts", "mtp.draft_head")

@@ -130,7 +130,7 @@ def test_vram_limit_caps_the_simulated_device(demo_path: Path,
     """--vram-limit on the simulated device: its capacity becomes min(size, limit), in
     `strata plan` and in the engine alike; a limit above the size changes nothing."""
     from engine.config import EngineOptions
-    from engine.serve import ServeLoop
+    from engine.runtime.serve import ServeLoop
 
     rc, full, _ = _plan(capsys, demo_path)
     assert rc == 0 and "device  sim:64MiB = 64.0 MiB" in full
@@ -220,7 +220,7 @@ def test_tokens_file_hostile_content(content: bytes, needle: str, tiny_path: Pat
 
 def test_tokens_file_is_read_before_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.serve import ServeLoop
+    from engine.runtime.serve import ServeLoop
 
     def no_engine(*args: object, **kwargs: object) -> None:
         raise AssertionError("the engine was built for a file that cannot be read")

@@ -10,7 +10,7 @@ import pytest
 
 from engine.bench import LOAN_ON, SCENARIOS, SIMULATED, run_once, scenario
 from engine.config import EngineOptions
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.trace.events import EventBus, LedgerChanged
 
 

@@ -210,7 +210,7 @@ def test_kernel_laps_mark_the_active_clock_only() -> None:
 
 
 def test_trace_prints_the_prefill_phases(tiny_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from engine.serve import ServeLoop
+    from engine.runtime.serve import ServeLoop
 
     monkeypatch.setenv("STRATA_TRACE", "1")
     lines: list[str] = []

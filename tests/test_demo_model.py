@@ -12,7 +12,7 @@ from engine.gguf.hparams import read_hparams
 from engine.gguf.reader import open_gguf
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.synth.demo import resolve_model
 
 MAX_BYTES = 24 << 20

@@ -18,7 +18,7 @@ from engine.model.loader import load_model
 from engine.quant import QuantMatrix, keeps_quantized, row_bytes
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.speculative.draft_head import NativeDraftHead
 
 

@@ -42,7 +42,7 @@ from engine.forecast import (
 from engine.loan.transaction import admission
 from engine.memory.plan_types import PromptGeometry
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.synth.model import PRESETS
 from engine.trace.events import EventBus, PlanChosen, RequestDone
 

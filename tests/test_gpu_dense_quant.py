@@ -13,7 +13,7 @@ from gguf import quants as gq
 
 from engine.config import EngineOptions
 from engine.quant import QuantMatrix, dequantize_bytes
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 
 pytestmark = pytest.mark.gpu
 RNG = np.random.default_rng(5)

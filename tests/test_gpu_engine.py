@@ -11,7 +11,7 @@ from engine_helpers import host, prefill_request
 
 from engine.config import EngineOptions, LoanFlags
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.synth.model import PRESETS, write_model
 from engine.trace.events import EventBus, LoanStep
 

@@ -11,7 +11,7 @@ from test_gpu_engine import LOAN, mid_path  # noqa: F401 - the fixture, and skip
 
 from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.trace.events import EventBus, PlanChosen
 
 pytestmark = pytest.mark.gpu

@@ -17,7 +17,7 @@ from engine.memory.budget import GROWTH_MARGIN_BYTES
 from engine.memory.sizes import GiB, MiB
 from engine.process_memory import PROCESS, PeakSampler, ProcessMemory
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.trace.events import EventBus, LedgerChanged, LoanStep
 
 pytestmark = pytest.mark.gpu

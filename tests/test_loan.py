@@ -13,7 +13,7 @@ from engine.bench import LOAN_ON, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.faults import Faults, InjectedFault
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.trace.events import EventBus, LoanStep, PrefillProgress
 
 OPTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 4, "prefill": "auto", "ctx": 4096}

@@ -23,7 +23,7 @@ from engine.gguf.type_mix import layer_ranges, type_mix
 from engine.memory.ledger import Ledger
 from engine.memory.ring import StagingRing
 from engine.memory.sizes import KiB, MiB
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.synth.mixes import use_more_bits
 from engine.synth.model import PRESETS, write_model
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from engine.config import EngineOptions
 from engine.faults import Faults
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.startup.profile_record import calibration_text
 from engine.trace.events import EventBus, PlanChosen
 

@@ -8,7 +8,7 @@ import pytest
 from engine.config import EngineOptions
 from engine.errors import StrataError
 from engine.request.conversation import PROMPT_BYTES_PER_TOKEN, Conversation, check_text_fits
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 
 CTX = 256
 LIMIT = PROMPT_BYTES_PER_TOKEN * CTX

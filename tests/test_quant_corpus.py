@@ -33,7 +33,7 @@ from engine.config import EngineOptions, LoanFlags
 from engine.gguf.reader import open_gguf
 from engine.gguf.type_mix import type_mix
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.synth.model import synth_tensors
 from engine.trace.events import EventBus, LoanStep
 

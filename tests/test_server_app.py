@@ -28,7 +28,7 @@ from engine.cli import OneLineParser
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import StrataError
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.server.config import ServerConfig
 from engine.server.runner import ServerThread
 from engine.server.service import Service

@@ -9,7 +9,7 @@ import pytest
 from engine.config import EngineOptions
 from engine.request.conversation import Conversation
 from engine.request.stops import StopStrings
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 
 
 def stream(stops: list[str], pieces: list[str]) -> tuple[str, str | None]:

@@ -89,7 +89,7 @@ def test_an_idle_cuda_engine_publishes_readings_from_its_telemetry_thread() -> N
     if not cuda_available():
         pytest.skip("no CUDA device")
     from engine.config import EngineOptions, LoanFlags
-    from engine.serve import ServeLoop
+    from engine.runtime.serve import ServeLoop
     from engine.trace.events import EventBus, GpuStats
     from engine.trace.report import GPU_SAMPLE_S
 

@@ -27,7 +27,7 @@ from engine.errors import FlagError, StrataError, TokenizerError
 from engine.gguf.chat_template import CHATML_TEMPLATE, MAX_RANGE, TemplateLimits
 from engine.gguf.template_renderer import _RENDERER, check_chat_template, render_chat
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.synth.model import PRESETS, make_tensor, synth_tensors, write_gguf
 from engine.synth.vocab import build_vocab
 from tests.servers import running

@@ -15,7 +15,7 @@ from app.widgets.timing_panel import TimingPanel
 from engine.cli import main
 from engine.config import EngineOptions, LoanFlags
 from engine.request.sampler import SamplingParams
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.trace.events import RequestDone
 from engine.trace.timing import Timing
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from engine.config import EngineOptions
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from training import acceptance, unknown, wordnet
 from training.acceptance import QUESTION, rate
 from training.pastes import PasteMaker

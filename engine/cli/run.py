@@ -22,7 +22,7 @@ from engine.errors import StrataError
 from engine.memory.sizes import MiB
 from engine.process_memory import MemoryReading
 from engine.request.conversation import Conversation
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

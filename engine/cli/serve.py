@@ -28,7 +28,7 @@ from engine.cli.run import stderr_line
 from engine.errors import StrataError
 from engine.memory.sizes import MiB, format_mib
 from engine.request.conversation import PROMPT_BYTES_PER_TOKEN
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.server.config import API_KEY_ENV, ServerConfig
 from engine.server.runner import ServerThread
 from engine.server.service import Service

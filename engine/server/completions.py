@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from engine.errors import StrataError
-from engine.serve import Reply
+from engine.runtime.serve import Reply
 from engine.server import sse
 from engine.server.admission import Closed, QueueFull, Ticket
 from engine.server.schema import ChatRequest, RequestError, parse_chat

@@ -31,9 +31,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from engine import runtime_flags
 from engine.errors import FlagError, StrataError
 from engine.request.sampler import SamplingParams
+from engine.runtime import flags as runtime_flags
 from engine.server import codec, sse
 from engine.server.completions import chat_completions
 from engine.server.feed import EventFeed

@@ -15,7 +15,7 @@ import anyio
 from starlette.requests import Request
 
 from engine.request.conversation import PROMPT_BYTES_PER_TOKEN
-from engine.serve import ServeLoop
+from engine.runtime.serve import ServeLoop
 from engine.server.admission import Admission
 from engine.server.config import ServerConfig
 from engine.server.feed import EventFeed

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.errors import StrataError
 from engine.request.conversation import Conversation
-from engine.serve import Reply, ServeLoop
+from engine.runtime.serve import Reply, ServeLoop
 from engine.server.schema import ChatRequest, RequestError
 from engine.trace.events import Event, PrefillProgress, RequestStarted
 from engine.trace.timing import Timing

@@ -24,7 +24,7 @@ from engine.memory.ledger import Ledger
 from engine.model.loader import load_model
 from engine.prompt.path import PromptPath
 from engine.request.session import Session
-from engine.runtime import Runtime
+from engine.runtime.parts import Runtime
 from engine.startup.cache import make_cache, pin_model_file, startup_profile
 from engine.startup.device import plan_device
 from engine.startup.speculation import build_spec

@@ -13,7 +13,7 @@ from engine.loan.deferral import deferral_line, follow_deferral, plan_deferred
 from engine.loan.guards import validate as guards
 from engine.memory.plan_types import PromptGeometry
 from engine.memory.planner import plan_prompt
-from engine.runtime import Runtime
+from engine.runtime.parts import Runtime
 
 RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profile",
                   "vram_segment_mib", "vram_reserve_mib", "vram_limit", "mtp", "draft_vocab",

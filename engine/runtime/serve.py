@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from engine import runtime_flags
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import hardware_name
 from engine.errors import ContextFullError, FlagError, StrataError, TokenizerError
@@ -39,7 +38,8 @@ from engine.request.sampler import Sampler, SamplingParams
 from engine.request.session import reusable
 from engine.request.stops import StopStrings
 from engine.request_workload import request_workload
-from engine.runtime import Runtime
+from engine.runtime import flags as runtime_flags
+from engine.runtime.parts import Runtime
 from engine.speculative import policy as draft_policy
 from engine.startup.cache import startup_profile
 from engine.startup.runtime import build_runtime

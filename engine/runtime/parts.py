@@ -1,6 +1,6 @@
 """Runtime: one loaded engine running requests — prefill (with the loan when it is admitted)
 and decode. `engine.startup.runtime` makes it; the serve loop drives it; flag changes between
-requests are `engine.runtime_flags`; it holds no conversation logic.
+requests are `engine.runtime.flags`; it holds no conversation logic.
 """
 
 from __future__ import annotations
