@@ -47,7 +47,7 @@ from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import FlagError, StrataError
-from engine.forecast import LoanVerdict
+from engine.loan.forecast import LoanVerdict
 from engine.request.conversation import Conversation, Message, Sampling
 from engine.trace.events import Event, Loading, PrefillProgress, Ready, Token
 

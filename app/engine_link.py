@@ -32,7 +32,7 @@ from textual.message import Message
 from app.draft import Draft
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import StrataError
-from engine.forecast import LoanVerdict
+from engine.loan.forecast import LoanVerdict
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
 from engine.runtime.serve import Reply, ServeLoop

@@ -23,7 +23,7 @@ from app.draft import Draft
 from app.engine_link import EngineLink
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import FlagError, StrataError
-from engine.forecast import LoanVerdict
+from engine.loan.forecast import LoanVerdict
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
 from engine.runtime.serve import Reply, converse

@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine.backend import SimBackend
+from engine.backend.process_memory import DEVICE, PROCESS, MemoryReading, PeakSampler
 from engine.config import REPEAT_MIN_FLOOR, EngineOptions, LoanFlags
-from engine.costs import Shapes, prefill_flops
 from engine.devices import peak_sampler, vram_limit_bytes
+from engine.memory.costs import Shapes, prefill_flops
 from engine.memory.sizes import MiB
-from engine.process_memory import DEVICE, PROCESS, MemoryReading, PeakSampler
 from engine.runtime.serve import ServeLoop
 from engine.startup.profile_record import calibration_text
 from engine.trace.events import EventBus, PlanChosen, TraceLine

@@ -1,4 +1,4 @@
-"""`strata bench --forecast`: the loan forecast against measured prefills (engine.forecast).
+"""`strata bench --forecast`: the loan forecast against measured prefills (engine.loan.forecast).
 
 After one short warm-up request in an engine of its own (what a process does once: CUDA
 kernels compile), each prompt size gets one engine: its first request takes the startup loan;
@@ -29,7 +29,7 @@ from pathlib import Path
 from engine.bench import LOAN_ON, WARMUP_NEW, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import hardware_name, resolve_device
-from engine.forecast import PARTS, Rates
+from engine.loan.forecast import PARTS, Rates
 from engine.runtime.serve import ServeLoop
 from engine.trace.events import EventBus
 

@@ -50,7 +50,7 @@ class LoanFlags:
     repeat_loan: bool = False
     repeat_min_tokens: int = REPEAT_MIN_DEFAULT
     # STRATA_PREFILL_REPEAT_MIN_TOKENS=auto: a repeat loan is taken when the forecast says it
-    # pays (engine.forecast.pays), not by the threshold (kept for when auto is turned off)
+    # pays (engine.loan.forecast.pays), not by the threshold (kept for when auto is turned off)
     repeat_auto: bool = False
     warnings: tuple[str, ...] = field(default=(), compare=False)
 

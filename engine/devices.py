@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import platform
 
+from engine.backend.process_memory import PeakSampler
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import FlagError
 from engine.memory.plan_types import ModelCosts
 from engine.memory.sizes import MiB, format_size, parse_size
-from engine.process_memory import PeakSampler
 
 
 def default_segment_bytes(capacity_bytes: int) -> int:

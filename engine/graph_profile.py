@@ -23,7 +23,7 @@ import numpy as np
 
 from engine.kernels.decode import moe_at
 from engine.kernels.fused import route_topk
-from engine.token_graph import TokenGraph, _gemv
+from engine.model.token_graph import TokenGraph, _gemv
 
 
 def _time_graph(cp: Any, stream: Any, pool: Any, fn: Callable[[], Any], repeat: int) -> float:

@@ -10,8 +10,8 @@ import argparse
 from dataclasses import replace
 
 from engine.config import EngineOptions, LoanFlags
-from engine.costs import Shapes, model_costs
 from engine.devices import weight_bytes
+from engine.memory.costs import Shapes, model_costs
 from engine.memory.planner import plan_startup
 from engine.memory.sizes import MiB
 from engine.startup.device import plan_options_for

@@ -31,8 +31,8 @@ from app.widgets.loan_timeline import LoanTimeline
 from app.widgets.request_label import RequestLabel
 from app.widgets.spark import LEVELS, spark, squeeze
 from app.widgets.timing_panel import TimingPanel
+from engine.backend.telemetry import GpuSnapshot
 from engine.config import EngineOptions, LoanFlags
-from engine.telemetry import GpuSnapshot
 from engine.trace.events import (
     CacheChanged,
     Event,

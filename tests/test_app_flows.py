@@ -26,7 +26,7 @@ from app.widgets.prompt_input import Composer, PromptInput, expand
 from app.widgets.timing_panel import TimingPanel
 from app.widgets.vram_bar import BLOCK, VramBar
 from engine.config import EngineOptions, LoanFlags
-from engine.forecast import seconds_text
+from engine.loan.forecast import seconds_text
 from engine.request.conversation import Conversation
 from engine.runtime.serve import ServeLoop
 from engine.trace.events import PrefillProgress

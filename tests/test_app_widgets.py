@@ -333,7 +333,7 @@ def test_flow_never_splits_an_item() -> None:
 
 def test_gpu_panel_appears_with_nvml_readings() -> None:
     from app.widgets.gpu_panel import GpuPanel
-    from engine.telemetry import GpuSnapshot
+    from engine.backend.telemetry import GpuSnapshot
     from engine.trace.events import GpuStats
 
     snap = GpuSnapshot(

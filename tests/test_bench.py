@@ -10,7 +10,7 @@ import pytest
 
 from engine.bench import LOAN_ON, Config, Hardware, Row, Sample, markdown, run_bench
 from engine.config import EngineOptions
-from engine.costs import Shapes, prefill_flops
+from engine.memory.costs import Shapes, prefill_flops
 from engine.model.loader import load_model
 from tests.test_cli import run
 
@@ -123,8 +123,8 @@ def test_merge_pools_the_runs_of_several_json_files(
 
 
 def test_the_peak_column_names_its_source_and_marks_a_run_past_the_limit() -> None:
+    from engine.backend.process_memory import DEVICE, PROCESS
     from engine.bench import SIMULATED
-    from engine.process_memory import DEVICE, PROCESS
 
     def run(peak: float, source: str = PROCESS, limit: float = 8192.0) -> Sample:
         return Sample("512 / 8", 100.0, 10.0, 1.0, 5.0, True, peak_mib=peak, peak_source=source,
@@ -146,9 +146,9 @@ def test_the_peak_column_names_its_source_and_marks_a_run_past_the_limit() -> No
 
 
 def test_strata_run_says_the_peak_against_the_limit() -> None:
+    from engine.backend.process_memory import PROCESS, MemoryReading
     from engine.cli.run import peak_line
     from engine.memory.sizes import GiB, MiB
-    from engine.process_memory import PROCESS, MemoryReading
 
     assert peak_line(MemoryReading(7912 * MiB, PROCESS), 8 * GiB) == (
         "strata run: GPU peak 7,912 MiB (NVML, this process) of --vram-limit 8,192 MiB")

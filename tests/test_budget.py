@@ -1,5 +1,5 @@
 """The whole-process device budget (engine/memory/budget.py) and the NVML peak sampler
-(engine/process_memory.py) without a GPU: the arithmetic, and the sampler's thread over a
+(engine/backend/process_memory.py) without a GPU: the arithmetic, and the sampler's thread over a
 reader the test drives."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
+from engine.backend.process_memory import DEVICE, PROCESS, MemoryReading, PeakSampler, ProcessMemory
 from engine.errors import DeviceError
 from engine.memory.budget import ProcessBudget, plan_budget
 from engine.memory.sizes import GiB, MiB
-from engine.process_memory import DEVICE, PROCESS, MemoryReading, PeakSampler, ProcessMemory
 
 G = 2 * MiB  # the H200's mapping granularity
 

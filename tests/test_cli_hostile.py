@@ -22,7 +22,7 @@ from engine.bounded_input import InputFileError, json_depth, load_json, read_cap
 from engine.cli import main
 from engine.errors import FlagError
 from engine.experts.profile import ExpertProfile
-from engine.forecast import Observation, RatesError, load_rates
+from engine.loan.forecast import Observation, RatesError, load_rates
 from engine.request.sampler import MAX_SEED, Sampler, SamplingParams, distribution
 
 
@@ -289,7 +289,7 @@ def test_a_hostile_profile_beside_the_model_is_recorded_again(
 
 
 def _observation() -> dict:
-    from engine.forecast import Workload
+    from engine.loan.forecast import Workload
 
     w = Workload(kind=None, n_fresh=16, pos0=0, chunk_tokens=16, ring_slots=8, n_chunks=1,
                  layer_chunks=2, attn_flops=1e6, moe_flops=1e6, streamed_bytes=0.0,

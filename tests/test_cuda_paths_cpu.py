@@ -11,9 +11,9 @@ from engine_helpers import prefill_request
 
 from engine.backend import SimBackend
 from engine.config import EngineOptions
-from engine.costs import Shapes, gpu_chunk_fixed_bytes, model_costs
 from engine.kernels.moe import ROW_ALIGN, _groups
 from engine.memory.compute_arena import ArenaStats
+from engine.memory.costs import Shapes, gpu_chunk_fixed_bytes, model_costs
 from engine.memory.planner import PlanOptions, plan_startup
 from engine.memory.sizes import MiB
 from engine.synth.model import PRESETS
@@ -106,7 +106,7 @@ def test_a_list_upload_is_one_counted_copy() -> None:
 
 
 def test_prefill_flops_by_hand() -> None:
-    from engine.costs import prefill_flops
+    from engine.memory.costs import prefill_flops
 
     s = _shapes("qwen3-30b-a3b")
     hp = s.hp

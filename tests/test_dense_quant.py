@@ -10,12 +10,12 @@ import pytest
 from engine_helpers import host, prefill_request
 
 from engine.config import EngineOptions
-from engine.costs import Shapes, dense_bytes, head_bytes
 from engine.errors import FlagError
 from engine.gguf import names
+from engine.gguf.quant import QuantMatrix, keeps_quantized, row_bytes
 from engine.memory.arena import padded
+from engine.memory.costs import Shapes, dense_bytes, head_bytes
 from engine.model.loader import load_model
-from engine.quant import QuantMatrix, keeps_quantized, row_bytes
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
 from engine.runtime.serve import ServeLoop

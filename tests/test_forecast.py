@@ -1,4 +1,4 @@
-"""The loan forecast (engine.forecast): its pure parts by hand, its fit on synthetic devices,
+"""The loan forecast (engine.loan.forecast): its pure parts by hand, its fit on synthetic devices,
 the rates file, and on the demo model that it plans what the request then runs, learns from
 every request and decides the automatic repeat loan as the runtime then acts."""
 
@@ -14,10 +14,9 @@ import pytest
 
 from engine.bench import LOAN_ON, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
-from engine.costs import Shapes, attention_flops, moe_flops, prefill_flops
 from engine.errors import FlagError
 from engine.experts.profile import ExpertProfile
-from engine.forecast import (
+from engine.loan.forecast import (
     AUTO_MARGIN,
     DEFAULTS,
     FEATURES,
@@ -40,6 +39,7 @@ from engine.forecast import (
     workload,
 )
 from engine.loan.transaction import admission
+from engine.memory.costs import Shapes, attention_flops, moe_flops, prefill_flops
 from engine.memory.plan_types import PromptGeometry
 from engine.request.conversation import Conversation
 from engine.runtime.serve import ServeLoop

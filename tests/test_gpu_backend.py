@@ -24,7 +24,7 @@ def backend(cp):
 
 
 def _device_used_bytes() -> int:
-    from engine.telemetry import Telemetry
+    from engine.backend.telemetry import Telemetry
 
     t = Telemetry.open(0)
     assert t is not None, "NVML is needed for this test"

@@ -15,11 +15,11 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.backend import SimBackend
 from engine.backend.base import CopyCounts
+from engine.gguf.quant import ExpertLayout, row_bytes
 from engine.kernels.bench import random_quant_bytes
 from engine.kv import KVCache
 from engine.memory.sizes import MiB
 from engine.model.loader import load_model
-from engine.quant import ExpertLayout, row_bytes
 from engine.request.session import Session
 
 pytestmark = pytest.mark.gpu

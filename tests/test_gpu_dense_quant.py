@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
 from engine.config import EngineOptions
-from engine.quant import QuantMatrix, dequantize_bytes
+from engine.gguf.quant import QuantMatrix, dequantize_bytes
 from engine.runtime.serve import ServeLoop
 
 pytestmark = pytest.mark.gpu

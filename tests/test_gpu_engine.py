@@ -59,7 +59,7 @@ def test_cuda_matches_the_simulated_device(demo_path: Path) -> None:
 
 
 def test_loan_frees_and_restores_device_memory(mid_path: Path) -> None:
-    from engine.telemetry import Telemetry
+    from engine.backend.telemetry import Telemetry
 
     tele = Telemetry.open(0)
     if tele is None:

@@ -14,9 +14,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
+from engine.gguf.quant import ExpertLayout, dequantize_bytes
 from engine.kernels.bench import random_quant_bytes
 from engine.kernels.dequant import SUPPORTED, check_layouts, kernel_source, lookup_table
-from engine.quant import ExpertLayout, dequantize_bytes
 
 
 def _ref(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> np.ndarray:
@@ -43,7 +43,7 @@ def test_lookup_tables_come_from_gguf() -> None:
 
 def test_engine_imports_without_cupy() -> None:
     code = (
-        "import sys; import engine.kernels, engine.backend, engine.telemetry; "
+        "import sys; import engine.kernels, engine.backend, engine.backend.telemetry; "
         "assert 'cupy' not in sys.modules, 'cupy imported at import time'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -32,7 +32,7 @@ def test_attention_and_kv_write_match_the_eager_path(cp, kind: str) -> None:  # 
     from engine.backend.cuda import CudaBackend
     from engine.kernels.decode import attention_at, attention_workspace, kv_write_at
     from engine.kv import KVCache
-    from engine.token_graph import layer_cells
+    from engine.model.token_graph import layer_cells
 
     rng = np.random.default_rng(0)
     n_ctx, h, hkv, d, t, pos0 = 700, 32, 4, 128, 3, 517  # rows span a tile boundary (512)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from test_gpu_engine import LOAN, cupy, mid_path  # noqa: F401 - the fixture, and skips without a GPU
 
+from engine.backend.process_memory import PROCESS, PeakSampler, ProcessMemory
 from engine.config import EngineOptions
 from engine.memory.budget import GROWTH_MARGIN_BYTES
 from engine.memory.sizes import GiB, MiB
-from engine.process_memory import PROCESS, PeakSampler, ProcessMemory
 from engine.request.conversation import Conversation
 from engine.runtime.serve import ServeLoop
 from engine.trace.events import EventBus, LedgerChanged, LoanStep

@@ -126,9 +126,9 @@ def test_a_mixed_file_prefills_and_decodes_with_misses(tmp_path: Path) -> None:
 def test_every_type_the_engine_reads_has_a_cuda_decoder_and_stays_in_its_blocks() -> None:
     """The three lists agree: what the loader accepts, what the kernels decode, what a dense
     weight is kept in on a device that computes from quantized bytes."""
+    from engine.gguf.quant import KEPT_QUANTIZED
     from engine.gguf.reader import SUPPORTED_QTYPES
     from engine.kernels.dequant import DECODERS
-    from engine.quant import KEPT_QUANTIZED
 
     assert set(DECODERS) == SUPPORTED_QTYPES
     assert KEPT_QUANTIZED == SUPPORTED_QTYPES - {Q.F32, Q.F16, Q.BF16}
@@ -138,8 +138,8 @@ def test_mixed_attention_types_stay_in_their_blocks(tmp_path: Path) -> None:
     """Q4_K_M gives attn_v Q6_K and q/k Q4_K on some layers: `--dense quant` keeps each in its
     blocks (a `QuantStack`), computes what decoded weights do, and the weights region holds
     exactly what the planner counts."""
+    from engine.gguf.quant import QuantMatrix, QuantStack
     from engine.memory.arena import padded
-    from engine.quant import QuantMatrix, QuantStack
 
     path = write_model(tmp_path / "mixed.gguf", replace(WIDE, mix="q4_k_m"))
     out = {}

@@ -12,11 +12,11 @@ from engine.backend.array_ops import rms_norm
 from engine.errors import FlagError, ModelError
 from engine.experts.provider import DirectExperts
 from engine.gguf import names
+from engine.gguf.quant import dequantize
 from engine.gguf.tokenizer import TokenType
 from engine.model.loader import Model, load_model
 from engine.model.moe import moe_block
 from engine.model.mtp import MTPBlock, MTPExperts
-from engine.quant import dequantize
 from engine.request.record import generate
 from engine.request.sampler import SamplingParams
 from engine.request.session import Session

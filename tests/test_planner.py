@@ -287,8 +287,8 @@ def test_a_loan_never_shrinks_the_chunk(
 
 def test_shapes_name_the_quant_types_the_kernels_need(demo_path) -> None:  # type: ignore[no-untyped-def]
     """The CUDA warm-up compiles the kernels of these types before the first request."""
-    from engine.costs import Shapes
     from engine.gguf import names
+    from engine.memory.costs import Shapes
     from engine.model.loader import load_model
 
     model = load_model(demo_path, build=False)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine.telemetry import GpuSnapshot, Sampler, Telemetry, format_snapshot, snapshot
+from engine.backend.telemetry import GpuSnapshot, Sampler, Telemetry, format_snapshot, snapshot
 
 
 def test_without_nvml_everything_is_none(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,7 +40,7 @@ from app.draft import Draft
 from app.message_text import Location, stray_markers, tidy, too_long_line, whole_markers
 from app.prompt_history import PromptHistory
 from engine.errors import ContextFullError, StrataError, TextTooLongError
-from engine.forecast import LoanVerdict
+from engine.loan.forecast import LoanVerdict
 
 LONG_PASTE_LINES = 10
 LONG_PASTE_CHARS = 1000

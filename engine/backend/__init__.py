@@ -1,4 +1,5 @@
-"""Devices: the `Backend` protocol and `make_backend(spec)` for `--device sim[:SIZE]|cuda[:N]`."""
+"""Devices: the `Backend` protocol and `make_backend(spec)` for `--device sim[:SIZE]|cuda[:N]`;
+NVML readings (`telemetry`) and this process's device bytes (`process_memory`)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.backend.base import DeviceArray, ExpertProvider
-from engine.quant import QuantMatrix, QuantStack, dequantize_bytes
+from engine.gguf.quant import QuantMatrix, QuantStack, dequantize_bytes
 
 QUERY_BLOCK = 512  # queries per score block at most (`causal_gqa`)
 SCORE_BUDGET_BYTES = 64 << 20  # the [H, Tq, S] float32 score block stays under this

@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine.quant import ExpertLayout
+from engine.gguf.quant import ExpertLayout
 
 # A device array: numpy.ndarray on the sim backend, cupy.ndarray on CUDA.
 DeviceArray = Any

@@ -39,6 +39,7 @@ import numpy as np
 from engine.backend.base import CopyStats, MemInfo
 from engine.backend.cuda_arena import ChunkArena
 from engine.backend.cuda_ops import CudaOps
+from engine.backend.process_memory import ProcessMemory
 from engine.backend.vmm import PlainAddressSpace, VmmAddressSpace, vmm_granularity, vmm_supported
 from engine.errors import DeviceError
 from engine.memory.budget import (
@@ -48,7 +49,6 @@ from engine.memory.budget import (
     plan_budget,
 )
 from engine.memory.sizes import MiB, format_mib
-from engine.process_memory import ProcessMemory
 
 _H2D = 1  # cudaMemcpyHostToDevice
 _HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped

@@ -27,13 +27,13 @@ from gguf import GGMLQuantizationType
 
 from engine.backend.array_ops import ArrayOps
 from engine.backend.base import DECODE_ROWS, ExpertProvider
+from engine.gguf.quant import ExpertLayout, QuantMatrix, QuantStack
 from engine.kernels import fused
 from engine.kernels.attention import causal_attention
 from engine.kernels.dequant import DECODE_SLICE_BYTES, GEMV_MAX_ROWS, SUPPORTED, dequantize, gemv
 from engine.kernels.flash import flash_attention
 from engine.kernels.flash import supported as flash_supported
 from engine.kernels.moe import moe_decode, moe_prefill
-from engine.quant import ExpertLayout, QuantMatrix, QuantStack
 from engine.trace import phases
 
 EMBED_ON_HOST_ROWS = 8  # longer token runs decode their embedding rows on the device

@@ -24,8 +24,8 @@ import numpy as np
 from engine.backend.array_ops import ArrayOps
 from engine.backend.base import CopyStats, MemInfo
 from engine.errors import DeviceError
+from engine.gguf.quant import ExpertLayout
 from engine.memory.sizes import format_mib
-from engine.quant import ExpertLayout
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 _FAULT_OPS = ("alloc", "map", "upload", "download")

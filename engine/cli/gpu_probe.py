@@ -41,7 +41,7 @@ def _kernel_check() -> str:
     import cupy as cp
     from gguf import GGMLQuantizationType as Q
 
-    from engine.quant import dequantize_bytes
+    from engine.gguf.quant import dequantize_bytes
 
     rng = np.random.default_rng(0)
     shape = (256, 2048)
@@ -62,7 +62,7 @@ def _kernel_check() -> str:
 
 def probe(device: int = 0) -> str:
     """The probe's text."""
-    from engine.telemetry import format_snapshot, snapshot
+    from engine.backend.telemetry import format_snapshot, snapshot
 
     try:
         import cupy as cp

@@ -14,11 +14,11 @@ import numpy as np
 
 from engine.cli.options import add_engine_args, engine_options, loan_flags
 from engine.config import EngineOptions, LoanFlags
-from engine.costs import Shapes
 from engine.devices import deferred_regions, hardware_name, resolve_device
 from engine.errors import FlagError, StrataError
 from engine.experts.profile import ExpertProfile
-from engine.forecast import (
+from engine.gguf.type_mix import layer_ranges
+from engine.loan.forecast import (
     Forecast,
     RatesError,
     Workload,
@@ -28,7 +28,7 @@ from engine.forecast import (
     routing_odds,
     workload,
 )
-from engine.gguf.type_mix import layer_ranges
+from engine.memory.costs import Shapes
 from engine.memory.planner import format_plan_table, plan_loan
 from engine.memory.sizes import format_mib
 from engine.model.loader import load_model
@@ -103,7 +103,7 @@ def forecast_text(n: int, options: EngineOptions, flags: LoanFlags, shapes: Shap
                   profile: ExpertProfile | None, off: DevicePlan) -> str:
     """The forecast of prefilling `n` fresh tokens: without a loan, with the startup loan and
     with a repeat loan (the STRATA_PREFILL_* flags, or every flag on when they leave the loan
-    off), from this device's rates (engine.forecast); `off` is the plan with `flags`."""
+    off), from this device's rates (engine.loan.forecast); `off` is the plan with `flags`."""
     if options.expert_profile:
         profile = ExpertProfile.load(options.expert_profile, n_layer=shapes.hp.n_layer,
                                      n_expert=shapes.hp.n_expert)

@@ -8,6 +8,7 @@ import codecs
 import re
 import sys
 
+from engine.backend.process_memory import MemoryReading
 from engine.bounded_input import read_capped
 from engine.cli.options import (
     add_engine_args,
@@ -20,7 +21,6 @@ from engine.cli.options import (
 from engine.devices import peak_sampler, vram_limit_bytes
 from engine.errors import StrataError
 from engine.memory.sizes import MiB
-from engine.process_memory import MemoryReading
 from engine.request.conversation import Conversation
 from engine.runtime.serve import ServeLoop
 

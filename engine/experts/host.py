@@ -18,8 +18,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from engine.gguf import names
+from engine.gguf.quant import ExpertLayout
 from engine.gguf.reader import ModelFile, TensorView
-from engine.quant import ExpertLayout
 
 
 @runtime_checkable

@@ -1,1 +1,2 @@
-"""GGUF reading: memory-mapped files, tensor-name tables, hyper-parameters, tokenizer."""
+"""GGUF reading: memory-mapped files, tensor-name tables, hyper-parameters, tokenizer,
+quant layouts (CPU dequantization, `ExpertLayout`)."""

@@ -27,7 +27,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
-from engine.quant import ExpertLayout
+from engine.gguf.quant import ExpertLayout
 from engine.synth.blocks import set_scales
 
 GB = 1e9

@@ -1,4 +1,4 @@
-// Kernels of the token graph (engine/token_graph.py): attention of a decode step over the KV
+// Kernels of the token graph (engine/model/token_graph.py): attention of a decode step over the KV
 // cache and the MoE job table. Positions come from device memory (`pos[0]` = position of row 0)
 // and expert residency from the staged residency table, so one captured CUDA graph serves every
 // step. Compiled by NVRTC after common.cuh.

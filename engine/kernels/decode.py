@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from engine.gguf.quant import ExpertLayout
 from engine.kernels.dequant import gemv_jobs
 from engine.kernels.fused import kv_q4_encode
 from engine.kernels.moe import _dims, _silu_mul
 from engine.kernels.source import cuda_source
-from engine.quant import ExpertLayout
 
 KEYS = 128  # keys per attention tile (threads per block); as in decode.cu
 MERGE_SLICES = 4  # attn_merge: tile slices per block (SLICES in decode.cu); 4 * D <= 1024

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.gguf.quant import ExpertLayout
 from engine.kernels.dequant import dequantize_ptrs, gemv_ptrs
 from engine.kernels.source import cuda_source
-from engine.quant import ExpertLayout
 
 DEFAULT_SCRATCH_BYTES = 256 << 20
 # a group's GEMM rows are a multiple of this: a routing of a new size reuses the GEMM shapes

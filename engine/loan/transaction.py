@@ -49,7 +49,7 @@ def admission(flags: LoanFlags, startup_loan_pending: bool, n_fresh: int,
     """The loan a request of `n_fresh` fresh tokens gets (STARTUP, REPEAT or None) and why.
 
     With STRATA_PREFILL_REPEAT_MIN_TOKENS=auto the repeat loan is taken when `pays` (the
-    forecast's verdict, engine.forecast.pays) for a message of at least the 256-token floor;
+    forecast's verdict, engine.loan.forecast.pays) for a message of at least the 256-token floor;
     with no forecast the threshold decides."""
     if not flags.elastic_loan:
         return None, "loan flags off"

@@ -7,8 +7,8 @@ from typing import Any
 
 from engine.backend.base import DECODE_ROWS, Backend
 from engine.gguf.hparams import HParams
+from engine.gguf.quant import matrix_rows
 from engine.kv import KVCache
-from engine.quant import matrix_rows
 
 
 @dataclass

@@ -28,12 +28,12 @@ from engine.errors import ModelError
 from engine.experts.decoded import DecodedLRU
 from engine.experts.host import FileExperts
 from engine.gguf import names
+from engine.gguf.quant import ExpertLayout
 from engine.kv import KVCache
 from engine.model.attention import attention_block
 from engine.model.loader import Model
 from engine.model.moe import moe_block
 from engine.model.weights import BlockWeights, TokenEmbedding, WeightLoader, load_block
-from engine.quant import ExpertLayout
 
 NO_MTP = "model has no MTP (nextn) layer; drop --mtp"
 

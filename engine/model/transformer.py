@@ -11,13 +11,13 @@ import numpy as np
 from engine.backend.base import Backend, ExpertProvider
 from engine.gguf import names
 from engine.gguf.hparams import HParams
+from engine.gguf.quant import dequantize
 from engine.gguf.reader import ModelFile
 from engine.kv import KVCache
 from engine.memory.compute_arena import ArenaStats
 from engine.model.attention import attention_block
 from engine.model.moe import moe_block
 from engine.model.weights import BlockWeights, TokenEmbedding, WeightLoader, load_block
-from engine.quant import dequantize
 from engine.trace import phases
 from engine.trace.phases import PhaseClock
 

@@ -11,9 +11,7 @@ import numpy as np
 
 from engine.gguf import names
 from engine.gguf.hparams import HParams
-from engine.gguf.reader import ModelFile, TensorView
-from engine.model.attention import AttentionWeights
-from engine.quant import (
+from engine.gguf.quant import (
     QuantMatrix,
     QuantStack,
     dequantize,
@@ -21,6 +19,8 @@ from engine.quant import (
     keeps_quantized,
     row_bytes,
 )
+from engine.gguf.reader import ModelFile, TensorView
+from engine.model.attention import AttentionWeights
 
 
 @dataclass

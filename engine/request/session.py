@@ -48,7 +48,7 @@ def reusable(held: list[int], ids: list[int]) -> int:
 
 class StepGraph(Protocol):
     """Decode steps of this session's KV replayed from captured device graphs
-    (engine/token_graph.py, CUDA)."""
+    (engine/model/token_graph.py, CUDA)."""
 
     def handles(self, n_rows: int, experts: ExpertProvider, chunk: PromptChunk | None) -> bool:
         """Whether a forward of `n_rows` rows is a step the graph replays."""

@@ -29,12 +29,12 @@ from engine.memory.plan_types import (
 )
 from engine.memory.sizes import format_mib
 from engine.model.loader import Model
+from engine.model.token_graph import make_token_graph, token_graph_wanted
 from engine.prompt.path import PromptPath
 from engine.request.record import Progress, Request, decode_tokens
 from engine.request.sampler import Sampler
 from engine.request.session import Session
 from engine.speculative.decoder import SpecDecoder
-from engine.token_graph import make_token_graph, token_graph_wanted
 from engine.trace.events import Ready
 from engine.trace.phases import PhaseClock
 from engine.trace.report import Reporter

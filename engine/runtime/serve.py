@@ -19,7 +19,7 @@ from engine.devices import hardware_name
 from engine.errors import ContextFullError, FlagError, StrataError, TokenizerError
 from engine.experts.provider import StreamCounters
 from engine.faults import Faults
-from engine.forecast import (
+from engine.loan.forecast import (
     LoanVerdict,
     Observation,
     Rates,
@@ -32,12 +32,12 @@ from engine.forecast import (
     save_rates,
 )
 from engine.loan.transaction import REPEAT, STARTUP, admission
+from engine.loan.workload import request_workload
 from engine.request.conversation import Conversation, check_prompt_fits, check_text_fits
 from engine.request.record import Request
 from engine.request.sampler import Sampler, SamplingParams
 from engine.request.session import reusable
 from engine.request.stops import StopStrings
-from engine.request_workload import request_workload
 from engine.runtime import flags as runtime_flags
 from engine.runtime.parts import Runtime
 from engine.speculative import policy as draft_policy
@@ -195,7 +195,7 @@ class ServeLoop:
                 options: EngineOptions | None = None) -> LoanVerdict:
         """The loan a prompt of `n_prompt` tokens (the KV keeping its first `reused`) would get
         under `flags` and `options` (the next request's by default), why, and the forecast
-        with and without a loan (engine.forecast). A question: nothing changes."""
+        with and without a loan (engine.loan.forecast). A question: nothing changes."""
         flags, options = flags or self.flags, options or self.options
         rt, rates = self.rt, self.rates
         n_fresh = n_prompt - reused

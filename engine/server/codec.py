@@ -10,12 +10,12 @@ from collections.abc import Callable
 from dataclasses import asdict, fields, is_dataclass
 from typing import Any, get_args, get_type_hints
 
+from engine.backend.telemetry import GpuSnapshot
 from engine.config import ENV_NAMES, EngineOptions, LoanFlags, parse_auto_int
 from engine.errors import StrataError
 from engine.experts.cache import EMPTY, LENT, REFILLING, RESIDENT
-from engine.forecast import Forecast, LoanVerdict, Workload
+from engine.loan.forecast import Forecast, LoanVerdict, Workload
 from engine.memory.ledger import RegionInfo
-from engine.telemetry import GpuSnapshot
 from engine.trace import events as ev
 
 EVENT_TYPES: dict[str, type[ev.Event]] = {

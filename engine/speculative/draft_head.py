@@ -23,10 +23,10 @@ import numpy as np
 from engine.backend.base import Backend
 from engine.errors import FlagError
 from engine.gguf import names
+from engine.gguf.quant import QuantMatrix, dequantize_bytes, keeps_quantized
 from engine.gguf.reader import TensorView
 from engine.gguf.tokenizer import Tokenizer, TokenType
 from engine.model.loader import Model
-from engine.quant import QuantMatrix, dequantize_bytes, keeps_quantized
 
 REGULAR_TYPES = (TokenType.NORMAL, TokenType.BYTE, TokenType.USER_DEFINED)
 

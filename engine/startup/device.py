@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from engine.backend import make_backend
 from engine.backend.base import Backend
 from engine.config import EngineOptions, LoanFlags
-from engine.costs import Shapes, model_costs
 from engine.devices import (
     deferred_regions,
     dense_quantized,
@@ -23,6 +22,7 @@ from engine.devices import (
 from engine.errors import FlagError
 from engine.kernels.warmup import warm_up
 from engine.loan.guards import validate
+from engine.memory.costs import Shapes, model_costs
 from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
 from engine.memory.planner import plan_startup
 from engine.memory.sizes import MiB

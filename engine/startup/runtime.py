@@ -12,7 +12,6 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.config import EngineOptions, LoanFlags
-from engine.costs import Shapes
 from engine.devices import cache_policy, weight_bytes
 from engine.experts.decoded import DecodedLRU
 from engine.experts.provider import CachedExperts
@@ -20,8 +19,10 @@ from engine.faults import Faults
 from engine.loan.cache_lend import CacheLend
 from engine.loan.resources import DecodeResource, NativeHead, ResourceSet
 from engine.memory.arena import Arena
+from engine.memory.costs import Shapes
 from engine.memory.ledger import Ledger
 from engine.model.loader import load_model
+from engine.model.token_graph import make_token_graph, token_graph_wanted
 from engine.prompt.path import PromptPath
 from engine.request.session import Session
 from engine.runtime.parts import Runtime
@@ -29,7 +30,6 @@ from engine.startup.cache import make_cache, pin_model_file, startup_profile
 from engine.startup.device import plan_device
 from engine.startup.speculation import build_spec
 from engine.synth.demo import resolve_model
-from engine.token_graph import make_token_graph, token_graph_wanted
 from engine.trace.events import EventBus, LedgerChanged, Loading
 from engine.trace.report import Reporter
 

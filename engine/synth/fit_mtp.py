@@ -35,11 +35,11 @@ from gguf import quants as gq
 from engine.backend.array_ops import rms_norm, route_topk, silu
 from engine.backend.base import Backend, DeviceArray
 from engine.gguf import names
+from engine.gguf.quant import ExpertLayout, dequantize
 from engine.gguf.tokenizer import TokenType
 from engine.model.attention import attention_block
 from engine.model.loader import Model, load_model
 from engine.model.mtp import MTPBlock, require_mtp
-from engine.quant import ExpertLayout, dequantize
 from engine.request.session import Session
 from engine.speculative.draft_head import DraftHead
 

@@ -200,7 +200,7 @@ class FlagsRefused(Event):
 class GpuStats(Event):
     """An NVML reading of the device (CUDA only), with the ledger's view beside it."""
 
-    snapshot: Any  # engine.telemetry.GpuSnapshot
+    snapshot: Any  # engine.backend.telemetry.GpuSnapshot
     ledger_bytes: int  # bytes the ledger's regions hold
     limit_bytes: int | None = None  # the whole process's budget (--vram-limit)
 

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from engine.backend.base import Backend
+from engine.backend.telemetry import Sampler, Telemetry
 from engine.experts.cache import LENT, ExpertCache
 from engine.gguf.type_mix import layer_ranges, layers_by_value
 from engine.memory.ledger import Ledger
-from engine.telemetry import Sampler, Telemetry
 from engine.trace.events import CacheChanged, EventBus, GpuStats, TraceLine
 
 Sink = Callable[[str], None]
@@ -37,7 +37,7 @@ class Reporter:
         self.trace_on = (os.environ.get("STRATA_TRACE", "") not in ("", "0")
                          if trace_on is None else trace_on)
         self.warnings: list[str] = []
-        self._telemetry: Any = None  # engine.telemetry.Telemetry; False without NVML
+        self._telemetry: Any = None  # engine.backend.telemetry.Telemetry; False without NVML
         self._sampler: Sampler | None = None
         self._gpu_t = 0.0
         self._ledger_bytes, self._limit_bytes = 0, None  # the last engine-thread reading's

@@ -25,7 +25,7 @@ class Timing:
     decode_promoted: int = 0  # ... missed, then put into the cache (--cache-policy adaptive)
     spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
     drafted_steps: int = 0
-    forecast_s: float = 0.0  # the prefill's forecast made before it ran (engine.forecast)
+    forecast_s: float = 0.0  # the prefill's forecast made before it ran (engine.loan.forecast)
     # a prefill stopped by a cancel or a failure: the fresh tokens it read (whole chunks) in
     # `prefill_s`; None: it read them all
     read_tokens: int | None = None

@@ -34,6 +34,7 @@ from engine.backend.base import Backend
 from engine.errors import TokenGraphError
 from engine.experts.cache import ExpertCache
 from engine.experts.provider import CachedExperts
+from engine.gguf.quant import QuantMatrix, QuantStack
 from engine.kernels.decode import (
     GRAPH_KV_KINDS,
     ExpertSource,
@@ -48,7 +49,6 @@ from engine.kernels.fused import rope_neox_, route_topk
 from engine.kv import KVCache
 from engine.model.attention import project_qkv
 from engine.model.transformer import ForwardResult, Transformer
-from engine.quant import QuantMatrix, QuantStack
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Self
 
-from engine.telemetry import Telemetry
+from engine.backend.telemetry import Telemetry
 
 PROCESS = "NVML, this process"
 DEVICE = "NVML, device used minus the baseline"

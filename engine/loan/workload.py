@@ -9,9 +9,9 @@ from dataclasses import replace
 import numpy as np
 
 from engine.config import EngineOptions, LoanFlags
-from engine.costs import Shapes
-from engine.forecast import Workload, workload
+from engine.loan.forecast import Workload, workload
 from engine.loan.transaction import REPEAT, loan_regions
+from engine.memory.costs import Shapes
 from engine.memory.plan_types import PromptGeometry
 from engine.memory.planner import plan_loan
 from engine.memory.sizes import ceil_div
@@ -25,7 +25,7 @@ def request_workload(rt: Runtime, kind: str | None, n_fresh: int, pos0: int, odd
     """What a prefill of `n_fresh` tokens after `pos0` with loan `kind` (STARTUP, REPEAT
     or None) would do under `flags` and `options` (those in force by default): the
     geometry it would get (`geometry`: the one it got), what its loan releases and
-    restores; `odds` are the routing odds in fill order (engine.forecast.routing_odds).
+    restores; `odds` are the routing odds in fill order (engine.loan.forecast.routing_odds).
     It reads the engine as it is between requests, so a question asked from another thread
     while a request runs sees neither that request's loan nor its lent slots. A question:
     nothing changes."""

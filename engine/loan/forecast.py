@@ -38,8 +38,8 @@ import numpy as np
 
 from engine.atomic_file import write_text_atomic
 from engine.bounded_input import InputFileError, load_json
-from engine.costs import Shapes, attention_flops, moe_flops
 from engine.experts.profile import ExpertProfile
+from engine.memory.costs import Shapes, attention_flops, moe_flops
 from engine.memory.plan_types import PromptGeometry, chunk_count
 
 FORMAT = "strata-prefill-rates"

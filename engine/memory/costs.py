@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 from engine.config import EngineOptions
 from engine.gguf import names
 from engine.gguf.hparams import HParams
+from engine.gguf.quant import keeps_quantized, matrix_bytes
 from engine.gguf.type_mix import layers_by_value
 from engine.kernels.attention import DEFAULT_SCORE_BYTES as SCORE_BYTES
 from engine.kernels.dequant import DECODE_SLICE_BYTES
@@ -25,7 +26,6 @@ from engine.kernels.moe import ROW_ALIGN
 from engine.kv import kv_bytes_per_cell
 from engine.memory.arena import padded
 from engine.memory.plan_types import ModelCosts
-from engine.quant import keeps_quantized, matrix_bytes
 
 F32 = 4
 KV_READ_BYTES = {"q4_0": 2, "f16": 0, "int8": F32 + 2}  # a prompt chunk's K/V read, per value
