@@ -97,7 +97,7 @@ for stage in "$@"; do
   case $stage in
     tests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short ${TESTS:-tests/test_gpu_*.py \
              tests/test_telemetry.py} 2>&1 | tail -80 | tee "$OUT/gpu-tests.txt" || true ;;
-    kbench) python3 -m engine.kernels.bench --out "$OUT" ;;
+    kbench) python3 -m engine.tools.kernel_bench --out "$OUT" ;;
     vtests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_gpu_vram_limit.py \
               tests/test_gpu_backend.py tests/test_gpu_engine.py tests/test_telemetry.py 2>&1 \
               | tail -60 | tee "$OUT/vram-tests.txt" || true ;;
@@ -171,8 +171,8 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           --kv q4_0 --scenario ab --prefill 4096 --scenario auto --runs 1 --prompt-tokens 31258 \
           --max-new 64 --json "$OUT/ident.json" 2>&1 | grep -E "^\|" | tee "$OUT/ident.md"
         python3 scripts/reply_crcs.py "$OUT/ident.json" 2>&1 | tee -a "$OUT/ident.md" || true ;;
-    katt) python3 -m engine.kernels.bench --only attention 2>&1 | tee "$OUT/katt.md" ;;
-    kmoe) python3 -m engine.kernels.bench --only moe 2>&1 | tee "$OUT/kmoe.md" ;;
+    katt) python3 -m engine.tools.kernel_bench --only attention 2>&1 | tee "$OUT/katt.md" ;;
+    kmoe) python3 -m engine.tools.kernel_bench --only moe 2>&1 | tee "$OUT/kmoe.md" ;;
     m8) [ -f models/q8.gguf ] || strata make-model models/q8.gguf --preset qwen3-30b-a3b --layers 8 ;;
     adec) for spec in "--model demo --max-new 256 --runs ${RUNS_ADEC:-3}" \
                 "--model random-demo --max-new 256 --runs 5" \
@@ -252,7 +252,7 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(16384)))" > /tmp/p1
           STRATA_TRACE=1 strata run --model models/q8.gguf --device cuda --vram-limit 8GiB \
             --kv q4_0 --ctx 17000 --tokens-file /tmp/p16k.txt --max-new 4 2>&1 \
             | grep -E "prefill phases|strata serve: prompt" | tee "$OUT/mphase.txt" ;;
-    gprof) python3 -m engine.graph_profile --model "${GPROF_MODEL:-models/q48.gguf}" --pos 2048,31000 \
+    gprof) python3 -m engine.tools.graph_profile --model "${GPROF_MODEL:-models/q48.gguf}" --pos 2048,31000 \
              2>&1 | tee "$OUT/gprof.md" ;;
     prof) python3 -m cProfile -o "$OUT/prof.out" -m engine.cli run --model models/q48.gguf \
             --device cuda --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --ctx 4096 \

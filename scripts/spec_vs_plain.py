@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from engine.bench import prompt_tokens
 from engine.config import EngineOptions
 from engine.runtime.serve import ServeLoop
+from engine.tools.bench import prompt_tokens
 
 CONFIGS = {
     "--mtp --spec 2 --cache-lend": {"mtp": True, "spec": 2, "cache_lend": True},

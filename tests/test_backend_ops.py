@@ -104,7 +104,7 @@ def test_every_expert_provider_implements_the_whole_protocol(model: Model) -> No
     from engine.experts.decoded import DecodedLRU
     from engine.experts.provider import CachedExperts, DirectExperts
     from engine.model.mtp import MTPExperts
-    from engine.synth.fit_mtp import ArrayExperts
+    from engine.tools.fit_mtp import ArrayExperts
 
     be = model.transformer.backend
     assert model.mtp_experts is not None

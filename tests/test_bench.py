@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import LOAN_ON, Config, Hardware, Row, Sample, markdown, run_bench
 from engine.config import EngineOptions
 from engine.memory.costs import Shapes, prefill_flops
 from engine.model.loader import load_model
+from engine.tools.bench import LOAN_ON, Config, Hardware, Row, Sample, markdown, run_bench
 from tests.test_cli import run
 
 
@@ -105,7 +105,7 @@ def test_a_traced_run_passes_on_its_prefill_phases(tiny_path: Path, monkeypatch)
 def test_merge_pools_the_runs_of_several_json_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from engine.bench import as_json
+    from engine.tools.bench import as_json
 
     def sample(pp: float) -> Sample:
         return Sample("512 / 8", pp, 10.0, 1.0, 5.0, True)
@@ -124,7 +124,7 @@ def test_merge_pools_the_runs_of_several_json_files(
 
 def test_the_peak_column_names_its_source_and_marks_a_run_past_the_limit() -> None:
     from engine.backend.process_memory import DEVICE, PROCESS
-    from engine.bench import SIMULATED
+    from engine.tools.bench import SIMULATED
 
     def run(peak: float, source: str = PROCESS, limit: float = 8192.0) -> Sample:
         return Sample("512 / 8", 100.0, 10.0, 1.0, 5.0, True, peak_mib=peak, peak_source=source,
@@ -161,7 +161,7 @@ def test_strata_run_says_the_peak_against_the_limit() -> None:
 def test_the_plain_scenario_decodes_without_the_mtp_block(tiny_path: Path) -> None:
     """`--scenario plain`: the automatic planner with no MTP block and no drafts (what `--mtp
     --spec` is held to), the same greedy reply as the MTP configurations give."""
-    from engine.bench import scenario
+    from engine.tools.bench import scenario
 
     base = EngineOptions(model=str(tiny_path), ctx=1024, mtp=True, spec=2)
     title, configs = scenario("plain", base, 300)

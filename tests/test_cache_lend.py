@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.loan.cache_lend import PREFIX
 from engine.runtime.serve import ServeLoop
 from engine.speculative.policy import PLAIN, DraftPolicy
+from engine.tools.bench import prompt_tokens
 
 REGIONS = ("mtp.experts", "mtp.draft_head")
 

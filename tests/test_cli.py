@@ -184,7 +184,7 @@ def test_messages_name_only_flags_that_exist() -> None:
     root = Path(__file__).resolve().parents[1]
     named = {}
     for path in [*root.glob("engine/**/*.py"), *root.glob("app/**/*.py")]:
-        # the development tools (`python -m engine.graph_profile`) have parsers of their own
+        # the development tools (`python -m engine.tools.graph_profile`) have parsers of their own
         known.update(re.findall(r'add_argument\(\s*(?:"-\w",\s*)?"(--[a-z0-9-]+)"',
                                 path.read_text()))
         with path.open("rb") as f:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import LOAN_ON, SCENARIOS, SIMULATED, run_once, scenario
 from engine.config import EngineOptions
 from engine.runtime.serve import ServeLoop
+from engine.tools.bench import LOAN_ON, SCENARIOS, SIMULATED, run_once, scenario
 from engine.trace.events import EventBus, LedgerChanged
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.bench import LOAN_ON, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import FlagError
 from engine.experts.profile import ExpertProfile
@@ -44,6 +43,7 @@ from engine.memory.plan_types import PromptGeometry
 from engine.request.conversation import Conversation
 from engine.runtime.serve import ServeLoop
 from engine.synth.model import PRESETS
+from engine.tools.bench import LOAN_ON, prompt_tokens
 from engine.trace.events import EventBus, PlanChosen, RequestDone
 
 OPTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 4, "prefill": "auto",

@@ -16,11 +16,11 @@ from gguf import GGMLQuantizationType as Q
 from engine.backend import SimBackend
 from engine.backend.base import CopyCounts
 from engine.gguf.quant import ExpertLayout, row_bytes
-from engine.kernels.bench import random_quant_bytes
 from engine.kv import KVCache
 from engine.memory.sizes import MiB
 from engine.model.loader import load_model
 from engine.request.session import Session
+from engine.tools.kernel_bench import random_quant_bytes
 
 pytestmark = pytest.mark.gpu
 RNG = np.random.default_rng(11)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from test_gpu_engine import LOAN, mid_path  # noqa: F401 - the fixture, and skips without a GPU
 
-from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.runtime.serve import ServeLoop
+from engine.tools.bench import prompt_tokens
 from engine.trace.events import EventBus, PlanChosen
 
 pytestmark = pytest.mark.gpu

@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
 from engine.gguf.quant import ExpertLayout, dequantize_bytes
-from engine.kernels.bench import random_quant_bytes
 from engine.kernels.dequant import SUPPORTED, check_layouts, kernel_source, lookup_table
+from engine.tools.kernel_bench import random_quant_bytes
 
 
 def _ref(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> np.ndarray:

@@ -162,7 +162,7 @@ def test_no_token_graph_toggles_at_runtime(mid_path: Path) -> None:
 
 
 def test_step_profile_times_every_part_and_leaves_the_session_intact(mid_path: Path) -> None:
-    from engine.graph_profile import profile_step
+    from engine.tools.graph_profile import profile_step
 
     opts = EngineOptions(model=str(mid_path), device="cuda", ctx=2048, vram_limit="4GiB",
                          vram_segment_mib=64, kv="q4_0")

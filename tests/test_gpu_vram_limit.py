@@ -103,8 +103,8 @@ def test_close_gives_the_memory_back_and_bench_runs_do_not_pile_up(mid_path: Pat
     before it (what stays is what a process loads once: kernels of the model's shapes, within
     the margin the budget keeps for them), however many runs."""
     from engine.backend.cuda import CudaBackend
-    from engine.bench import Config, run_once
     from engine.kernels.warmup import warm_up
+    from engine.tools.bench import Config, run_once
 
     memory = settle()
     CudaBackend(0, warm_up=warm_up).close()  # the context, cuBLAS, the shape-free kernels

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.bench import LOAN_ON, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.faults import Faults, InjectedFault
 from engine.request.conversation import Conversation
 from engine.runtime.serve import ServeLoop
+from engine.tools.bench import LOAN_ON, prompt_tokens
 from engine.trace.events import EventBus, LoanStep, PrefillProgress
 
 OPTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 4, "prefill": "auto", "ctx": 4096}

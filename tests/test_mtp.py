@@ -24,7 +24,7 @@ from engine.speculative.decoder import SpecDecoder
 from engine.speculative.draft import MTPDraft
 from engine.speculative.draft_head import DraftHead, select_draft_ids
 from engine.speculative.verifier import Verifier
-from engine.synth.fit_mtp import fit_mtp
+from engine.tools.fit_mtp import fit_mtp
 from engine.trace.timing import Timing
 
 

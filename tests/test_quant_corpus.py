@@ -27,7 +27,6 @@ from gguf import GGMLQuantizationType as Q
 from oracle import away_from_ties, llama_logits, ours
 from quant_corpus import IMATRIX_MIXES, MIXES, SOURCE, SOURCE_BF16, corpus_file, without_mtp
 
-from engine.bench import LOAN_ON, prompt_tokens
 from engine.cli import main
 from engine.config import EngineOptions, LoanFlags
 from engine.gguf.reader import open_gguf
@@ -35,6 +34,7 @@ from engine.gguf.type_mix import type_mix
 from engine.request.conversation import Conversation
 from engine.runtime.serve import ServeLoop
 from engine.synth.model import synth_tensors
+from engine.tools.bench import LOAN_ON, prompt_tokens
 from engine.trace.events import EventBus, LoanStep
 
 REL_TOL = 0.03

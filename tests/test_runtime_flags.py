@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import deferred_regions
 from engine.faults import Faults, InjectedFault
 from engine.request.conversation import Conversation
 from engine.runtime import flags as runtime_flags
 from engine.runtime.serve import ServeLoop
+from engine.tools.bench import prompt_tokens
 from engine.trace.events import EventBus, FlagsChanged, FlagsRefused, LoanStep, PlanChosen
 
 

@@ -1,5 +1,5 @@
-"""`strata bench`: seed 000's tables on any model and device (see engine.bench); the soak;
-`--forecast`: the loan forecast against measured prefills (engine.bench_forecast)."""
+"""`strata bench`: seed 000's tables on any model and device (see engine.tools.bench); the soak;
+`--forecast`: the loan forecast against measured prefills (engine.tools.bench_forecast)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.bench import (
+from engine.cli.options import add_engine_args, engine_options, integer, number
+from engine.errors import StrataError
+from engine.tools.bench import (
     SCENARIOS,
     TITLES,
     Hardware,
@@ -18,11 +20,9 @@ from engine.bench import (
     scenario,
     soak,
 )
-from engine.bench_forecast import as_json as forecast_json
-from engine.bench_forecast import markdown as forecast_markdown
-from engine.bench_forecast import run_forecast_bench
-from engine.cli.options import add_engine_args, engine_options, integer, number
-from engine.errors import StrataError
+from engine.tools.bench_forecast import as_json as forecast_json
+from engine.tools.bench_forecast import markdown as forecast_markdown
+from engine.tools.bench_forecast import run_forecast_bench
 
 
 def token_counts(text: str) -> list[int]:

@@ -1,5 +1,5 @@
 """`strata bench-serve`: decode speed through `strata serve` beside `strata run`'s, as a table
-(median and range of interleaved runs, a fresh process each; `engine.server.bench`).
+(median and range of interleaved runs, a fresh process each; `engine.tools.serve_bench`).
 
     strata bench-serve --model random-demo --runs 5 --max-new 256 [engine and sampling options]
 """
@@ -19,7 +19,7 @@ from engine.cli.options import (
     sampling_params,
 )
 from engine.errors import StrataError
-from engine.server.bench import run_sample, serve_sample, table
+from engine.tools.serve_bench import run_sample, serve_sample, table
 
 DEFAULT_PROMPT = "Tell me how the expert cache lends its tail to the prompt path."
 

@@ -13,9 +13,9 @@ import numpy as np
 
 from engine.cli.options import integer
 from engine.kernels import dequantize, gemv
-from engine.kernels.bench import random_quant_bytes
 from engine.kernels.warmup import warm_up
 from engine.memory.sizes import MiB
+from engine.tools.kernel_bench import random_quant_bytes
 
 
 def _line(name: str, value: str) -> str:

@@ -1,6 +1,6 @@
 """Microbenchmarks of the CUDA pieces; prints a table and writes it to `--out DIR/bench.md`.
 
-    python -m engine.kernels.bench --out DIR [--quick]
+    python -m engine.tools.kernel_bench --out DIR [--quick]
 
 Rows: device-to-device copy (the bandwidth ceiling, bytes read + written), host-to-device
 upload (pageable through the pinned staging buffer, and pinned directly), fused

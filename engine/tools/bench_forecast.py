@@ -26,11 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from engine.bench import LOAN_ON, WARMUP_NEW, prompt_tokens
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import hardware_name, resolve_device
 from engine.loan.forecast import PARTS, Rates
 from engine.runtime.serve import ServeLoop
+from engine.tools.bench import LOAN_ON, WARMUP_NEW, prompt_tokens
 from engine.trace.events import EventBus
 
 LOAN_FLAGS = LOAN_ON.with_changes(repeat_min_tokens=256)  # every measured size takes the loan

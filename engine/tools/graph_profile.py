@@ -95,14 +95,14 @@ def format_profile(rows: list[tuple[str, float]], rows_per_step: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.graph_profile --model F [--pos 2048,31000]`: one short greedy request
+    """`python -m engine.tools.graph_profile --model F [--pos 2048,31000]`: one short greedy request
     (plain decoding, so the 1-row graph exists), then the step's parts at each position."""
     import argparse
 
     from engine.config import EngineOptions
     from engine.runtime.serve import ServeLoop
 
-    p = argparse.ArgumentParser(prog="python -m engine.graph_profile", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m engine.tools.graph_profile", description=__doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--vram-limit", default="8GiB")
     p.add_argument("--kv", default="q4_0")
