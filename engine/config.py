@@ -160,7 +160,7 @@ class LoanFlags:
 
 
 DENSE_FORMATS = ("auto", "quant", "float")
-CACHE_POLICIES = ("auto", "adaptive", "static")  # engine/experts/admission.py; devices: auto
+CACHE_POLICIES = ("auto", "adaptive", "static")  # engine/experts/policy.py; devices: auto
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ sizes (docs/expert-cache.md): `python -m scripts.cache_policy [--model demo] [--
 
 Greedy replies to questions about words are generated once, one request after another on one engine
 (the cache keeps its state between them, as in a chat), and every decode step's routing is
-recorded. The routing is then replayed through `engine.experts.admission.Admission` for each
+recorded. The routing is then replayed through `engine.experts.policy.Admission` for each
 cache size, starting from the profile fill the engine starts from: `static` (no admission),
 `adaptive` (the shipped rule) and `recency` (admit every miss, evict the least recently used:
 the rule with no memory, no margin and no budget). Prints one markdown table: hit rate, experts
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import EngineOptions
-from engine.experts.admission import Admission
+from engine.experts.policy import Admission
 from engine.experts.residency import ResidencyTable
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams

@@ -1,4 +1,4 @@
-"""Expert-cache admission while decoding (`--cache-policy adaptive`, engine/experts/admission.py):
+"""Expert-cache admission while decoding (`--cache-policy adaptive`, engine/experts/policy.py):
 the rule, the cache's promotions, and an engine whose replies do not change while its hit rate
 rises on the demo model's real routing."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from engine.config import EngineOptions
 from engine.errors import DeviceError, FlagError
-from engine.experts.admission import BUDGET, MARGIN, SEED, Admission, Move
 from engine.experts.cache import EMPTY, LENT, RESIDENT
+from engine.experts.policy import BUDGET, MARGIN, SEED, Admission, Move
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
 from engine.runtime.serve import ServeLoop

@@ -96,7 +96,7 @@ def test_graph_steps_match_eager_steps_with_misses(mid_path: Path) -> None:
 def test_promotions_under_the_graph_change_where_experts_are_read_not_what_they_compute(
     mid_path: Path,
 ) -> None:
-    """--cache-policy adaptive (engine/experts/admission.py) with an eager rule (no margin, no
+    """--cache-policy adaptive (engine/experts/policy.py) with an eager rule (no margin, no
     seed): misses move into cache slots between replays; the graph reads the device table, so
     it is not captured again, and the tokens and logits are those of the static cache."""
     base = EngineOptions(model=str(mid_path), device="cuda", ctx=4096, vram_limit="4GiB",

@@ -10,7 +10,7 @@ decode-only regions; the new slots are empty, so lending them costs no refill. W
 plain, the MTP block's regions can be lent to the cache itself (engine/loan/cache_lend.py):
 it grows, `fill_tail` uploads the next experts of the fill order into the new slots, and
 `evict_tail` empties them before it shrinks back. While decoding, `promote` puts the experts
-the admission policy chose (engine/experts/admission.py) into the slots it chose.
+the admission policy chose (engine/experts/policy.py) into the slots it chose.
 
 Trace lines (DESIGN §8) are returned on the results and passed to `on_trace`; the caller prints
 them when STRATA_TRACE=1.
@@ -26,8 +26,8 @@ import numpy as np
 
 from engine.backend.base import DeviceArray
 from engine.errors import StrataError
-from engine.experts.admission import Move
 from engine.experts.host import HostExperts
+from engine.experts.policy import Move
 from engine.experts.residency import ResidencyReaders, ResidencyTable
 from engine.memory.cache_layout import TABLE_DTYPE, cache_region_bytes, residency_table_bytes
 from engine.memory.ledger import Ledger

@@ -6,7 +6,7 @@ bytes (the CUDA kernels).
 steps: resident experts are read from their cache slot; misses are streamed through the prompt
 path's staging ring, or (decode) read from host memory: decoded there for the array ops,
 copied into a transient device buffer for the kernels. With an admission policy
-(`--cache-policy adaptive`, engine/experts/admission.py) each decode step's routing
+(`--cache-policy adaptive`, engine/experts/policy.py) each decode step's routing
 (`observe`) may promote missed experts into the cache. Counters report hits, experts streamed,
 bytes streamed and experts promoted. `DirectExperts` reads every expert from host memory (no
 cache, no ring).
@@ -20,10 +20,10 @@ from typing import Any
 
 from engine.backend.base import Backend, DeviceArray
 from engine.config import CACHE_POLICIES
-from engine.experts.admission import Admission
 from engine.experts.cache import ExpertCache
 from engine.experts.decoded import DecodedLRU
 from engine.experts.host import FileExperts
+from engine.experts.policy import Admission
 from engine.memory.ring import StagingRing
 
 

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 from engine.errors import StrataError
 from engine.runtime.serve import Reply
 from engine.server import sse
-from engine.server.admission import Closed, QueueFull, Ticket
+from engine.server.queue import Closed, QueueFull, Ticket
 from engine.server.schema import ChatRequest, RequestError, parse_chat
 from engine.server.service import Service
 from engine.server.worker import Job

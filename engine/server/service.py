@@ -16,10 +16,10 @@ from starlette.requests import Request
 
 from engine.request.conversation import PROMPT_BYTES_PER_TOKEN
 from engine.runtime.serve import ServeLoop
-from engine.server.admission import Admission
 from engine.server.config import ServerConfig
 from engine.server.feed import EventFeed
 from engine.server.metrics import Metrics
+from engine.server.queue import Admission
 from engine.server.schema import ChatRequest, RequestError
 from engine.server.worker import EngineWorker, Job
 from engine.trace.events import EventBus
