@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "app")
 LAYERS_BEGIN, LAYERS_END = "<!-- layers -->", "<!-- /layers -->"
+TOP_LEVEL_MAX = 12  # engine/'s own modules, __init__ included; the rest live in packages
 
 
 def find_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -162,6 +163,13 @@ def test_engine_modules_never_import_each_other_in_a_loop(graph: dict[str, set[s
     }
     groups = cycles(engine)
     assert not groups, "\n" + report(engine, groups)
+
+
+def test_engine_has_few_top_level_modules() -> None:
+    """DESIGN §2: a few top-level modules (config, errors, the public surface); the rest in
+    packages whose names tell what they hold."""
+    top = sorted(f.name for f in (ROOT / "engine").glob("*.py"))
+    assert len(top) <= TOP_LEVEL_MAX, f"{len(top)} modules at engine/'s top level: {top}"
 
 
 def test_engine_never_imports_app() -> None:
