@@ -31,7 +31,7 @@ class Mix:
     single_share: float = 0.25  # conversations of one exchange
     min_turns: int = 3  # the others: 2-8 earlier exchanges, then the last question
     max_turns: int = 9
-    paste_share: float = 0.08  # conversations holding one long pasted text
+    paste_share: float = 0.04  # conversations holding one long pasted text (~20% of tokens at 0.08)
     paste_chars: tuple[int, int] = (400, 10_000)  # log-uniform: ~100 to ~2,500 tokens
 
 
