@@ -1,7 +1,7 @@
 """EngineOptions (command-line options) and LoanFlags (the six STRATA_PREFILL_* variables).
 
 Both are frozen dataclasses, validated on construction for values; combinations are the
-guards' job (`engine.guards.validate`).
+guards' job (`engine.loan.guards.validate`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Causal grouped-query attention for the CUDA prompt path: fp16 tensor-core GEMMs, fused softmax.
 
 `causal_attention(q [T, H, D], k, v [S, Hkv, D], pos0)` -> float32 [T, H, D], the same result as
-`engine.model.attention.causal_gqa` (query i sits at position pos0 + i and sees keys
+`engine.backend.array_ops.causal_gqa` (query i sits at position pos0 + i and sees keys
 0..pos0 + i), for long prompt chunks (up to 16,384 queries over up to ~72,000 keys).
 
 Per call:

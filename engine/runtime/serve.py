@@ -459,7 +459,7 @@ class ServeLoop:
             if on_text:
                 on_text(text)
 
-    # -- the request's progress (engine.request.record.Progress) ----------------------------------
+    # -- the request's progress (engine.request.record.Progress) -------------------------------
     def planned(self, req: Request) -> None:
         """The runtime chose the loan and the prompt geometry."""
         g = req.geometry
