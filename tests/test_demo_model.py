@@ -38,10 +38,12 @@ def _ask(loop: ServeLoop, text: str, max_new: int = 48):  # type: ignore[no-unty
 @pytest.mark.parametrize(
     ("message", "words"),
     [
-        ("house", ("house (noun)", "dwelling", "living quarters")),
+        ("house", ("house (noun):", "roof and walls")),
+        ("What does 'house' mean?", ("house (noun)", "dwelling", "living quarters")),
         ("What does 'water' mean?", ("water (noun)", "liquid")),
         ("What is a cat?", ("feline",)),
         ("What is the opposite of 'hot'?", ("cold",)),
+        ("What is a dog?", ("canine",)),
     ],
 )
 def test_a_known_word_gets_its_definition(spec_loop: ServeLoop, message: str,
@@ -59,3 +61,28 @@ def test_mtp_drafts_are_accepted_and_output_is_unchanged(spec_loop: ServeLoop) -
         offered += reply.timing.drafts_offered
         assert reply.text == _ask(plain, message).text  # speculation never changes greedy text
     assert offered >= 20 and accepted / offered >= 0.5, (accepted, offered)
+
+
+@pytest.mark.parametrize(
+    ("message", "words"),
+    [
+        ("hello", ("dictionary model",)),
+        ("What can you do?", ("dictionary",)),
+        ("Wasser", ("I don't know the word 'wasser'",)),
+    ],
+)
+def test_it_says_what_it_is_and_what_it_does_not_know(spec_loop: ServeLoop, message: str,
+                                                     words: tuple[str, ...]) -> None:
+    text = _ask(spec_loop, message).text
+    assert all(w in text for w in words), text
+
+
+def test_a_definition_after_a_long_paste_is_still_the_definition(spec_loop: ServeLoop) -> None:
+    """The app sends the whole conversation: a pasted page earlier must not change an answer."""
+    paste = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")[:6000]
+    conv = Conversation()
+    for text in ("What is a cat?", paste, "Synonyms of big?"):
+        spec_loop.chat(conv, text, SamplingParams(), 48)
+    assert spec_loop.count_tokens(paste) > 1000
+    reply = spec_loop.chat(conv, "What does 'water' mean?", SamplingParams(), 48).text
+    assert "water (noun)" in reply and "liquid" in reply, reply

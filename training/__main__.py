@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--wordnet", type=Path, required=True)
     e.add_argument("--n", type=int, default=200)
     e.add_argument("--json", type=Path)
+    e.add_argument("--everyday", action="store_true",
+                   help="only definitions of --n everyday words (a quick comparison of builds)")
     pl = sub.add_parser("plot", help="loss.jsonl -> an SVG line plot")
     pl.add_argument("--log", type=Path, required=True)
     pl.add_argument("--out", type=Path, required=True)
@@ -56,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         prepared = data.prepare(wordnet.load(a.wordnet), a.seed, a.phrasings, n_vocab)
         print(json.dumps(prepared.stats, indent=1))
     elif a.cmd == "eval":
+        from training.evaluate import everyday
         from training.evaluate import main as evaluate
 
+        if a.everyday:
+            return everyday(a.model, a.wordnet, a.n)
         return evaluate(a.model, a.wordnet, a.n, a.json)
     else:
         from training.plot import write_svg

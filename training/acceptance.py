@@ -98,6 +98,18 @@ def definition_lemmas(wn: WordNet, n: int, seed: int = 1234) -> dict[str, list[s
             "train": rng.sample(corpus.lemmas(wn, "train"), n)}  # fmt: skip
 
 
+EVERYDAY_SENSES = 4  # tagged senses from which a lemma counts as an everyday word
+
+
+def everyday_lemmas(wn: WordNet, n: int, seed: int = 7) -> list[str]:
+    """`n` training lemmas of one word with at least EVERYDAY_SENSES senses in WordNet's
+    sense-tagged text (about 1,500: house, river, book), a seeded sample: the words a new
+    user types first."""
+    common = sorted(w for w, k in wn.tagged.items()
+                    if k >= EVERYDAY_SENSES and w.isalpha() and not corpus.held_out(wn, w))
+    return random.Random(seed).sample(common, min(n, len(common)))
+
+
 def gloss(wn: WordNet, lemma: str) -> str:
     return wn.synsets[wn.senses[lemma][0]].definition
 

@@ -103,6 +103,19 @@ def nonwords(loop: ServeLoop, wn: wordnet.WordNet, sp: unknown.Speller) -> dict:
             "named": sum(r["named"] for r in near), "rows": rows}
 
 
+def everyday(model: str, wordnet_path: Path, n: int) -> int:
+    """Measure 1 on everyday words alone (`acceptance.everyday_lemmas`), printed: a quick
+    comparison of two builds on what a new user asks first."""
+    wn = wordnet.load(wordnet_path)
+    loop = _loop(model, 0)
+    words = acceptance.everyday_lemmas(wn, n)
+    hits = sum(acceptance.definition_hit(ask(loop, QUESTION.format(w=w))[0], acceptance.gloss(wn, w))
+               for w in words)
+    print(f"everyday words: {hits} of {len(words)} replies hold the gloss's first content word "
+          f"({100 * rate(hits, len(words)):.1f}%)")
+    return 0
+
+
 def spec4(model: str, words: list[str]) -> dict:
     """Per-position draft acceptance at --spec 4 over `words`' definitions."""
     loop4 = _loop(model, 4)
