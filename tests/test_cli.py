@@ -34,9 +34,10 @@ def test_quantized_kv_runs_close_to_f16(demo_path: Path, tmp_path: Path, kv: str
     a, b = np.load(ref), np.load(out)
     rel = float(np.median(np.abs(a - b).max(-1)) / np.abs(a).max())  # per position, median
     agree = float((a.argmax(-1) == b.argmax(-1)).mean())
-    # measured on this model: int8 0.75% / 98% agreement, q4_0 10% / 73%
-    assert 0 < rel < (0.02 if kv == "int8" else 0.2), rel
-    assert agree >= (0.9 if kv == "int8" else 0.5), agree
+    # measured on the conversation-trained demo: int8 1.7% / 92% agreement, q4_0 32% / 45%;
+    # llama.cpp's q4_0 K and V on the same file and tokens: 29% / 45% (its q8_0: 4.1% / 80%)
+    assert 0 < rel < (0.03 if kv == "int8" else 0.45), rel
+    assert agree >= (0.85 if kv == "int8" else 0.3), agree
     rc, text, _ = run(capsys, "run", "--model", str(tiny_path), "--prompt", "hi", "--kv", kv,
                       "--max-new", "4")
     assert rc == 0 and text.strip()
