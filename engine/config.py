@@ -21,6 +21,13 @@ REPEAT_MIN_FLOOR = 256
 REPEAT_MIN_CEILING = 2**31 - 1
 AUTO = "auto"  # STRATA_PREFILL_REPEAT_MIN_TOKENS=auto: the forecast decides the repeat loan
 
+# The rows of a decode step at most: one token, or a `--spec` window (the verifier's forward),
+# so `--spec` is bounded by it. The decode paths key on it (the host reads a step's routing, one
+# launch of the stacked QKV, the MoE decode kernels, the steps the token graph captures) and
+# the GEMV kernel takes that many vectors; a longer forward is a prompt chunk.
+DECODE_ROWS = 8
+SPEC_MIN = 2  # a window of one token is plain decoding
+
 ENV_NAMES = {
     "elastic_loan": "STRATA_PREFILL_ELASTIC_LOAN",
     "mtp_loan": "STRATA_PREFILL_MTP_LOAN",
@@ -201,8 +208,8 @@ class EngineOptions:
             errors.append(f"--prefill {self.prefill} must be 'auto' or a positive token count")
         if isinstance(self.expert_cache, int) and self.expert_cache < 0:
             errors.append(f"--expert-cache {self.expert_cache} must be 'auto' or >= 0")
-        if self.spec and not 2 <= self.spec <= 8:
-            errors.append(f"--spec {self.spec} must be 0 (off) or 2..8")
+        if self.spec and not SPEC_MIN <= self.spec <= DECODE_ROWS:
+            errors.append(f"--spec {self.spec} must be 0 (off) or {SPEC_MIN}..{DECODE_ROWS}")
         if self.dense not in DENSE_FORMATS:
             errors.append(f"--dense {self.dense} must be one of {', '.join(DENSE_FORMATS)}")
         if self.cache_policy not in CACHE_POLICIES:

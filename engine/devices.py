@@ -1,14 +1,17 @@
 """Device choice and default sizes: which device `auto` means (and which GPU, for a peak
-sampler), the simulated device's size (capped by `--vram-limit`) and segment, the bytes of a
-dense weight, and which decode-only regions a loan defers."""
+sampler), the simulated device's size (capped by `--vram-limit`) and segment, and a device's
+traits read from its name (`device_traits`) where no backend is open yet."""
 
 from __future__ import annotations
 
 import os
 import platform
+import re
+from dataclasses import replace
 
+from engine.backend.base import CUDA_TRAITS, SIM_TRAITS, DeviceTraits
 from engine.backend.process_memory import PeakSampler
-from engine.config import EngineOptions, LoanFlags
+from engine.config import EngineOptions
 from engine.errors import FlagError
 from engine.memory.plan_types import ModelCosts
 from engine.memory.sizes import MiB, format_size, parse_size
@@ -139,41 +142,35 @@ def peak_sampler(device: str) -> PeakSampler | None:
     return None if index is None else PeakSampler.open(index)
 
 
-def weight_bytes(device: str) -> int:
-    """Bytes per dense weight element: float16 on CUDA (tensor cores), float32 on the CPU."""
-    return 2 if device.startswith("cuda") else 4
+# A device no backend opens (`make_backend` names it): what the code did for any name that
+# was neither CUDA nor the simulated one; the loan refuses HIP by name.
+OTHER_TRAITS = replace(SIM_TRAITS, simulated=False)
+KIND_TRAITS = {"sim": SIM_TRAITS, "cuda": CUDA_TRAITS, "hip": replace(OTHER_TRAITS, loans=False)}
 
 
-def dense_quantized(device: str, options: EngineOptions) -> bool:
-    """Whether dense linear weights stay in their quantized blocks (`--dense`): 'auto' keeps
-    them so on CUDA, whose kernels read blocks as fast as floats, and decodes them on the
-    simulated device, whose array code would decode them at every use."""
+def device_traits(device: str) -> DeviceTraits:
+    """The traits of the device `device` names where no backend is open yet (startup
+    planning, the guards, the forecast's defaults): a device as given or resolved
+    (`sim:8GiB`, `cuda:1`; not `auto`) or the name its rates are kept under
+    (`cuda NVIDIA H200`). The one place a device's kind is read from a string; an open
+    backend says the same in `backend.traits`."""
+    kind = re.split(r"[:\s]", device.strip(), maxsplit=1)[0].lower()
+    return KIND_TRAITS.get(kind, OTHER_TRAITS)
+
+
+def dense_quantized(traits: DeviceTraits, options: EngineOptions) -> bool:
+    """Whether dense linear weights stay in their quantized blocks (`--dense`; 'auto': the
+    device's `dense_blocks`)."""
     if options.dense == "auto":
-        return device.startswith("cuda")
+        return traits.dense_blocks
     return options.dense == "quant"
 
 
-def cache_policy(device: str, options: EngineOptions) -> str:
-    """`--cache-policy` on `device`: 'auto' admits the experts decoding misses (adaptive) on
-    CUDA, where a miss crosses the host link and a hit does not, and keeps the profile fill
-    (static) on the simulated device, whose array code decodes hits and misses alike: there a
-    promotion only adds a copy and a decode (the demo decoded 20% slower with it)."""
+def cache_policy(traits: DeviceTraits, options: EngineOptions) -> str:
+    """`--cache-policy` on a device ('auto': the device's `cache_policy`)."""
     if options.cache_policy == "auto":
-        return "adaptive" if device.startswith("cuda") else "static"
+        return traits.cache_policy
     return options.cache_policy
-
-
-def deferred_regions(flags: LoanFlags, options: EngineOptions) -> frozenset[str]:
-    """Decode-only regions a loan releases: the master switch lends the verifier; the MTP
-    loan adds the MTP experts and the draft head; the head loan adds the native head."""
-    if not flags.elastic_loan:
-        return frozenset()
-    out = {"verifier"} if options.spec >= 2 else set()
-    if flags.mtp_loan:
-        out |= {"mtp.experts", "mtp.draft_head"}
-    if flags.head_loan:
-        out.add("head.native")
-    return frozenset(out)
 
 
 def hardware_name(device_index: int | None) -> str:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from engine.backend.base import CUDA_TRAITS
 from engine.config import EngineOptions, LoanFlags
-from engine.devices import weight_bytes
 from engine.memory.costs import Shapes, model_costs
 from engine.memory.planner import plan_startup
 from engine.memory.sizes import MiB
@@ -29,9 +29,9 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for mix in MIXES:
         shapes = Shapes.of_spec(replace(PRESETS["qwen3-30b-a3b"], mix=mix))
-        costs = model_costs(shapes, opts, weight_bytes("cuda"), gpu=True, quant=True)
+        costs = model_costs(shapes, opts, CUDA_TRAITS.weight_bytes, gpu=True, quant=True)
         plan = plan_startup(args.ledger_mib * MiB, costs,
-                            plan_options_for(opts, LoanFlags(), 0, 64 * MiB, "cuda"))
+                            plan_options_for(opts, LoanFlags(), 0, 64 * MiB, CUDA_TRAITS))
         sizes = shapes.layer_blob_bytes
         per_class = int(plan.n_cache_slots * shapes.blob_bytes // (sum(sizes) / len(sizes)))
         gain = per_class / plan.n_cache_slots - 1

@@ -22,6 +22,9 @@ class TargetDraft:
     def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
         return reuse
 
+    def bind(self, session: Session) -> None:
+        pass
+
     def truncate(self, n: int) -> None:
         pass
 

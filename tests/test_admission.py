@@ -168,12 +168,12 @@ def test_the_policy_is_an_option_checked_and_changed_while_running() -> None:
 
 
 def test_auto_admits_on_cuda_only() -> None:
-    from engine.devices import cache_policy
+    from engine.devices import cache_policy, device_traits
 
-    auto = EngineOptions()
-    assert cache_policy("cuda:0", auto) == "adaptive" and cache_policy("sim", auto) == "static"
-    assert cache_policy("sim", EngineOptions(cache_policy="adaptive")) == "adaptive"
-    assert cache_policy("cuda:0", EngineOptions(cache_policy="static")) == "static"
+    auto, cuda, sim = EngineOptions(), device_traits("cuda:0"), device_traits("sim")
+    assert cache_policy(cuda, auto) == "adaptive" and cache_policy(sim, auto) == "static"
+    assert cache_policy(sim, EngineOptions(cache_policy="adaptive")) == "adaptive"
+    assert cache_policy(cuda, EngineOptions(cache_policy="static")) == "static"
 
 
 def _script():  # scripts/ is not a package: load the file

@@ -24,6 +24,7 @@ from app.widgets.event_log import EventLog
 from app.widgets.flags_panel import FlagsPanel
 from app.widgets.prompt_input import Composer, PromptInput
 from app.widgets.timing_panel import TimingPanel
+from engine.backend.base import SIM_TRAITS
 from engine.config import EngineOptions, LoanFlags
 from engine.errors import ContextFullError
 from engine.faults import Faults, InjectedFault
@@ -146,11 +147,11 @@ def test_off_is_one_step_for_the_master_switch() -> None:
                        retain_startup_chunk=True, repeat_loan=True)
     off = all_on.with_changes(elastic_loan=False)
     assert not off.elastic_loan and off.sub_options_on() == ()
-    assert guards.validate(EngineOptions(), off, "sim", True, True) == []
+    assert guards.validate(EngineOptions(), off, SIM_TRAITS, True, True) == []
     # a sub-option named with the master off is still the refused combination
     named = all_on.with_changes(elastic_loan=False, repeat_loan=True)
     assert any("needs the master switch" in v
-               for v in guards.validate(EngineOptions(), named, "sim", True, True))
+               for v in guards.validate(EngineOptions(), named, SIM_TRAITS, True, True))
 
 
 # -- pure text rules -------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from app.widgets.vram_bar import BLOCK, VramBar
 from engine.config import EngineOptions, LoanFlags
 from engine.loan.forecast import seconds_text
 from engine.request.conversation import Conversation
+from engine.request.record import reused_tokens
 from engine.runtime.serve import ServeLoop
 from engine.trace.events import PrefillProgress
 
@@ -169,7 +170,8 @@ async def test_the_chip_says_what_the_repeat_loan_will_buy(tmp_path: Path) -> No
         conv.add("user", text)
         ids = loop.prompt_ids(conv)  # the reply to "hello" is in the KV: reused, not fresh
         assert verdict.prompt_tokens == len(ids)
-        assert verdict.fresh_tokens == len(ids) - loop.rt.session.reusable(ids) < len(ids)
+        reused = reused_tokens(loop.rt.session, loop.rt.spec, ids)  # the request's own rule
+        assert verdict.fresh_tokens == len(ids) - reused < len(ids)
         assert f"repeat loan: {seconds_text(verdict.without_loan.total_s)} -> " in str(
             composer.query_one("#chips").render())
 

@@ -37,14 +37,17 @@ from engine.loan.forecast import (
     seconds_text,
     workload,
 )
+from engine.loan.geometry import REPLANNED, RETAINED, loan_geometry
 from engine.loan.transaction import admission
 from engine.memory.costs import Shapes, attention_flops, moe_flops, prefill_flops
 from engine.memory.plan_types import PromptGeometry
-from engine.request.conversation import Conversation
+from engine.request.conversation import Conversation, Message
+from engine.request.record import reused_tokens
 from engine.runtime.serve import ServeLoop
+from engine.speculative.draft import MTPDraft
 from engine.synth.model import PRESETS
 from engine.tools.bench import LOAN_ON, prompt_tokens
-from engine.trace.events import EventBus, PlanChosen, RequestDone
+from engine.trace.events import EventBus, LoanStep, PlanChosen, RequestDone
 
 OPTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 4, "prefill": "auto",
         "ctx": 4096}
@@ -382,11 +385,84 @@ def test_preview_counts_fresh_tokens_against_the_kv(demo_path: Path, fresh_cache
     ahead = Conversation(messages=[*conv.messages])
     ahead.add("user", text)
     ids = loop.prompt_ids(ahead)
-    assert v.prompt_tokens == len(ids) and v.fresh_tokens == len(ids) - loop.rt.session.reusable(ids)
+    reused = reused_tokens(loop.rt.session, loop.rt.spec, ids)
+    assert v.prompt_tokens == len(ids) and v.fresh_tokens == len(ids) - reused
     assert 0 < v.fresh_tokens < v.prompt_tokens
     other = loop.preview(Conversation(), text)  # another conversation: its KV starts empty
     assert other.fresh_tokens == other.prompt_tokens
     assert len(conv.messages) == 2  # a question: nothing added
+
+
+def test_preview_keeps_what_the_request_keeps_under_mtp(random_demo_path: Path,
+                                                        fresh_cache: Path) -> None:
+    """--mtp: the draft continues from a cell only while the token after it matches too, so a
+    prompt that parts from the KV inside it keeps one token fewer than the KV's common prefix.
+    The preview asks the request's own rule (engine.request.record.reused_tokens), and asking
+    allocates nothing: the MTP draft's KV is made by the first request's begin step."""
+    loop = make(random_demo_path, LoanFlags())
+    rt = loop.rt
+    assert rt.spec is not None
+    draft = rt.spec.draft
+    assert isinstance(draft, MTPDraft) and draft.kv is None
+
+    def held() -> tuple[object, int]:  # the ledger and what the KV region has carved
+        return rt.ledger.snapshot(), rt.ledger.region("kv").carved_bytes
+
+    ledger = held()
+    ids = loop.prompt_ids(Conversation(messages=[Message("user", "hello there")]))
+    assert reused_tokens(rt.session, rt.spec, ids) == 0
+    assert draft.kv is None and held() == ledger
+    conv = Conversation()
+    loop.chat(conv, "hello there", max_new=8)
+    assert draft.kv is not None  # the request bound it
+    # the answer the next prompt re-reads is not the one in the KV: they part inside the KV
+    conv.messages[-1] = replace(conv.messages[-1], content="Something else entirely.")
+    text = "and then?"
+    ahead = Conversation(id=conv.id, messages=[*conv.messages])
+    ahead.add("user", text)
+    ids = loop.prompt_ids(ahead)
+    n_kv = rt.session.reusable(ids)  # the KV's part of the rule alone
+    assert 0 < n_kv < len(rt.session.tokens)
+    ledger, cells = held(), (draft.n_cells, list(draft.seq))
+    v = loop.preview(conv, text)
+    assert held() == ledger
+    assert (draft.n_cells, draft.seq) == cells  # a question: the draft as it was
+    reply = loop.chat(conv, text, max_new=4)
+    assert reply.timing.reused_tokens == n_kv - 1  # the draft's part decided
+    assert (v.prompt_tokens, v.fresh_tokens) == (reply.timing.prompt_tokens,
+                                                 reply.timing.fresh_tokens)
+
+
+def test_a_retained_geometry_that_does_not_fit_is_re_planned_by_both(
+        random_demo_path: Path, fresh_cache: Path) -> None:
+    """The retained startup geometry was planned with every deferred region's bytes; a repeat
+    loan that releases fewer (the head loan turned off) cannot lend its slots. The transaction
+    re-plans, and the forecast made before the request names the same geometry: both ask
+    engine.loan.geometry.loan_geometry."""
+    bus = EventBus()
+    seen: list[object] = []
+    bus.subscribe(lambda e: seen.append(e) if isinstance(e, (PlanChosen, LoanStep)) else None)
+    loop = make(random_demo_path, bus=bus)
+    loop.complete(prompt_tokens(loop, 600, salt=1), max_new=2)  # the startup loan
+    rt = loop.rt
+    retained = rt.retained_geometry
+    assert retained is not None and retained.borrowed
+    args = (rt.plan, rt.plan.free_bytes, rt.costs, rt.plan_options)
+    assert loan_geometry(*args, "repeat", retained, retained.n_lent_slots, 0) == (retained,
+                                                                                  RETAINED)
+    assert loan_geometry(*args, "repeat", retained, retained.n_lent_slots - 1, 0)[1] == REPLANNED
+    assert loan_geometry(*args, "startup", retained, retained.n_lent_slots, 0)[1] == REPLANNED
+    assert not loop.set_flags(FLAGS.with_changes(head_loan=False))
+    seen.clear()
+    reply = loop.complete(prompt_tokens(loop, 900, salt=2), max_new=2)
+    (plan,) = [e for e in seen if isinstance(e, PlanChosen)]
+    steps = [e.detail for e in seen if isinstance(e, LoanStep) and e.step == "plan"]
+    assert len(steps) == 1 and "(re-planned, repeat loan)" in steps[0]
+    assert plan.ring_slots != retained.ring_slots  # another geometry than the retained one
+    assert reply.verdict is not None
+    w = reply.verdict.chosen.workload
+    assert (w.kind, w.chunk_tokens, w.ring_slots) == ("repeat", plan.chunk_tokens,
+                                                      plan.ring_slots)
 
 
 def test_what_if_is_refused_as_the_flags_would_be(demo_path: Path, fresh_cache: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from engine.cli import main
 from engine.config import EngineOptions, LoanFlags
-from engine.devices import segment_bytes
+from engine.devices import device_traits, segment_bytes
 from engine.errors import FlagError
 from engine.loan.guards import validate
 from engine.memory.sizes import GiB, MiB
@@ -17,11 +17,12 @@ from engine.memory.sizes import GiB, MiB
 GOOD = EngineOptions(serve=True, vram_elastic=True, mtp=True, spec=4)
 ALL = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
                      retain_startup_chunk=True, repeat_loan=True)
+CUDA, SIM = device_traits("cuda:0"), device_traits("sim")
 
 
 def check(options: EngineOptions, flags: LoanFlags, device: str = "sim", has_mtp: bool = True,
           head: bool = True) -> list[str]:
-    return validate(options, flags, device, has_mtp, head)
+    return validate(options, flags, device_traits(device), has_mtp, head)
 
 
 def test_valid_combination_passes() -> None:
@@ -119,12 +120,12 @@ def test_cli_bad_env_value(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
 def test_a_bad_flash_kernel_choice_is_refused_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STRATA_FLASH", "fa3")
     options = EngineOptions(model="x")
-    assert validate(options, LoanFlags(), "sim", True, True) == []  # no flash kernel there
-    (problem,) = validate(options, LoanFlags(), "cuda:0", True, True)
+    assert validate(options, LoanFlags(), SIM, True, True) == []  # no flash kernel there
+    (problem,) = validate(options, LoanFlags(), CUDA, True, True)
     assert problem == "STRATA_FLASH='fa3' is not a flash kernel choice; use fa2 or auto (or unset it)"
     for ok in ("fa2", "auto", ""):
         monkeypatch.setenv("STRATA_FLASH", ok)
-        assert validate(options, LoanFlags(), "cuda:0", True, True) == []
+        assert validate(options, LoanFlags(), CUDA, True, True) == []
 
 
 @pytest.mark.parametrize(("capacity_gib", "default_mib"), [(2, 32), (1, 16)])
@@ -134,30 +135,30 @@ def test_the_default_cuda_segment_is_checked(capacity_gib: int, default_mib: int
     capacity = capacity_gib * GiB
     seg = segment_bytes(GOOD, capacity)
     assert seg == default_mib * MiB
-    v = validate(GOOD, ALL, "cuda:0", True, True, segment_bytes=seg, capacity_bytes=capacity)
+    v = validate(GOOD, ALL, CUDA, True, True, segment_bytes=seg, capacity_bytes=capacity)
     assert (f"STRATA_PREFILL_ELASTIC_LOAN=1 needs segments >= 64 MiB on CUDA; the default "
             f"segment of this device is {default_mib}.0 MiB: pass --vram-segment-mib 64") in v
-    assert validate(GOOD, LoanFlags(), "cuda:0", True, True, segment_bytes=seg,
+    assert validate(GOOD, LoanFlags(), CUDA, True, True, segment_bytes=seg,
                     capacity_bytes=capacity) == []  # no loan: no floor
     explicit = GOOD.with_changes(vram_segment_mib=64)
-    assert validate(explicit, ALL, "cuda:0", True, True, segment_bytes=segment_bytes(
+    assert validate(explicit, ALL, CUDA, True, True, segment_bytes=segment_bytes(
         explicit, capacity), capacity_bytes=capacity) == []
     # the simulated device has no floor; a large GPU's default is already >= 64 MiB
-    assert validate(GOOD, ALL, "sim", True, True, segment_bytes=seg, capacity_bytes=capacity) == []
+    assert validate(GOOD, ALL, SIM, True, True, segment_bytes=seg, capacity_bytes=capacity) == []
     big = 80 * GiB
-    assert validate(GOOD, ALL, "cuda:0", True, True, segment_bytes=segment_bytes(GOOD, big),
+    assert validate(GOOD, ALL, CUDA, True, True, segment_bytes=segment_bytes(GOOD, big),
                     capacity_bytes=big) == []
 
 
 def test_a_segment_larger_than_the_device_says_so() -> None:
     options = EngineOptions(vram_segment_mib=64)
-    (problem,) = validate(options, LoanFlags(), "sim", True, True, segment_bytes=64 * MiB,
+    (problem,) = validate(options, LoanFlags(), SIM, True, True, segment_bytes=64 * MiB,
                           capacity_bytes=44 * MiB)
     assert problem.startswith("--vram-segment-mib 64 is larger than the whole device (44.0 MiB)")
     assert "default segment here is 1.0 MiB" in problem and "--device sim:SIZE" in problem
     assert "budget is 0.0" not in problem
     limited = options.with_changes(vram_limit="48MiB")
-    (problem,) = validate(limited, LoanFlags(), "cuda:0", True, True, segment_bytes=64 * MiB,
+    (problem,) = validate(limited, LoanFlags(), CUDA, True, True, segment_bytes=64 * MiB,
                           capacity_bytes=48 * MiB)
     assert "a larger --vram-limit" in problem
 

@@ -254,3 +254,101 @@ def test_an_upward_import_and_a_module_without_a_layer_are_found(tmp_path: Path)
         "engine.low.a (low) imports engine.high.b (high), a higher layer",
         "engine.stray has no layer: place it in engine/README.md's layers",
     ]
+
+
+DEVICE_PARSING = ("engine.devices",)  # the one module that reads a device's kind from its name
+DEVICE_KINDS = ("cuda", "sim", "hip")
+DECODE_ROWS_OWNER = "engine.config"
+# Row bounds equal to a decode step's rows today that are other things: where uploading
+# quantized embedding rows starts to pay (engine/backend/cuda_ops.py).
+OTHER_ROW_BOUNDS = ("EMBED_ON_HOST_ROWS",)
+
+
+def device_string_tests(mods: dict[str, Path]) -> list[str]:
+    """'module:line' for each `.startswith(...)` of a device kind ('cuda', 'sim', 'hip', or
+    one with its ':') outside device parsing (DESIGN §2: CPU or GPU is asked of the backend's
+    traits, never read from a device string)."""
+    out = []
+    for m, path in mods.items():
+        if m in DEVICE_PARSING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "startswith" and node.args):
+                continue
+            arg = node.args[0]
+            for v in arg.elts if isinstance(arg, ast.Tuple) else [arg]:
+                if (isinstance(v, ast.Constant) and isinstance(v.value, str)
+                        and v.value.partition(":")[0] in DEVICE_KINDS):
+                    out.append(f"{m}:{node.lineno} tests a device string ({v.value!r})")
+    return sorted(out)
+
+
+def module_constants(mods: dict[str, Path]) -> list[tuple[str, str, ast.expr]]:
+    """(module, name, value) of every module-level `NAME = value` (tuples unpacked)."""
+    out = []
+    for m, path in mods.items():
+        for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+            if isinstance(node, ast.AnnAssign) and node.value is not None:
+                pairs = [(node.target, node.value)]
+            elif isinstance(node, ast.Assign):
+                pairs = [(t, node.value) for t in node.targets]
+            else:
+                continue
+            for target, value in pairs:
+                if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
+                    pairs.extend(zip(target.elts, value.elts))
+                elif isinstance(target, ast.Name):
+                    out.append((m, target.id, value))
+    return out
+
+
+def decode_row_copies(mods: dict[str, Path]) -> list[str]:
+    """The decode row limit is one constant: `DECODE_ROWS` assigned once, in its owner; a row
+    or window bound elsewhere with the same number written out is a copy of it (unless named
+    in OTHER_ROW_BOUNDS), to be derived from it instead."""
+    consts = module_constants(mods)
+    owners = [(m, v) for m, name, v in consts if name == "DECODE_ROWS"]
+    if [m for m, _ in owners] != [DECODE_ROWS_OWNER] or not isinstance(owners[0][1], ast.Constant):
+        where = [m for m, _ in owners]
+        return [f"DECODE_ROWS is assigned in {where}, not once in {DECODE_ROWS_OWNER} as a number"]
+    rows = owners[0][1].value
+    return sorted(
+        f"{m}.{name} = {rows}: derive it from DECODE_ROWS (or name it in OTHER_ROW_BOUNDS)"
+        for m, name, v in consts
+        if name != "DECODE_ROWS" and name not in OTHER_ROW_BOUNDS
+        and name.endswith(("ROWS", "WINDOW"))
+        and isinstance(v, ast.Constant) and v.value == rows
+    )
+
+
+def test_no_device_string_is_tested_outside_device_parsing() -> None:
+    bad = device_string_tests(find_modules())
+    assert not bad, "\n" + "\n".join(bad)
+
+
+def test_the_decode_row_limit_is_defined_once() -> None:
+    bad = decode_row_copies(find_modules())
+    assert not bad, "\n" + "\n".join(bad)
+
+
+def test_device_string_tests_and_row_copies_are_found(tmp_path: Path) -> None:
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "devices.py").write_text("x = 'cuda:0'.startswith('cuda')\n")
+    (tmp_path / "engine" / "config.py").write_text("DECODE_ROWS = 8\n")
+    (tmp_path / "engine" / "model.py").write_text(
+        "from engine.config import DECODE_ROWS\n"
+        "def f(d):\n    return d.startswith(('sim', 'x')) or d.startswith('simple')\n"
+        "STEP_ROWS = 2 * DECODE_ROWS\nMIN_WINDOW, MAX_WINDOW = 2, 8\nGEMV_MAX_ROWS: int = 8\n"
+    )
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "panel.py").write_text("def g(d):\n    return d.startswith('hip:')\n")
+    mods = find_modules(tmp_path)
+    assert device_string_tests(mods) == ["app.panel:2 tests a device string ('hip:')",
+                                         "engine.model:3 tests a device string ('sim')"]
+    assert decode_row_copies(mods) == [
+        "engine.model.GEMV_MAX_ROWS = 8: derive it from DECODE_ROWS (or name it in OTHER_ROW_BOUNDS)",
+        "engine.model.MAX_WINDOW = 8: derive it from DECODE_ROWS (or name it in OTHER_ROW_BOUNDS)",
+    ]
+    (tmp_path / "engine" / "kernels.py").write_text("DECODE_ROWS = 8\n")
+    assert decode_row_copies(find_modules(tmp_path))[0].startswith("DECODE_ROWS is assigned in")

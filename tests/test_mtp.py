@@ -174,7 +174,7 @@ def test_mtp_kv_matches_a_clean_catch_up(model: Model) -> None:
     clean = Session(model, 256)
     hidden = np.asarray(clean.forward(s.tokens, logits="none").hidden)  # [n, d]
     fresh = MTPDraft(dec.draft.block)
-    fresh.reusable(clean, s.tokens, 0)
+    fresh.bind(clean)
     fresh.observe(clean, 0, hidden, [*s.tokens[1:], out[-1]])
     n = draft.n_cells
     kv_a, kv_b = draft.kv.read(0, n), fresh.kv.read(0, n)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineOptions, LoanFlags
-from engine.devices import deferred_regions
 from engine.faults import Faults, InjectedFault
+from engine.loan.deferral import deferred_regions
 from engine.request.conversation import Conversation
 from engine.runtime import flags as runtime_flags
 from engine.runtime.serve import ServeLoop

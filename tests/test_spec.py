@@ -185,8 +185,8 @@ def test_runtime_entry_points_begin_collect_decode(model: Model) -> None:
     ids = prompt(30, seed=12)
     want, _ = plain(model, ids, 30, 8)
     s = Session(model, 512)
-    keep = dec.begin(s, ids, reuse=0)
-    assert keep == 0
+    assert dec.draft.reusable(s, ids, 0) == 0
+    dec.begin(s, 0)
     for a in range(0, len(ids), 8):  # what Session.prefill does per chunk, with the hook
         pos0 = len(s.tokens)
         res = s.forward(ids[a : a + 8], "last" if a + 8 >= len(ids) else "none")
@@ -201,7 +201,7 @@ def test_runtime_entry_points_begin_collect_decode(model: Model) -> None:
     dec.check_integrity()
     # without the prefill's hidden the MTP draft cannot start: a loud error, not bad drafts
     s2 = Session(model, 512)
-    dec.begin(s2, ids, reuse=0)
+    dec.begin(s2, 0)
     logits = s2.prefill(ids, 8)
     with pytest.raises(AssertionError, match="SpecDecoder.collect"):
         next(dec.decode(s2, logits, Sampler(GREEDY), 5))

@@ -11,6 +11,7 @@ from textual.reactive import reactive
 from app.widgets.base import EventView
 from app.widgets.fmt import flow, fmt_bytes
 from app.widgets.spark import spark
+from engine.devices import device_traits
 from engine.trace.events import Event, GpuStats, LedgerChanged, Ready
 
 MAX_READINGS = 600  # the engine reads NVML every 0.5 s: the last 5 minutes
@@ -47,7 +48,7 @@ class GpuPanel(EventView):
 
     @property
     def simulated(self) -> bool:
-        return self.device.startswith("sim") and self.stats is None
+        return device_traits(self.device).simulated and self.stats is None
 
     def apply_event(self, event: Event) -> None:
         if isinstance(event, GpuStats):

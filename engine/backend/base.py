@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from types import ModuleType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.gguf.quant import ExpertLayout
+from engine.memory.budget import ProcessBudget
 
 # A device array: numpy.ndarray on the sim backend, cupy.ndarray on CUDA.
 DeviceArray = Any
@@ -117,7 +118,39 @@ class AddressSpace(Protocol):
         ...
 
 
-DECODE_ROWS = 8  # rows of a decode step (a verify window included) at most
+@dataclass(frozen=True)
+class DeviceTraits:
+    """What the code that is not the backend's own needs to know of a device, asked once: of
+    the backend (`backend.traits`) or, before one exists (startup planning, the guards, the
+    forecast's defaults), of the device's name (`engine.devices.device_traits`, the only
+    place a device string is read for its kind)."""
+
+    gpu: bool  # a CUDA GPU: its kernels (and what they need), its whole-process budget, NVML
+    graphs: bool  # decode steps can be captured and replayed (the token graph)
+    simulated: bool  # device memory is host memory of a chosen size (no loan segment floor)
+    loans: bool  # the elastic loan runs here
+    weight_bytes: int  # bytes of a dense weight element on the device (float16 or float32)
+    dense_blocks: bool  # `--dense auto`: dense linear weights stay in their quantized blocks
+    ring_layers: int  # layers of experts the prompt path's staging ring holds
+    cache_policy: str  # `--cache-policy auto`: 'adaptive' or 'static'
+    rates: str  # the forecast's defaults before the first request: 'cuda' or 'sim'
+    flops_unit: str  # how the forecast's fitted compute rates are written
+
+
+# The simulated device computes with NumPy on the CPU: float32 weights, dense weights decoded
+# once at load (array code would decode blocks at every use), one layer of experts in the ring
+# (copies are memcpy, nothing to overlap), the profile's fill kept (array code decodes hits and
+# misses alike: a promotion only adds a copy and a decode; the demo decoded 20% slower with it).
+SIM_TRAITS = DeviceTraits(gpu=False, graphs=False, simulated=True, loans=True, weight_bytes=4,
+                          dense_blocks=False, ring_layers=1, cache_policy="static", rates="sim",
+                          flops_unit="GFLOP/s")
+# A CUDA GPU: float16 weights (tensor cores), dense weights kept in their blocks (the kernels
+# read blocks as fast as floats), two layers of experts in the ring (the next layer's uploads
+# run while this one computes), decoding misses admitted (a miss crosses the host link, a hit
+# does not).
+CUDA_TRAITS = DeviceTraits(gpu=True, graphs=True, simulated=False, loans=True, weight_bytes=2,
+                           dense_blocks=True, ring_layers=2, cache_policy="adaptive", rates="cuda",
+                           flops_unit="TFLOP/s")
 
 
 @runtime_checkable
@@ -198,6 +231,7 @@ class Backend(Protocol):
     """
 
     name: str  # "sim" or "cuda:0"
+    traits: DeviceTraits  # what differs between devices, for code that is not the backend's
     device_index: int | None  # the CUDA device's index; None on the simulated device
     xp: ModuleType  # numpy on sim, cupy on CUDA
     capacity_bytes: int
@@ -334,3 +368,27 @@ class Backend(Protocol):
         """Give back what the backend holds itself (standalone buffers, cached blocks,
         page-locked host memory); ledger regions are closed by their ledger first. Idempotent."""
         ...
+
+
+class GpuBackend(Backend, Protocol):
+    """A GPU's own surface beyond the `Backend` protocol (`traits.gpu`): its whole-process
+    budget, the bytes it holds outside the ledger, page-locked host memory."""
+
+    budget: ProcessBudget
+
+    def refresh_outside(self) -> int:
+        """Measure again what the process holds outside the ledger; those bytes."""
+        ...
+
+    def memory_line(self) -> str:
+        """A trace line: the process's bytes now and their parts."""
+        ...
+
+    def pin(self, host: np.ndarray) -> None:
+        """Page-lock `host` for the device's copies (DeviceError where it cannot)."""
+        ...
+
+
+def as_gpu(backend: Backend) -> GpuBackend | None:
+    """`backend` as a GPU where its traits say it is one; None on other devices."""
+    return cast(GpuBackend, backend) if backend.traits.gpu else None

@@ -36,7 +36,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from engine.backend.base import CopyStats, MemInfo
+from engine.backend.base import CUDA_TRAITS, CopyStats, MemInfo
 from engine.backend.cuda_arena import ChunkArena
 from engine.backend.cuda_ops import CudaOps
 from engine.backend.process_memory import ProcessMemory
@@ -64,6 +64,7 @@ class CudaBackend(CudaOps):
     """One GPU as a `Backend` (see the module docstring); its ops are `CudaOps`."""
 
     async_copies = True  # uploads run on their own stream beside compute
+    traits = CUDA_TRAITS
 
     def __init__(
         self,

@@ -26,7 +26,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.backend.array_ops import ArrayOps
-from engine.backend.base import DECODE_ROWS, ExpertProvider
+from engine.backend.base import ExpertProvider
+from engine.config import DECODE_ROWS
 from engine.gguf.quant import ExpertLayout, QuantMatrix, QuantStack
 from engine.kernels import fused
 from engine.kernels.attention import causal_attention
@@ -36,7 +37,9 @@ from engine.kernels.flash import supported as flash_supported
 from engine.kernels.moe import moe_decode, moe_prefill
 from engine.trace import phases
 
-EMBED_ON_HOST_ROWS = 8  # longer token runs decode their embedding rows on the device
+# Longer token runs decode their embedding rows on the device: where uploading the quantized
+# rows starts to pay, not the decode row limit (`DECODE_ROWS`), though both are 8 today.
+EMBED_ON_HOST_ROWS = 8
 
 
 class CudaOps(ArrayOps):

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from engine.backend.array_ops import ArrayOps
-from engine.backend.base import CopyStats, MemInfo
+from engine.backend.base import SIM_TRAITS, CopyStats, MemInfo
 from engine.errors import DeviceError
 from engine.gguf.quant import ExpertLayout
 from engine.memory.sizes import format_mib
@@ -35,6 +35,7 @@ class SimBackend(ArrayOps):
     """A device of `capacity_bytes` simulated with numpy (see the module docstring)."""
 
     async_copies = False  # every copy has finished when its call returns
+    traits = SIM_TRAITS
 
     def __init__(self, capacity_bytes: int, *, name: str = "sim"):
         assert capacity_bytes > 0, capacity_bytes

@@ -14,10 +14,11 @@ import numpy as np
 
 from engine.cli.options import add_engine_args, engine_options, loan_flags
 from engine.config import EngineOptions, LoanFlags
-from engine.devices import deferred_regions, hardware_name, resolve_device
+from engine.devices import hardware_name, resolve_device
 from engine.errors import FlagError, StrataError
 from engine.experts.profile import ExpertProfile
 from engine.gguf.type_mix import layer_ranges
+from engine.loan.deferral import deferred_regions
 from engine.loan.forecast import (
     Forecast,
     RatesError,

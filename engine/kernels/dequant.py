@@ -26,11 +26,15 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
+from engine.config import DECODE_ROWS
 from engine.kernels.lifetime import process_lifetime
 
 _DIR = Path(__file__).parent
 _THREADS = 128  # 4 warps; must match WARPS in quant_kernels.cu
-GEMV_MAX_ROWS = 8  # vectors one gemv launch takes at most
+# Vectors one gemv launch takes at most: the kernel is instantiated for each batch up to a
+# decode step's rows, so each linear of a step (and of a prompt chunk that short) is one launch
+# (the token graph captures only such steps).
+GEMV_MAX_ROWS = DECODE_ROWS
 DECODE_SLICE_BYTES = 64 << 20  # a quantized weight decoded for a GEMM: fp16 bytes at a time
 
 # quant type -> decoder struct in quant_blocks.cu
@@ -312,7 +316,7 @@ def gemv(
 ) -> Any:
     """y = W @ x with W the quantized matrix [n_out, n_in] in `dev_bytes`.
 
-    x: [n_in] or [B, n_in] with B <= 8 (any float dtype; computed in float32).
+    x: [n_in] or [B, n_in] with B <= GEMV_MAX_ROWS (any float dtype; computed in float32).
     Returns float32 [n_out] or [B, n_out] (written into `out` when given). `rows_per_warp`
     (1, 2 or 4) overrides the choice by matrix height (benchmarks).
     """

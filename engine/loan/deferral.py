@@ -1,16 +1,31 @@
-"""What a startup loan defers, while no request has run: the decode-only regions an engine
-holds follow the flags (a runtime flag change before the first request), and the startup plan
-names them and the larger startup geometry their bytes buy."""
+"""What a loan defers: the decode-only regions the flags name (`deferred_regions`: what a
+startup loan leaves free and every loan releases); while no request has run, the regions an
+engine holds follow the flags (a runtime flag change before the first request), and the
+startup plan names them and the larger startup geometry their bytes buy."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from engine.config import EngineOptions, LoanFlags
 from engine.faults import Faults
 from engine.loan.resources import DecodeResource, ResourceSet
 from engine.memory.ledger import REGION_NAMES
 from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
 from engine.memory.planner import plan_loan
+
+
+def deferred_regions(flags: LoanFlags, options: EngineOptions) -> frozenset[str]:
+    """Decode-only regions a loan releases: the master switch lends the verifier; the MTP
+    loan adds the MTP experts and the draft head; the head loan adds the native head."""
+    if not flags.elastic_loan:
+        return frozenset()
+    out = {"verifier"} if options.spec >= 2 else set()
+    if flags.mtp_loan:
+        out |= {"mtp.experts", "mtp.draft_head"}
+    if flags.head_loan:
+        out.add("head.native")
+    return frozenset(out)
 
 
 def follow_deferral(resources: ResourceSet, deferred: frozenset[str],

@@ -38,6 +38,7 @@ import numpy as np
 
 from engine.atomic_file import write_text_atomic
 from engine.bounded_input import InputFileError, load_json
+from engine.devices import device_traits
 from engine.experts.profile import ExpertProfile
 from engine.memory.costs import Shapes, attention_flops, moe_flops
 from engine.memory.plan_types import PromptGeometry, chunk_count
@@ -320,8 +321,8 @@ class Rates:
 
     @classmethod
     def fresh(cls, device: str) -> Rates:
-        """No observation yet: the defaults of the device's kind ('sim' or 'cuda')."""
-        return cls(device, DEFAULTS["cuda" if device.startswith("cuda") else "sim"])
+        """No observation yet: the defaults of the device's kind (its traits' `rates`)."""
+        return cls(device, DEFAULTS[device_traits(device).rates])
 
     def fit(self, w: Workload) -> Coefs:
         """Coefficients for a forecast of `w` (see the module docstring)."""
@@ -382,7 +383,7 @@ class Rates:
         def rate(sec_per_unit: float, unit: str, scale: float) -> str:
             return f"{1 / sec_per_unit / scale:,.3g} {unit}" if sec_per_unit > 0 else f"- {unit}"
 
-        flops = "TFLOP/s" if self.device.startswith("cuda") else "GFLOP/s"
+        flops = device_traits(self.device).flops_unit
         fs = 1e12 if flops == "TFLOP/s" else 1e9
         att, moe, rest = c["attention"], c["moe"], c["rest"]
         return (

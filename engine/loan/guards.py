@@ -1,12 +1,13 @@
 """Guards: every refused combination of options and loan flags, reported at once (seed 000).
 
 `validate` is pure: it runs before anything is deferred, at startup, in `strata plan` and for
-every runtime flag change. Facts of the device (its capacity and the segment the ledger will
-use, explicit or default) are arguments, so every device's checks run on a CPU.
+every runtime flag change. Facts of the device (its traits, its capacity and the segment the
+ledger will use, explicit or default) are arguments, so every device's checks run on a CPU.
 """
 
 from __future__ import annotations
 
+from engine.backend.base import DeviceTraits
 from engine.config import ENV_NAMES, EngineOptions, LoanFlags
 from engine.devices import default_segment_bytes
 from engine.kernels.flash import env_problem
@@ -18,7 +19,7 @@ MIN_LOAN_SEGMENT_MIB = 64
 def validate(
     options: EngineOptions,
     flags: LoanFlags,
-    device: str,
+    device: DeviceTraits,
     has_mtp: bool,
     has_native_head: bool,
     segment_bytes: int | None = None,
@@ -26,7 +27,8 @@ def validate(
 ) -> list[str]:
     """Return every violation in words; an empty list means the combination is accepted.
 
-    `segment_bytes` is the segment the ledger will use (`engine.devices.segment_bytes`: the
+    `device`: the traits of the device (`backend.traits`, or `engine.devices.device_traits`
+    of its name); `segment_bytes` is the segment the ledger will use (`engine.devices.segment_bytes`: the
     explicit `--vram-segment-mib` or the device's default) and `capacity_bytes` the device's
     budget; without them only an explicit `--vram-segment-mib` is checked.
     """
@@ -46,7 +48,7 @@ def validate(
             v.append(f"{master}=1 refuses --batch-slots {options.batch_slots} (loans are one request at a time)")
         if options.prefill_head_alias:
             v.append(f"{master}=1 is incompatible with --prefill-head-alias; use one or the other")
-        if device.startswith("hip"):
+        if not device.loans:  # HIP: the one kind of device that refuses them
             v.append(f"{master}=1 is not supported on HIP devices")
     for name in ("mtp_loan", "head_loan"):
         if getattr(flags, name) and (not options.mtp or options.spec < 2):
@@ -59,16 +61,16 @@ def validate(
         v.append(f"--spec {options.spec} needs --mtp (the draft comes from the MTP layer)")
     if (problem := _segment_fit_problem(options, device, segment_bytes, capacity_bytes)):
         v.append(problem)
-    if device.startswith("cuda") and (problem := env_problem()) is not None:
+    if device.gpu and (problem := env_problem()) is not None:
         v.append(problem)
     return v
 
 
-def _loan_segment_problem(options: EngineOptions, device: str,
+def _loan_segment_problem(options: EngineOptions, device: DeviceTraits,
                           segment_bytes: int | None) -> str | None:
     """Loans map CUDA virtual-memory segments of at least 64 MiB, explicit or default (the
     simulated device has no such floor)."""
-    if device.startswith("sim"):
+    if device.simulated:
         return None
     master = ENV_NAMES["elastic_loan"]
     if options.vram_segment_mib is not None:
@@ -83,12 +85,12 @@ def _loan_segment_problem(options: EngineOptions, device: str,
             f"--vram-segment-mib {MIN_LOAN_SEGMENT_MIB}")
 
 
-def _segment_fit_problem(options: EngineOptions, device: str, segment_bytes: int | None,
+def _segment_fit_problem(options: EngineOptions, device: DeviceTraits, segment_bytes: int | None,
                          capacity_bytes: int | None) -> str | None:
     """A segment larger than the whole device leaves the ledger nothing to plan with."""
     if segment_bytes is None or capacity_bytes is None or segment_bytes <= capacity_bytes:
         return None
-    if device.startswith("sim"):
+    if device.simulated:
         larger = "a larger simulated device (--device sim:SIZE)"
     elif options.vram_limit:
         larger = "a larger --vram-limit"

@@ -24,14 +24,21 @@ LABELS = {
 
 
 class Releasable(Protocol):
-    """What uses a decode-only region: it drops its arrays and makes them again."""
+    """What uses a decode-only region (the verifier, the native head, the MTP experts, the
+    draft head): it drops its arrays and makes them again. The one protocol for them: the loan
+    holds them in `DecodeResource`s, the speculative decoder lists its own (this module sits
+    below engine.speculative in engine/README.md's layers)."""
 
     @property
     def resident(self) -> bool: ...
 
-    def release(self) -> int: ...
+    def release(self) -> int:
+        """Free the device copy; returns the bytes freed."""
+        ...
 
-    def restore(self) -> int: ...
+    def restore(self) -> int:
+        """Re-create byte-identical contents (scratch buffers: zeroed); returns the bytes."""
+        ...
 
     def check_integrity(self) -> None:
         """Its arrays agree with what it was made from (while resident)."""

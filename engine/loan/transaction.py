@@ -6,36 +6,34 @@
           -> refill the same slots -> shrink the cache back
           -> restore draft head, MTP experts, head, verifier -> first token's logits
 
-`LoanTransaction` is a context manager whose exit is the one undo path for success, failure
-and cancel alike: refill anything still lent, shrink, restore what this transaction released,
-so the engine is exactly as before the request (a startup loan's deferred resources stay
-deferred until a request completes). Strata exits the process on a lend or refill failure;
-we roll back instead.
+`LoanTransaction` is a context manager whose exit is the one undo path, for a failure and a
+cancel anywhere inside its `with` block (the first token's logits included, computed there
+after `restore`): refill anything still lent, shrink, restore what this transaction released
+and defer again what a startup loan restored, so the engine is exactly as before the request
+(a startup loan's deferred resources stay deferred until a request completes). Strata exits
+the process on a lend or refill failure; we roll back instead.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
 
 from engine.config import REPEAT_MIN_FLOOR, EngineOptions, LoanFlags
-from engine.devices import deferred_regions
 from engine.errors import StrataError
 from engine.experts.cache import ExpertCache
 from engine.faults import Faults
+from engine.loan.deferral import deferred_regions
+from engine.loan.geometry import REPEAT, STARTUP, growable_slots, loan_geometry
 from engine.loan.resources import LABELS, DecodeResource, ResourceSet
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import ModelCosts, PlanOptions, PromptGeometry, StartupPlan
-from engine.memory.planner import plan_loan
 from engine.memory.sizes import MiB
 from engine.prompt.path import PromptPath
 from engine.trace.events import LoanStep
 from engine.trace.report import Reporter
-
-STARTUP, REPEAT = "startup", "repeat"
 
 
 def admit(flags: LoanFlags, startup_loan_pending: bool, n_fresh: int,
@@ -76,8 +74,10 @@ def _mib(n: int) -> str:
 class LoanTransaction:
     """One loan; `geometry` is valid inside the `with` block (see the module docstring).
 
-    It acts on the parts it is given and sets no field of the runtime: after a successful
-    startup loan the runtime ends the startup deferral and keeps the geometry."""
+    Inside the block: prefill with `geometry`, then `restore` (the decode-only resources back),
+    then the first token's logits; the exit restores what the block did not. It acts on the
+    parts it is given and sets no field of the runtime: after a successful startup loan the
+    runtime ends the startup deferral and keeps the geometry."""
 
     kind: str  # STARTUP or REPEAT
     regions: frozenset[str]  # the decode-only regions this loan releases
@@ -92,6 +92,9 @@ class LoanTransaction:
     faults: Faults
     report: Reporter  # loan steps as events, loan lines, the cache after it grows or shrinks
     released: list[DecodeResource] = field(default_factory=list, init=False)  # in release order
+    # free before it (deferred at startup), in release order: a startup loan restores them
+    deferred: list[DecodeResource] = field(default_factory=list, init=False)
+    restored: bool = field(default=False, init=False)  # `restore` ran: the resources are back
     grown: int = field(default=0, init=False)
     geometry: PromptGeometry | None = field(default=None, init=False)
     seconds: dict[str, float] = field(default_factory=dict, init=False)  # step -> its time
@@ -116,6 +119,7 @@ class LoanTransaction:
                 n = r.release()
                 self.released.append(r)
             else:  # deferred at startup: already free
+                self.deferred.append(r)
                 n = r.n_bytes
             parts.append(f"{LABELS[r.region]} {_mib(n)}")
         ms = (time.perf_counter() - t0) * 1e3
@@ -126,27 +130,21 @@ class LoanTransaction:
     def _plan(self) -> PromptGeometry:
         t0 = time.perf_counter()
         self.faults.hit("plan")
-        retained = self.retained
-        if self.kind == REPEAT and retained is not None and self._fits(retained):
-            g, how = retained, "retained startup geometry"
-        else:
-            free = self.ledger.free_bytes
-            g, how = plan_loan(self.plan, free, self.costs, self.plan_options), "re-planned"
+        n_lendable = n_growable = 0
+        if self.cache is not None:
+            n_lendable = self.plan_options.lendable_slots(self.cache.n_slots, self.costs)
+            n_growable = self._growable()
+        g, how = loan_geometry(self.plan, self.ledger.free_bytes, self.costs, self.plan_options,
+                               self.kind, self.retained, n_lendable, n_growable)
         ms = (time.perf_counter() - t0) * 1e3
         self._step("plan", f"strata loan: prompt plan {g.label} ({how}, {self.kind} loan)", 0, ms)
         return g
 
-    def _fits(self, g: PromptGeometry) -> bool:
-        if not g.borrowed or self.cache is None:
-            return True
-        lendable = self.plan_options.lendable_slots(self.cache.n_slots, self.costs)
-        return g.n_lent_slots <= lendable + self._growable()
-
     def _growable(self) -> int:
         assert self.cache is not None
         region = self.cache.region
-        spare = region.mapped_bytes - region.used_bytes + self.ledger.free_bytes
-        return spare // self.cache.blob_bytes
+        return growable_slots(region.mapped_bytes, region.used_bytes, self.ledger.free_bytes,
+                              self.cache.blob_bytes)
 
     def _grow(self) -> None:
         self.faults.hit("grow")
@@ -169,7 +167,18 @@ class LoanTransaction:
             if arena is not None and arena.region is not None and need > arena.region.used_bytes:
                 self.ledger.grow(arena.name, need - arena.region.used_bytes)
 
-    # -- exit: refill, shrink, restore --------------------------------------------------------
+    # -- restore (inside the block), exit: the undo path -------------------------------------
+    def restore(self) -> None:
+        """After the prefill: shrink the cache back, restore draft head -> MTP experts -> head
+        -> verifier (the first token's logits need the head). A failure from here to the end
+        of the block still rolls the loan back."""
+        if self.restored:
+            return
+        self.faults.hit("shrink")
+        self._shrink()
+        self._restore(self.resources.select(self.regions))
+        self.restored = True
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
@@ -177,20 +186,20 @@ class LoanTransaction:
             self._undo(failed=True, cancelled=getattr(exc_type, "is_cancel", False))
             return
         try:
-            self._finish()
+            self.restore()
         except BaseException:
             self._undo(failed=True)
             raise
 
-    def _finish(self) -> None:
-        self.faults.hit("shrink")
-        self._shrink()
-        self._restore(self.resources.select(self.regions))
-
     def _undo(self, failed: bool, cancelled: bool = False) -> None:
-        """Refill what is still lent, shrink, restore what this transaction released."""
+        """Back to the state before the request: refill what is still lent, shrink, defer
+        again what a startup loan found deferred (restored if it got that far), restore what
+        this transaction released."""
         self.prompt.refill_pending()
         self._shrink()
+        if self.kind == STARTUP:
+            for r in self.deferred:
+                r.release()
         self._restore(self.released)
         self._owned_back()
         step = "cancelled" if cancelled else "failed"
@@ -245,13 +254,3 @@ def loan_regions(flags: LoanFlags, options: EngineOptions,
     present = {r.region for r in resources.items}
     return frozenset(deferred_regions(flags, options) & present)
 
-
-def on_chunk_guard(faults: Faults, on_chunk: Callable | None) -> Callable:
-    """Wrap the serve loop's chunk callback with the per-chunk fault point."""
-
-    def wrapped(c: int, n: int, seconds: float) -> None:
-        faults.hit(f"chunk:{c}")
-        if on_chunk:
-            on_chunk(c, n, seconds)
-
-    return wrapped

@@ -10,10 +10,10 @@ import numpy as np
 
 from engine.config import EngineOptions, LoanFlags
 from engine.loan.forecast import Workload, workload
-from engine.loan.transaction import REPEAT, loan_regions
+from engine.loan.geometry import REPEAT, growable_slots, loan_geometry
+from engine.loan.transaction import loan_regions
 from engine.memory.costs import Shapes
 from engine.memory.plan_types import PromptGeometry
-from engine.memory.planner import plan_loan
 from engine.memory.sizes import ceil_div
 from engine.runtime import flags as runtime_flags
 from engine.runtime.parts import Runtime
@@ -49,18 +49,26 @@ def _resident_at_rest(rt: Runtime, region: str) -> bool:
 
 def _request_geometry(rt: Runtime, kind: str | None, resident: list, flags: LoanFlags,
                   options: EngineOptions) -> PromptGeometry:
-    """The geometry `prefill` would start from: the decode-time plan, the retained startup
-    geometry, or the loan's re-plan with the memory free between requests and what the
-    loan releases of the `resident` regions it lends."""
+    """The geometry `prefill` would start from: the decode-time plan without a loan, else
+    the loan's (engine.loan.geometry, as the transaction asks it) with the memory free
+    between requests plus what the loan releases of the `resident` regions it lends; the
+    cache as planned (a request in flight may have grown it)."""
     plan, opts = rt.plan, rt.plan_options
     if options.prefill != rt.options.prefill:
         plan = replace(plan, prompt=runtime_flags.prompt_plan(rt, options.prefill))
         opts = replace(opts, prefill=options.prefill)
     if kind is None:
         return plan.prompt
-    if kind == REPEAT and flags.retain_startup_chunk and rt.retained_geometry is not None:
-        return rt.retained_geometry
-    seg = plan.segment_bytes
+    seg, costs = plan.segment_bytes, rt.costs
     restored = sum(r.n_segments for r in plan.deferred) * seg if rt.prefilled else 0
     freed = sum(ceil_div(r.n_bytes, seg) * seg for r in resident)
-    return plan_loan(plan, plan.free_bytes - restored + freed, rt.costs, opts)
+    free = plan.free_bytes - restored + freed
+    n_lendable = n_growable = 0
+    if rt.cache is not None:
+        n = plan.n_cache_slots
+        used = costs.cache_bytes(n)
+        n_lendable = opts.lendable_slots(n, costs)
+        n_growable = growable_slots(ceil_div(used, seg) * seg, used, free,
+                                    costs.expert_blob_bytes)
+    retained = rt.retained_geometry if flags.retain_startup_chunk else None
+    return loan_geometry(plan, free, costs, opts, kind, retained, n_lendable, n_growable)[0]

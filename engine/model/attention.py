@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.backend.base import DECODE_ROWS, Backend
+from engine.backend.base import Backend
+from engine.config import DECODE_ROWS
 from engine.gguf.hparams import HParams
 from engine.gguf.quant import matrix_rows
 from engine.kv import KVCache

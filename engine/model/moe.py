@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend.base import DECODE_ROWS, Backend, ExpertProvider
+from engine.backend.base import Backend, ExpertProvider
+from engine.config import DECODE_ROWS
 from engine.gguf.hparams import HParams
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from engine.backend.base import Backend
+from engine.config import DECODE_ROWS
 from engine.errors import TokenGraphError
 from engine.experts.cache import ExpertCache
 from engine.experts.provider import CachedExperts
@@ -106,7 +107,7 @@ class TokenGraph:
         """Whether the session's forward of `n_rows` rows (not a prompt chunk's) is a step
         this graph replays."""
         staged = self.cache is None or self.cache.staged
-        return chunk is None and experts is self.experts and 1 <= n_rows <= GEMV_MAX_ROWS and staged
+        return chunk is None and experts is self.experts and 1 <= n_rows <= DECODE_ROWS and staged
 
     def step(self, tokens: np.ndarray, pos0: int, logits: str) -> ForwardResult | None:
         """`forward`, or None where the step cannot be captured (e.g. a weight that needs
@@ -332,8 +333,8 @@ def _end_quietly(stream: Any) -> None:
 
 
 def token_graph_wanted(backend: Backend, no_token_graph: bool) -> bool:
-    """Decode steps are captured as a CUDA graph on CUDA unless --no-token-graph."""
-    return backend.device_index is not None and not no_token_graph
+    """Decode steps are captured as a graph where the device can (CUDA) unless --no-token-graph."""
+    return backend.traits.graphs and not no_token_graph
 
 
 def make_token_graph(tr: Transformer, kv: KVCache, experts: CachedExperts,

@@ -54,8 +54,9 @@ class PromptPath:
     """The prompt path of one engine: the owned `prompt.*` regions (a plan that does not
     borrow), the range lent from the cache tail while a prompt runs, and the chunk loop.
 
-    `run` lends, prefills and always refills; if it is interrupted, `refill_pending` (the
-    loan's undo path and the runtime's) gives back what is still lent.
+    `run` lends, prefills and always refills, interrupted too (a failure, a cancel); a
+    refill that failed twice is tried once more there, and the loan's undo path asks
+    `refill_pending` again for what is still lent.
     """
 
     def __init__(self, ledger: Ledger, prompt: PromptGeometry, costs: ModelCosts,
@@ -104,26 +105,29 @@ class PromptPath:
             assert self.chunk.region is not None and self.ring.region is not None
             chunk_buf = self.chunk.region.view(0, g.chunk_bytes)
             ring_slots = self.ring.region.view(0, g.ring_slots * blob).reshape(g.ring_slots, blob)
-        lend_trace = ""
-        if self.lent is not None:
-            lend_trace = self.lent.trace
-            self.report.publish(LoanStep("lend", lend_trace, self.lent.n_slots * blob,
-                                         self.lent.elapsed_ms))
-        self.report.cache(self.cache)
+        lend_trace = refill_trace = ""
         try:
-            self.faults.hit("lent")
-            self.provider.attach_ring(StagingRing(self.backend, ring_slots))
-            self.provider.counters.reset()
-            chunk = PromptChunk(chunk_buf, clock)
-            self.arena_stats = None
-            session.prefill(fresh, g.chunk_tokens, on_chunk, logits="none", chunk=chunk)
-            self.arena_stats = chunk.arena
-        finally:
-            self.provider.attach_ring(None)
-        refill_trace = ""
-        if self.lent is not None:
-            self.faults.hit("refill")
-            refill_trace = self.refill_pending()
+            if self.lent is not None:
+                lend_trace = self.lent.trace
+                self.report.publish(LoanStep("lend", lend_trace, self.lent.n_slots * blob,
+                                             self.lent.elapsed_ms))
+            self.report.cache(self.cache)
+            try:
+                self.faults.hit("lent")
+                self.provider.attach_ring(StagingRing(self.backend, ring_slots))
+                self.provider.counters.reset()
+                chunk = PromptChunk(chunk_buf, clock)
+                self.arena_stats = None
+                session.prefill(fresh, g.chunk_tokens, on_chunk, logits="none", chunk=chunk)
+                self.arena_stats = chunk.arena
+            finally:
+                self.provider.attach_ring(None)
+            if self.lent is not None:
+                self.faults.hit("refill")
+                refill_trace = self.refill_pending()
+        except BaseException:
+            self.refill_pending()  # interrupted: the lent slots back before anything else
+            raise
         return PrefillResult(chunk_count(len(fresh), g.chunk_tokens), self.provider.counters,
                              refill_trace, lend_trace)
 

@@ -1,6 +1,7 @@
 """One request: the record built once (ids, reused, fresh, loan, geometry, chunks, timing), the
 progress sink it reports to, and the steps every caller shares — the reuse rule
-(`prompt_start`) and decoding, plain or with drafts (`decode_tokens`).
+(`reused_tokens`, a question the serve loop's preview asks too; `prompt_start` acts on it) and
+decoding, plain or with drafts (`decode_tokens`).
 
 The serve loop runs a request through the runtime (the loan, the prompt path); `generate`
 runs one on a bare session (tests, `strata bench-spec`, the llama.cpp oracle) with the same
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 
 from engine.memory.plan_types import PromptGeometry
 from engine.request.sampler import Sampler, SamplingParams
-from engine.request.session import Session
+from engine.request.session import Session, reusable
 from engine.speculative.decoder import SpecDecoder
 from engine.trace.timing import Timing
 
@@ -78,13 +79,32 @@ class Progress(Protocol):
         ...
 
 
-def prompt_start(session: Session, spec: SpecDecoder | None, ids: list[int]) -> int:
-    """The reuse rule, in one place: keep the common prefix of the session's tokens and `ids`
-    (never all of `ids`: the last prompt token is recomputed, its logits give the first new
-    token) that the draft can continue from too; truncate the session to it. Returns it."""
+def reused_tokens(session: Session, spec: SpecDecoder | None, ids: list[int],
+                  held: list[int] | None = None) -> int:
+    """The reuse rule, in one place: how many leading tokens of prompt `ids` a request keeps —
+    the common prefix of the session's tokens and `ids` (never all of `ids`: the last prompt
+    token is recomputed, its logits give the first new token) that the draft can continue
+    from too. A question: nothing changes, nothing is allocated (the request itself acts on
+    the answer: `prompt_start`). `held`: a request in flight's prompt, standing for the KV it
+    will hold; an estimate, the KV's part only (the draft's cells are that request's until it
+    settles)."""
+    if held is not None:
+        return reusable(held, ids)
     keep = session.reusable(ids)
     if spec is not None:
-        keep = spec.begin(session, ids, keep)
+        keep = spec.draft.reusable(session, ids, keep)
+    return keep
+
+
+def prompt_start(session: Session, spec: SpecDecoder | None, ids: list[int]) -> int:
+    """A request's begin step: the last request settled, the reuse rule asked
+    (`reused_tokens`), the draft bound and cut and the session truncated to its answer.
+    Returns it."""
+    if spec is not None:
+        spec.settle()  # the last request's deferred catch-up: the draft the rule reads
+    keep = reused_tokens(session, spec, ids)
+    if spec is not None:
+        spec.begin(session, keep)
     session.truncate(keep)
     return keep
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from engine.backend.base import ExpertProvider
+from engine.config import DECODE_ROWS
 from engine.errors import StrataError
 from engine.experts.provider import DirectExperts
 from engine.kv import KVCache
@@ -23,9 +24,12 @@ from engine.model.transformer import ForwardResult, PromptChunk
 from engine.request.sampler import Sampler
 from engine.trace.timing import Timing
 
-# A forward of at most this many rows is a decode step (one token, or a speculative window):
-# what `Session.on_step` is told about. Prompt chunks are longer (or short and harmless).
-STEP_ROWS = 16
+# A forward without a prompt chunk of at most this many rows is what `Session.on_step` (the
+# cache policy) is told about. Decode steps are at most DECODE_ROWS rows (one token, or a
+# `--spec` window); the bound is twice that so that a bare session's short prompt (`generate`'s
+# prefill: no PromptChunk) of up to 16 tokens is still counted as before. The serve loop's
+# prompts always come with a chunk, so there only decode steps are told.
+OBSERVED_ROWS = 2 * DECODE_ROWS
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -39,10 +43,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def reusable(held: list[int], ids: list[int]) -> int:
-    """How many leading tokens of prompt `ids` a request keeps from a KV holding `held`: the
-    common prefix, but never all of `ids` (the last prompt token is always recomputed, its
-    logits give the first new token). The one owner of that rule: `Session.reusable`, and the
-    serve loop's preview of a message while a request is in flight."""
+    """The KV's part of the reuse rule: how many leading tokens of prompt `ids` a KV holding
+    `held` keeps: the common prefix, but never all of `ids` (the last prompt token is always
+    recomputed, its logits give the first new token). The whole rule, the draft's part too,
+    is `engine.request.record.reused_tokens`."""
     return min(common_prefix(held, ids), max(len(ids) - 1, 0))
 
 
@@ -107,8 +111,8 @@ class Session:
         return common_prefix(self.tokens, ids)
 
     def reusable(self, ids: list[int]) -> int:
-        """How many leading tokens of prompt `ids` a request keeps from this KV (`reusable`:
-        the serve loop, the speculative decoder and `generate` ask here)."""
+        """How many leading tokens of prompt `ids` this KV keeps (`reusable`; the request's
+        whole rule is `engine.request.record.reused_tokens`)."""
         return reusable(self.tokens, ids)
 
     def forward(self, ids: list[int], logits: str = "last", chunk: PromptChunk | None = None
@@ -135,7 +139,7 @@ class Session:
         self.last_hidden = res.hidden[-1:].copy()
         if self.on_hidden is not None:
             self.on_hidden(pos0, res.hidden)
-        if self.on_step is not None and chunk is None and len(ids) <= STEP_ROWS:
+        if self.on_step is not None and chunk is None and len(ids) <= OBSERVED_ROWS:
             self.on_step(res.routes)
         return res
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.config import EngineOptions, LoanFlags
-from engine.devices import cache_policy, deferred_regions
+from engine.devices import cache_policy
 from engine.errors import StrataError
-from engine.loan.deferral import deferral_line, follow_deferral, plan_deferred
+from engine.loan.deferral import deferral_line, deferred_regions, follow_deferral, plan_deferred
 from engine.loan.guards import validate as guards
 from engine.memory.plan_types import PromptGeometry
 from engine.memory.planner import plan_prompt
@@ -24,7 +24,7 @@ RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profil
 def validate(rt: Runtime, options: EngineOptions, flags: LoanFlags) -> list[str]:
     """The guards, plus what cannot change without a restart (a runtime change). A `--prefill`
     change is planned here once and kept on the runtime for `apply`."""
-    v = guards(options, flags, rt.backend.name, rt.model.has_mtp, rt.model.hp.has_output,
+    v = guards(options, flags, rt.backend.traits, rt.model.has_mtp, rt.model.hp.has_output,
                segment_bytes=rt.ledger.segment_bytes, capacity_bytes=rt.backend.capacity_bytes)
     for name in RESTART_FIELDS:
         if getattr(options, name) != getattr(rt.options, name) and not v:
@@ -81,7 +81,7 @@ def apply(rt: Runtime, options: EngineOptions, flags: LoanFlags) -> None:
         rt.spec.n_window = max(options.spec, 1)
         rt.spec.always = options.spec_always
     if options.cache_policy != rt.options.cache_policy:
-        rt.experts.set_policy(cache_policy(rt.backend.name, options))
+        rt.experts.set_policy(cache_policy(rt.backend.traits, options))
     graph_changed = options.no_token_graph != rt.options.no_token_graph
     rt.options, rt.flags = options, flags
     if graph_changed:  # --no-token-graph toggled: decode steps eager / captured from now on

@@ -17,8 +17,9 @@ from engine.config import EngineOptions, LoanFlags
 from engine.experts.cache import ExpertCache
 from engine.experts.provider import CachedExperts
 from engine.faults import Faults
+from engine.loan.geometry import STARTUP
 from engine.loan.resources import ResourceSet
-from engine.loan.transaction import STARTUP, LoanTransaction, admit, loan_regions
+from engine.loan.transaction import LoanTransaction, admit, loan_regions
 from engine.memory.ledger import Ledger
 from engine.memory.plan_types import (
     ModelCosts,
@@ -139,36 +140,35 @@ class Runtime:
         """Prefill `req.fresh` (with the loan `admit` grants, or none); returns the first
         token's logits [1, V], computed with the restored head.
 
-        Any failure or cancel leaves ledger, cache and resources as before the call; the
-        caller rolls the session back to `req.reused`.
+        Any failure or cancel leaves ledger, cache and resources as before the call: the
+        loan's exit is its undo path, the prompt path refills what it lent; the caller rolls
+        the session back to `req.reused`.
         """
         assert not self.closed, "prefill on a closed engine"
         req.loan = kind = admit(self.flags, self.startup_loan_pending, len(req.fresh),
                                 req.loan_pays)
-        try:
-            if kind is None:
-                self._prefill(req, self.plan.prompt, progress)
-            else:
-                with self._loan(kind) as tx:
-                    assert tx.geometry is not None
-                    self._prefill(req, tx.geometry, progress)
-                req.seconds.update((k, tx.seconds.get(k, 0.0)) for k in ("release", "restore"))
-                if kind == STARTUP:  # everything restored: the startup loan is over
-                    self.startup_loan_pending = False
-                    if self.flags.retain_startup_chunk:
-                        self.retained_geometry = tx.geometry
-            self.faults.hit("logits")
-            logits = self.model.transformer.logits(self.session.last_hidden)  # restored head
-        except BaseException:
-            self.prompt.refill_pending()
-            if kind == STARTUP and not self.startup_loan_pending:  # failed after restoring
-                for r in self.resources.select(self.plan_options.deferred):
-                    r.release()
-                self.startup_loan_pending = True
-            raise
+        if kind is None:
+            self._prefill(req, self.plan.prompt, progress)
+            logits = self._first_logits()
+        else:
+            with self._loan(kind) as tx:
+                assert tx.geometry is not None
+                self._prefill(req, tx.geometry, progress)
+                tx.restore()
+                logits = self._first_logits()  # [1, V] with the restored head
+            req.seconds.update((k, tx.seconds.get(k, 0.0)) for k in ("release", "restore"))
+            if kind == STARTUP:  # everything restored: the startup loan is over
+                self.startup_loan_pending = False
+                if self.flags.retain_startup_chunk:
+                    self.retained_geometry = tx.geometry
         self.prefilled = True
         self.publish_gpu(force=True)
         return logits
+
+    def _first_logits(self) -> Any:
+        """The first generated token's logits [1, V], from the last prompt token's hidden."""
+        self.faults.hit("logits")
+        return self.model.transformer.logits(self.session.last_hidden)
 
     def _loan(self, kind: str) -> LoanTransaction:
         """The loan transaction of one request, on this runtime's parts."""

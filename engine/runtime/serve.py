@@ -34,9 +34,8 @@ from engine.loan.forecast import (
 from engine.loan.transaction import REPEAT, STARTUP, admission
 from engine.loan.workload import request_workload
 from engine.request.conversation import Conversation, check_prompt_fits, check_text_fits
-from engine.request.record import Request
+from engine.request.record import Request, reused_tokens
 from engine.request.sampler import Sampler, SamplingParams
-from engine.request.session import reusable
 from engine.request.stops import StopStrings
 from engine.runtime import flags as runtime_flags
 from engine.runtime.parts import Runtime
@@ -173,9 +172,8 @@ class ServeLoop:
         ids = self._encode([*before, {"role": "user", "content": text}])
         self._check_fits(ids, before, text)
         reused = 0  # another conversation: its KV starts empty
-        if conv.id == self._conv_id:
-            running = self._running  # a request in flight: its prompt will be in the KV
-            reused = reusable(running if running is not None else self.rt.session.tokens, ids)
+        if conv.id == self._conv_id:  # the request's own rule (a request in flight: its prompt)
+            reused = reused_tokens(self.rt.session, self.rt.spec, ids, held=self._running)
         return self.verdict(len(ids), reused)
 
     def _check_fits(self, ids: list[int], before: list[dict[str, str]], text: str) -> None:

@@ -20,8 +20,9 @@ next draft or after the reply (`settle`); after each verify the block runs over 
 positions, whose hidden the verifier holds, and that same pass yields the next step's first
 draft.
 
-A request calls `begin` (engine.request.record.prompt_start) -> prefill with `collect` on each
-chunk -> `decode` -> `settle` once the reply's timing is taken.
+A request (engine.request.record.prompt_start) asks how many prompt tokens it keeps (the reuse
+rule, `reused_tokens`, which asks the draft: a question) -> `begin` with them -> prefill with
+`collect` on each chunk -> `decode` -> `settle` once the reply's timing is taken.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 
 from engine.backend.base import Backend
+from engine.config import DECODE_ROWS, SPEC_MIN
 from engine.errors import FlagError, StrataError
+from engine.loan.resources import Releasable
 from engine.model.loader import Model
 from engine.model.mtp import MTPBlock
 from engine.request.sampler import Sampler, SamplingParams, distribution
@@ -46,7 +49,7 @@ from engine.speculative.policy import LEND_MIN_STEPS, DraftPolicy
 from engine.speculative.verifier import Verifier
 from engine.trace.timing import Timing
 
-MIN_WINDOW, MAX_WINDOW = 2, 8
+MIN_WINDOW, MAX_WINDOW = SPEC_MIN, DECODE_ROWS  # a verify window is one decode step
 
 
 def check_spec(n_window: int) -> None:
@@ -54,27 +57,6 @@ def check_spec(n_window: int) -> None:
         raise FlagError(
             f"--spec {n_window} must be 0 (off) or {MIN_WINDOW}..{MAX_WINDOW} (window tokens)"
         )
-
-
-@runtime_checkable
-class LoanableResource(Protocol):
-    """A decode-only device region the VRAM loan releases before prefill and restores after."""
-
-    name: str
-    nbytes: int
-
-    @property
-    def resident(self) -> bool: ...
-
-    def release(self) -> int:
-        """Free the device copy; returns the bytes freed."""
-        ...
-
-    def restore(self) -> int:
-        """Re-create byte-identical contents (scratch buffers: zeroed); returns the bytes."""
-        ...
-
-    def check_integrity(self) -> None: ...
 
 
 def greedy_accept(drafts: list[int], targets: np.ndarray) -> tuple[int, int]:
@@ -184,7 +166,7 @@ class SpecDecoder:
         block = MTPBlock(model, head=head, to_device=to_device)
         return cls(n_window, MTPDraft(block), Verifier.for_model(model, n_window, block.xp))
 
-    def resources(self) -> list[LoanableResource]:
+    def resources(self) -> list[Releasable]:
         """Decode-only regions in the loan's release order (restore runs it backwards)."""
         return [self.verifier, *self.draft.resources()]
 
@@ -194,16 +176,14 @@ class SpecDecoder:
         self.draft.check_integrity()
 
     # -- the runtime's three calls ---------------------------------------------------------
-    def begin(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
-        """Before prefill: of the `reuse` tokens the session shares with the prompt, how many
-        to keep (the draft must continue from them too). Truncates the draft; the caller
-        truncates the session to the result and prefills the rest, calling `collect`. The
-        last request is settled first (`settle`), if its caller did not."""
-        self.settle()
-        keep = self.draft.reusable(session, prompt_ids, reuse)
+    def begin(self, session: Session, keep: int) -> None:
+        """Before prefill, with the `keep` prompt tokens the request reuses (the reuse rule,
+        engine.request.record.reused_tokens, asked once the last request is settled): the
+        draft follows `session` (its KV made on first use) and is cut to them; the caller
+        truncates the session to them and prefills the rest, calling `collect`."""
+        self.draft.bind(session)
         self.draft.truncate(keep)
         self._pos0, self._hidden, self._backend = keep, [], session.backend
-        return keep
 
     def collect(self, pos0: int, hidden: Any) -> None:
         """Prefill hook: the main model's pre-norm hidden [T, d] of positions pos0.. ."""
@@ -280,11 +260,12 @@ class SpecDecoder:
                 self._unseen = None
 
     def settle(self, quiet: bool = False) -> None:
-        """After a reply (the serve loop calls it once the reply's timing is taken; `begin`
-        calls it too): the memory lent to the expert cache back, then the draft model over the
-        rows it has not seen (those still in the session), so the next request continues
-        from every kept position as after an always-drafting request. `quiet`: after a failed
-        request, nothing raises (the next loan restores what is still released)."""
+        """After a reply (the serve loop calls it once the reply's timing is taken; the next
+        request's start calls it too): the memory lent to the expert cache back, then the
+        draft model over the rows it has not seen (those still in the session), so the next
+        request continues from every kept position as after an always-drafting request.
+        `quiet`: after a failed request, nothing raises (the next loan restores what is still
+        released)."""
         self._repay(quiet)
         session, self._session = self._session, None
         if quiet:

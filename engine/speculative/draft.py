@@ -11,9 +11,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from engine.kv import KVCache
+from engine.loan.resources import Releasable
 from engine.model.mtp import MTPBlock
 from engine.request.sampler import Sampler, distribution
-from engine.request.session import Session
+from engine.request.session import Session, common_prefix
 
 MTP_CHUNK = 2048  # cells per MTP pass when catching up over a prompt (its passes each read the
 # whole context's K/V: at 31k tokens 512-cell passes took ~1 s of the first 128 tokens' decode)
@@ -38,14 +39,19 @@ def draft_token(logits: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray |
 class DraftSource(Protocol):
     """Where drafts come from. Positions are the main session's."""
 
-    def resources(self) -> list[Any]: ...
+    def resources(self) -> list[Releasable]: ...
 
     def check_integrity(self) -> None:
         """Its own state agrees with itself (the draft's KV, its tokens)."""
         ...
 
     def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
-        """How many of the session's `reuse` matching tokens the source can continue from."""
+        """How many of the session's `reuse` matching tokens the source can continue from (as
+        it would be once `bind` to `session`). A question: nothing changes, nothing is made."""
+        ...
+
+    def bind(self, session: Session) -> None:
+        """Follow `session` from now on (a request's begin step; its state may be made here)."""
         ...
 
     def truncate(self, n: int) -> None:
@@ -79,21 +85,27 @@ class MTPDraft:
         self._logits: np.ndarray | None = None  # [N] draft logits of the last committed cell
         self._hidden: Any = None  # [1, d] block output there: h_prev of the first chained step
 
-    def resources(self) -> list[Any]:
+    def resources(self) -> list[Releasable]:
         """The releasable objects: MTP experts, then the draft head (loan release order)."""
         return [r for r in (self.block.experts, self.block.head) if hasattr(r, "release")]
 
-    def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
+    def _follows(self, session: Session) -> bool:
+        """Its KV has the session's size and kind (else `bind` makes a new, empty one)."""
         kv = session.kv
-        if self.kv is None or (self.kv.n_ctx, self.kv.kind) != (kv.n_ctx, kv.kind):
+        return self.kv is not None and (self.kv.n_ctx, self.kv.kind) == (kv.n_ctx, kv.kind)
+
+    def reusable(self, session: Session, prompt_ids: list[int], reuse: int) -> int:
+        if not self._follows(session):
+            return 0  # `bind` starts it empty
+        n_match = common_prefix(self.seq, prompt_ids)  # cell p stays valid while t[0..p+1] match
+        return max(0, min(reuse, self.n_cells, n_match - 1))
+
+    def bind(self, session: Session) -> None:
+        """An MTP KV of the session's size and kind, made (from the KV region) on first use."""
+        if not self._follows(session):
+            kv = session.kv
             self.kv = self.block.new_kv(kv.n_ctx, kv.kind, self._kv_alloc)
             self.n_cells, self.seq, self._logits, self._hidden = 0, [], None, None
-        n_match = 0  # cell p stays valid while t[0..p+1] match
-        for a, b in zip(self.seq, prompt_ids):
-            if a != b:
-                break
-            n_match += 1
-        return max(0, min(reuse, self.n_cells, n_match - 1))
 
     def truncate(self, n: int) -> None:
         if n < self.n_cells:
@@ -104,7 +116,7 @@ class MTPDraft:
             self.kv.truncate(min(self.kv.n_tokens, self.n_cells))
 
     def observe(self, session: Session, pos0: int, hidden: Any, next_ids: list[int]) -> None:
-        assert self.kv is not None, "reusable() binds the MTP KV to the session first"
+        assert self.kv is not None, "bind() makes the MTP KV first (the request's begin)"
         n = len(next_ids)
         assert 0 < n == hidden.shape[0], (n, hidden.shape)
         assert pos0 <= self.n_cells, (

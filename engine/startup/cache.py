@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from engine.backend.base import Backend
+from engine.backend.base import Backend, GpuBackend
 from engine.errors import DeviceError
 from engine.experts.cache import ExpertCache
 from engine.experts.decoded import DecodedLRU
@@ -70,7 +70,7 @@ def make_cache(
     return cache, plan, plan_options
 
 
-def pin_model_file(backend: Backend, data: np.ndarray | None, trace: Sink, warn: Sink) -> None:
+def pin_model_file(backend: GpuBackend, data: np.ndarray | None, trace: Sink, warn: Sink) -> None:
     """Page-lock the memory-mapped GGUF so expert uploads are one DMA each at full PCIe
     speed; where that fails (not enough lockable memory), uploads go through the
     backend's pinned staging buffer and a warning says so."""

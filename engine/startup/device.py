@@ -8,19 +8,19 @@ import functools
 from dataclasses import dataclass
 
 from engine.backend import make_backend
-from engine.backend.base import Backend
+from engine.backend.base import Backend, DeviceTraits
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import (
-    deferred_regions,
     dense_quantized,
+    device_traits,
     resolve_device,
     segment_bytes,
     sim_device,
     vram_limit_bytes,
-    weight_bytes,
 )
 from engine.errors import FlagError
 from engine.kernels.warmup import warm_up
+from engine.loan.deferral import deferred_regions
 from engine.loan.guards import validate
 from engine.memory.costs import Shapes, model_costs
 from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
@@ -47,9 +47,9 @@ def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes,
     raised before anything is allocated or deferred. `backend`: a device opened by an earlier
     call with the same options (`strata plan` plans it again with other flags)."""
     device = resolve_device(options.device)
-    quantized = dense_quantized(device, options)
-    costs = model_costs(shapes, options, weight_bytes(device), gpu=device.startswith("cuda"),
-                        quant=quantized)
+    traits = device_traits(device) if backend is None else backend.traits
+    quantized = dense_quantized(traits, options)
+    costs = model_costs(shapes, options, traits.weight_bytes, gpu=traits.gpu, quant=quantized)
     reserve = options.vram_reserve_mib * MiB
     limit = vram_limit_bytes(options)
     if backend is None:
@@ -58,21 +58,20 @@ def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes,
                                elastic=options.vram_elastic, warm_up=warm)
     capacity = backend.capacity_bytes
     seg = segment_bytes(options, capacity)
-    violations = validate(options, flags, device, shapes.has_mtp, shapes.hp.has_output,
+    violations = validate(options, flags, traits, shapes.has_mtp, shapes.hp.has_output,
                           segment_bytes=seg, capacity_bytes=capacity)
     if violations:
         raise FlagError(violations)
-    plan_options = plan_options_for(options, flags, reserve, seg, device)
+    plan_options = plan_options_for(options, flags, reserve, seg, traits)
     return DevicePlan(backend, costs, plan_options, plan_startup(capacity, costs, plan_options),
                       quantized)
 
 
 def plan_options_for(options: EngineOptions, flags: LoanFlags, reserve_bytes: int,
-                     segment_bytes: int, device: str = "sim") -> PlanOptions:
-    """The planner's options; on CUDA the ring wants two layers of experts (the prompt path
-    uploads the next layer's experts while this one computes)."""
+                     segment_bytes: int, device: DeviceTraits) -> PlanOptions:
+    """The planner's options on a device with these traits (its ring's layers of experts)."""
     return PlanOptions(
-        ring_layers=2 if device.startswith("cuda") else 1,
+        ring_layers=device.ring_layers,
         expert_cache=options.expert_cache, prefill=options.prefill,
         deferred=deferred_regions(flags, options), borrow=not options.no_borrow,
         reserve_bytes=reserve_bytes, segment_bytes=segment_bytes,

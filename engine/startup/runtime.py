@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from engine.backend.base import as_gpu
 from engine.config import EngineOptions, LoanFlags
-from engine.devices import cache_policy, weight_bytes
+from engine.devices import cache_policy
 from engine.experts.decoded import DecodedLRU
 from engine.experts.provider import CachedExperts
 from engine.faults import Faults
@@ -60,7 +61,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
                     on_change=lambda s: publish(LedgerChanged.of(s)))
 
     publish(Loading("decoding weights", 0, 3))
-    wdt = np.float16 if weight_bytes(backend.name) == 2 else np.float32
+    wdt = np.float16 if backend.traits.weight_bytes == 2 else np.float32
     dense = Arena(ledger, "weights.dense", costs.dense_bytes, float_dtype=wdt)
     head = Arena(ledger, "head.native", costs.head_bytes, float_dtype=wdt)
     model.build(backend, dense.to_device, head.to_device, quantized=planned.quantized)
@@ -68,10 +69,10 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
     kv = Arena(ledger, "kv", costs.kv_bytes)
     if planned.plan_options.reserve_bytes:
         Arena(ledger, "reserve", planned.plan_options.reserve_bytes)
-    cuda = backend if backend.device_index is not None else None
-    if cuda is not None:
-        report.say(f"strata serve: {cuda.budget.line()}")  # type: ignore[attr-defined]
-        pin_model_file(cuda, model.mf.data, report.trace, report.warn)
+    gpu = as_gpu(backend)
+    if gpu is not None:
+        report.say(f"strata serve: {gpu.budget.line()}")
+        pin_model_file(gpu, model.mf.data, report.trace, report.warn)
     token_graph = token_graph_wanted(backend, options.no_token_graph)
     cache, plan, plan_options = make_cache(
         ledger, model.experts, planned.plan, costs, planned.plan_options,
@@ -80,7 +81,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
     )
     experts = CachedExperts(cache, model.experts, DecodedLRU(), backend)
     experts.on_warning = report.warn
-    experts.set_policy(cache_policy(backend.name, options))
+    experts.set_policy(cache_policy(backend.traits, options))
     session = Session(model, n_ctx=options.ctx, kv_kind=options.kv, experts=experts,
                       kv_alloc=kv.alloc)
     session.on_step = experts.observe

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.config import EngineOptions, LoanFlags
-from engine.devices import hardware_name, resolve_device
+from engine.devices import cuda_index, hardware_name
 from engine.loan.forecast import PARTS, Rates
 from engine.runtime.serve import ServeLoop
 from engine.tools.bench import LOAN_ON, WARMUP_NEW, prompt_tokens
@@ -155,9 +155,7 @@ def run_forecast_bench(base: EngineOptions, sizes: Sequence[int], runs: int, max
 
 def _device_name(device: str) -> str:
     """The name the rates of `device` ('auto', 'sim...', 'cuda[:N]') are kept under."""
-    device = resolve_device(device)
-    index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
-    return hardware_name(index)
+    return hardware_name(cuda_index(device))
 
 
 def _median_range(values: list[float], fmt: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend.base import Backend
+from engine.backend.base import Backend, as_gpu
 from engine.backend.telemetry import Sampler, Telemetry
 from engine.experts.cache import LENT, ExpertCache
 from engine.gguf.type_mix import layer_ranges, layers_by_value
@@ -83,17 +83,18 @@ class Reporter:
         GpuStats event with the whole-process limit. The first call also starts the sampler
         thread: between these calls (decoding, idle) it publishes a reading every
         `GPU_SAMPLE_S` with the ledger bytes and limit measured here last."""
-        if backend.device_index is None:
+        gpu = as_gpu(backend)
+        if gpu is None:
             return
         now = time.monotonic()
         if not force and now - self._gpu_t < 0.5:
             return
         self._gpu_t = now
-        backend.refresh_outside()  # type: ignore[attr-defined]
+        gpu.refresh_outside()
         if force and self.trace_on:
-            self.trace(backend.memory_line())  # type: ignore[attr-defined]
+            self.trace(gpu.memory_line())
         if self._telemetry is None:
-            self._telemetry = Telemetry.open(backend.device_index) or False
+            self._telemetry = Telemetry.open(gpu.device_index) or False
             if self._telemetry:
                 self._sampler = Sampler(self._telemetry, GPU_SAMPLE_S, self._sampled).start()
         if self._telemetry:
