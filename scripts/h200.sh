@@ -95,8 +95,9 @@ llama_mix() {
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
   case $stage in
-    tests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short ${TESTS:-tests/test_gpu_*.py \
-             tests/test_telemetry.py} 2>&1 | tail -80 | tee "$OUT/gpu-tests.txt" || true ;;
+    tests) python3 -m pytest -p no:cacheprovider -rfE --tb=short --durations=15 ${TESTS:-tests/test_gpu_*.py \
+             tests/test_telemetry.py} > "$OUT/gpu-tests.txt" 2>&1 || true  # written as it runs: a
+           tail -80 "$OUT/gpu-tests.txt" ;;  # call cut short by its limit still returns what ran
     kbench) python3 -m engine.tools.kernel_bench --out "$OUT" ;;
     vtests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_gpu_vram_limit.py \
               tests/test_gpu_backend.py tests/test_gpu_engine.py tests/test_telemetry.py 2>&1 \
