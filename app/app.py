@@ -741,16 +741,18 @@ class StrataApp(App[None]):
     def action_flags(self) -> None:
         """Show the flags panel and put the focus on its first switch, in one press."""
         self.show_dashboard = True
-        self.call_after_refresh(self._to_flags, None, 3)
+        self.call_after_refresh(self._to_flags, None, 3, True)
 
-    def _to_flags(self, laid_out: object, tries: int) -> None:
+    def _to_flags(self, laid_out: object, tries: int, focus: bool) -> None:
         # a dashboard that was hidden settles in two layouts (its pictures measure their
-        # height at the new width): scroll again after each one that changed its height
+        # height at the new width): scroll again after each one that changed its height.
+        # The focus moves once: a key pressed in between (Escape: back to the input) wins.
         dashboard, panel = self.query_one(Dashboard), self.query_one(FlagsPanel)
-        panel.focus_first()
+        if focus:
+            panel.focus_first()
         panel.scroll_visible(top=True, animate=False, immediate=True)
         if tries > 1 and dashboard.virtual_size != laid_out:
-            self.call_after_refresh(self._to_flags, dashboard.virtual_size, tries - 1)
+            self.call_after_refresh(self._to_flags, dashboard.virtual_size, tries - 1, False)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
