@@ -137,7 +137,7 @@ def test_a_new_engine_goes_on_from_the_last_policy(random_demo_path: Path, tmp_p
     ids = prompt_tokens(first, 300)
     settled_plain(first)
     first.complete(ids, max_new=8)
-    assert first.policy_file.exists()
+    assert first.keeper.policy_file.exists()
     second = make(random_demo_path, lend=True)
     policy = second.rt.spec.policy
     assert policy.home == PLAIN and policy.plain_ahead() >= 32

@@ -320,13 +320,13 @@ def test_every_request_is_measured_kept_and_saved(demo_path: Path, fresh_cache: 
     loop = make(demo_path, bus=bus)
     assert loop.rates.observations == () and loop.rates.device.startswith("sim ")
     loop.complete(prompt_tokens(loop, 600, salt=1), max_new=2)  # the startup loan
-    assert loop.rates.observations == () and loop.last_observation is None  # once-only costs
+    assert loop.rates.observations == () and loop.learner.last_observation is None  # once-only costs
     assert not loop.set_flags(LoanFlags())
     loop.complete(prompt_tokens(loop, 500, salt=3), max_new=2)  # no loan
     assert not loop.set_flags(FLAGS)
     loop.complete(prompt_tokens(loop, 700, salt=2), max_new=2)  # a repeat loan
     first, second = loop.rates.observations
-    assert loop.last_observation is second and second.workload.kind == "repeat"
+    assert loop.learner.last_observation is second and second.workload.kind == "repeat"
     for o in (first, second):
         assert sum(o.seconds.values()) == pytest.approx(o.prefill_s)
         assert o.seconds["attention"] > 0 and o.seconds["moe"] > 0
@@ -337,7 +337,7 @@ def test_every_request_is_measured_kept_and_saved(demo_path: Path, fresh_cache: 
     assert done[-1].forecast_s > 0
     again = make(demo_path)  # another process on the same model finds them
     assert again.rates.observations == loop.rates.observations
-    assert again.rates_file == loop.rates_file and loop.rates_file.is_relative_to(fresh_cache)
+    assert again.learner.rates_file == loop.learner.rates_file and loop.learner.rates_file.is_relative_to(fresh_cache)
 
 
 def test_expected_streaming_is_close_to_what_the_prefill_streams(demo_path: Path,

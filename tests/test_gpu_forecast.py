@@ -33,7 +33,7 @@ def test_the_forecast_measures_and_learns_on_cuda(mid_path: Path, tmp_path: Path
     for i, flags in enumerate((LoanFlags(), LOAN, LoanFlags(), LOAN)):
         assert not loop.set_flags(flags)
         reply = loop.complete(prompt_tokens(loop, 4096, salt=i), max_new=2)
-        v, p, o = reply.verdict, plans[-1], loop.last_observation
+        v, p, o = reply.verdict, plans[-1], loop.learner.last_observation
         assert v is not None and o is not None
         w = v.chosen.workload
         assert (w.kind is not None, w.chunk_tokens, w.ring_slots) == (p.loan, p.chunk_tokens,

@@ -273,3 +273,33 @@ def test_a_refill_that_fails_twice_rolls_back_and_counts_what_is_still_lent(
     assert any(ln.endswith(f"{n - 3} of {n} still lent, giving up; the request rolls back")
                for ln in lines)
     assert loop.chat(conv, texts[0], max_new=10).text == clean[0]
+
+
+def test_a_requests_end_is_told_to_its_subscribers_before_its_request_done(
+        demo_path: Path, texts: list[str]) -> None:
+    """`ServeLoop.step`'s done stage: each `on_done` subscriber gets the request's end (its
+    outcome, whether its prefill ran to the end) before RequestDone is published, for a
+    reply, a failure and a cancel alike; the forecast learns only from whole prefills."""
+    from engine.runtime.stages import CANCELLED, DONE, FAILED, Finished
+    from engine.trace.events import RequestDone
+
+    faults, bus = Faults(), EventBus()
+    loop = make(demo_path, faults=faults, bus=bus)
+    seen: list[tuple[str, bool, bool]] = []  # (outcome, prefilled, RequestDone already out)
+    dones: list[RequestDone] = []
+    bus.subscribe(lambda e: dones.append(e) if isinstance(e, RequestDone) else None)
+
+    def told(f: Finished) -> None:
+        seen.append((f.outcome, f.request.prefilled, len(dones) == len(seen) + 1))
+
+    loop.on_done.append(told)
+    conv = Conversation()
+    loop.chat(conv, texts[1], max_new=4)
+    faults.arm("logits")  # fails after the prefill's chunks, before its first token
+    with pytest.raises(InjectedFault):
+        loop.chat(conv, texts[0], max_new=4)
+    bus.subscribe(lambda e: loop.cancel() if isinstance(e, PrefillProgress) else None)
+    assert loop.chat(conv, texts[0], max_new=4).cancelled
+    assert seen == [(DONE, True, False), (FAILED, False, False), (CANCELLED, False, False)]
+    assert [d.cancelled for d in dones] == [False, False, True] and dones[1].error
+    assert loop.learner.prefills == 1  # the failed and the cancelled prefill taught the forecast nothing

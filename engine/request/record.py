@@ -38,6 +38,7 @@ class Request:
     geometry: PromptGeometry | None = None  # the prompt plan its prefill runs with
     n_chunks: int = 0
     n_chunks_read: int = 0  # chunks the prefill finished (fewer than n_chunks if it stopped)
+    prefilled: bool = False  # the prefill ran to its end (the first token's logits made)
     loan_pays: bool | None = None  # the forecast's verdict on a loan (threshold auto)
     # where its prefill time went: the prompt path's phases, the loan's release and restore
     seconds: dict[str, float] = field(default_factory=dict)

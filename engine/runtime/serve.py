@@ -10,39 +10,42 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from engine.config import EngineOptions, LoanFlags
 from engine.devices import hardware_name
 from engine.errors import ContextFullError, FlagError, StrataError, TokenizerError
-from engine.experts.provider import StreamCounters
 from engine.faults import Faults
 from engine.loan.forecast import (
     LoanVerdict,
-    Observation,
     Rates,
-    RatesError,
-    load_rates,
-    measured_parts,
     pays,
-    rates_path,
     routing_odds,
-    save_rates,
 )
 from engine.loan.transaction import REPEAT, STARTUP, admission
 from engine.loan.workload import request_workload
 from engine.request.conversation import Conversation, check_prompt_fits, check_text_fits
 from engine.request.record import Request, reused_tokens
-from engine.request.sampler import Sampler, SamplingParams
+from engine.request.sampler import SamplingParams
 from engine.request.stops import StopStrings
 from engine.runtime import flags as runtime_flags
+from engine.runtime.learning import ForecastLearner, PolicyKeeper
 from engine.runtime.parts import Runtime
-from engine.speculative import policy as draft_policy
+from engine.runtime.stages import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    Answer,
+    Ask,
+    Finished,
+    decode,
+    prefill,
+    rollback,
+)
 from engine.startup.cache import startup_profile
 from engine.startup.runtime import build_runtime
-from engine.synth.demo import cache_dir
 from engine.trace.events import (
     EventBus,
     FlagsChanged,
@@ -51,7 +54,6 @@ from engine.trace.events import (
     PrefillProgress,
     RequestDone,
     RequestStarted,
-    Token,
     TraceLine,
 )
 from engine.trace.timing import Timing
@@ -93,26 +95,13 @@ class ServeLoop:
         self._pending_options: EngineOptions | None = None
         self._conv_id: str | None = None  # the conversation whose tokens the KV holds
         self._request_id = 0
-        self.odds = self._routing_odds()
-        self.rates_file = rates_path(runtime.model.path, runtime.options.expert_profile,
-                                     cache_dir())
         device = hardware_name(runtime.backend.device_index)
-        try:
-            self.rates = load_rates(self.rates_file, device)
-        except RatesError as e:
-            runtime.report.warn(f"strata: warning: {e}; the forecast starts from its defaults")
-            self.rates = Rates.fresh(device)
-        self._rates_saved = True
-        # the drafting policy goes on from the last engine's on this model and machine
-        self.policy_file = draft_policy.policy_path(self.rates_file)
-        self._device, self._policy_saved = device, True
-        if runtime.spec is not None:
-            prior = draft_policy.load(self.policy_file, device)
-            if prior is not None:
-                runtime.spec.policy = prior
-        self.last_observation: Observation | None = None  # what the last prefill measured
-        self._prefills = 0  # prefills this loop ran
+        self.learner = ForecastLearner(runtime, self._routing_odds(), device)
+        self.keeper = PolicyKeeper(runtime, self.learner.rates_file, device)
         self._running: list[int] | None = None  # the prompt of the request in flight
+        # told of each request's end, in order, before its RequestDone is published
+        self.on_done: list[Callable[[Finished], None]] = [self.learner.on_done,
+                                                          self.keeper.on_done]
 
     @classmethod
     def create(
@@ -139,6 +128,19 @@ class ServeLoop:
     @property
     def flags(self) -> LoanFlags:
         return self._pending_flags or self.rt.flags
+
+    @property
+    def rates(self) -> Rates:
+        """The forecast's rates on this device (`learner`); a benchmark may set them."""
+        return self.learner.rates
+
+    @rates.setter
+    def rates(self, rates: Rates) -> None:
+        self.learner.rates = rates
+
+    @property
+    def odds(self) -> np.ndarray:
+        return self.learner.odds
 
     @property
     def busy(self) -> bool:
@@ -309,7 +311,7 @@ class ServeLoop:
             self._apply_pending()
             self._cancel = cancel or threading.Event()
             self._conv_id = None
-            return self._generate(ids, params or SamplingParams(), max_new, on_text, stop)
+            return self.step(Ask(ids, params or SamplingParams(), max_new, stop, on_text))
         finally:
             self._busy.release()
 
@@ -328,118 +330,36 @@ class ServeLoop:
         if conv.id != self._conv_id:  # another conversation: its KV starts empty
             self.rt.rollback(0)
             self._conv_id = conv.id
-        return self._generate(ids, params, max_new, on_text, stop)
+        return self.step(Ask(ids, params, max_new, stop, on_text))
 
-    def _generate(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        max_new: int,
-        on_text: Callable[[str], None] | None,
-        stop: Sequence[str] = (),
-    ) -> Reply:
-        """admit -> plan and prefill (the runtime) -> decode -> done; on cancel or failure
-        roll back to the reused prefix and publish the outcome."""
-        if not ids:
+    def step(self, ask: Ask) -> Reply:
+        """One request, top to bottom: admit -> plan -> prefill -> decode -> done. A cancel or
+        a failure rolls the engine back to the reused prefix; a cancel returns the text said
+        before it, a failure re-raises once the request is done. Runs under the request lock
+        (`chat`, `complete`: one request at a time, its own cancel event)."""
+        assert self._busy.locked(), "step runs inside chat or complete"
+        if not ask.ids:
             raise StrataError("the prompt is empty; give at least one token")
-        check_prompt_fits(len(ids), self.rt.options.ctx)
-        rt, tok = self.rt, self.rt.model.tokenizer
-        req = self._admit(ids)
-        verdict = self.verdict(len(ids), req.reused)
-        req.loan_pays = verdict.pays
-        timing = req.timing
-        pieces: list[str] = []
-        stops = StopStrings(stop)
-        finish = "length"
+        check_prompt_fits(len(ask.ids), self.rt.options.ctx)
+        req = self._admit(ask.ids)
+        verdict = self._plan(req)
+        answer = Answer(StopStrings(ask.stop), self.bus, ask.on_text)
         t0 = time.perf_counter()
         try:
-            logits = rt.prefill(req, self)
-            timing.prefill_s = time.perf_counter() - t0
-            self._learn(req, verdict)
-            before = _expert_reads(rt.experts.counters)
-            stream = tok.stream()
-            t1 = time.perf_counter()
-            for token in rt.decode(logits, Sampler(params), max_new, tok.eog_ids, timing,
-                                   self._cancel):
-                if timing.generated == 1:
-                    timing.ttft_s = time.perf_counter() - t0
-                if token in tok.eog_ids:
-                    finish = "stop"
-                    break
-                self._emit(stops.push(stream.push(token)), pieces, on_text)
-                if stops.hit is not None:
-                    break
-            self._emit(stops.push(stream.flush()) + stops.flush(), pieces, on_text)
-            if stops.hit is not None:
-                finish = "stop"
-            timing.decode_s = time.perf_counter() - t1
-            after = _expert_reads(rt.experts.counters)
-            timing.decode_hits, timing.decode_misses, timing.decode_promoted = (
-                a - b for a, b in zip(after, before))
-            rt.trace_decode(timing)
-            rt.settle()  # after the reply's timing: the draft model's deferred catch-up
-            self._keep_policy()
+            logits = prefill(self.rt, req, self, t0)
+            decode(self.rt, req, logits, ask, answer, self._cancel, t0)
             if self._cancel.is_set():
                 raise Cancelled("cancelled")
         except BaseException as exc:
-            if not timing.prefill_s:  # stopped inside the prefill: what it read, and how long
-                timing.prefill_s = time.perf_counter() - t0
-                timing.read_tokens = req.tokens_read
-            rt.rollback(req.reused)
-            rt.settle(quiet=True)
+            rollback(self.rt, req, t0)
             cancelled = isinstance(exc, Cancelled)
-            self._done(req, cancelled=cancelled, error="" if cancelled else failure_line(exc))
-            if cancelled:
-                return Reply("".join(pieces), timing, cancelled=True, verdict=verdict)
-            raise
-        self._done(req)
-        return Reply("".join(pieces), timing, finish_reason=finish, verdict=verdict)
-
-    def _keep_policy(self) -> None:
-        """Save the drafting policy of a request that measured it (greedy), for the next
-        engine (beside the rates; a file that cannot be written is said once)."""
-        spec = self.rt.spec
-        if spec is None or spec.policy.always:
-            return
-        try:
-            draft_policy.save(self.policy_file, self._device, spec.policy)
-        except OSError as e:
-            if self._policy_saved:
-                self.rt.report.warn(f"strata: warning: cannot save the drafting policy to "
-                                    f"{self.policy_file} ({e.strerror})")
-            self._policy_saved = False
-
-    def _learn(self, req: Request, verdict: LoanVerdict) -> None:
-        """After a prefill: compare it with its forecast (a trace line, `timing.forecast_s`)
-        and keep what it measured for the next forecasts (saved beside the profile); but not
-        the engine's first prefill, which pays what an engine does once (CUDA compiles its
-        kernels, the CPU decodes its resident experts)."""
-        rt, timing = self.rt, req.timing
-        forecast = verdict.with_loan if req.loan is not None else verdict.without_loan
-        if forecast is not None and forecast.workload.kind == req.loan:
-            timing.forecast_s = forecast.total_s
-            error = 100 * (forecast.total_s / timing.prefill_s - 1) if timing.prefill_s else 0.0
-            rt.report.trace(f"strata forecast: prefill {forecast.total_s:.2f} s forecast "
-                            f"({verdict.line()}), {timing.prefill_s:.2f} s measured "
-                            f"({error:+.0f}%)")
-        self._prefills += 1
-        self.last_observation = None
-        if self._prefills == 1:  # it pays what an engine does once: not a rate
-            return
-        w = request_workload(rt, req.loan, len(req.fresh), req.reused, self.odds, geometry=req.geometry)
-        expected = w.streamed_bytes
-        w = replace(w, streamed_bytes=float(timing.bytes_streamed))
-        s = req.seconds
-        self.last_observation = obs = measured_parts(
-            w, timing.prefill_s, s, s.get("release", 0.0), s.get("restore", 0.0), expected)
-        self.rates = self.rates.observe(obs)
-        try:
-            save_rates(self.rates_file, self.rates)
-        except OSError as e:
-            if self._rates_saved:  # once: the forecast still learns in this process
-                rt.report.warn(f"strata: warning: cannot save the prefill rates to "
-                               f"{self.rates_file} ({e.strerror}); they last this run only")
-            self._rates_saved = False
+            self._done(Finished(req, verdict, CANCELLED if cancelled else FAILED,
+                                "" if cancelled else failure_line(exc)))
+            if not cancelled:
+                raise
+            return Reply(answer.text, req.timing, cancelled=True, verdict=verdict)
+        self._done(Finished(req, verdict, DONE))
+        return Reply(answer.text, req.timing, finish_reason=answer.finish, verdict=verdict)
 
     def _admit(self, ids: list[int]) -> Request:
         """The request record: the reuse rule applied to the KV (and the draft), its counts
@@ -450,12 +370,25 @@ class ServeLoop:
         self.bus.publish(RequestStarted(req.id, len(ids), len(req.fresh)))
         return req
 
-    def _emit(self, text: str, pieces: list[str], on_text: Callable[[str], None] | None) -> None:
-        if text:
-            pieces.append(text)
-            self.bus.publish(Token(text))
-            if on_text:
-                on_text(text)
+    def _plan(self, req: Request) -> LoanVerdict:
+        """The loan this request would get and the forecast with and without one; the
+        forecast's verdict goes on the record (the runtime's `admit` reads it under
+        threshold auto, and plans the geometry with the loan it grants)."""
+        verdict = self.verdict(len(req.ids), req.reused)
+        req.loan_pays = verdict.pays
+        return verdict
+
+    def _done(self, finished: Finished) -> None:
+        """The request is over: its subscribers (`on_done`: the forecast learns, the drafting
+        policy is kept) and then its RequestDone (with what they set on its timing)."""
+        self._running = None
+        for subscriber in self.on_done:
+            subscriber(finished)
+        req = finished.request
+        done = RequestDone.of(req.timing, cancelled=finished.outcome == CANCELLED,
+                              error=finished.error)
+        self.bus.publish(TraceLine(done.line))
+        self.bus.publish(done)
 
     # -- the request's progress (engine.request.record.Progress) -------------------------------
     def planned(self, req: Request) -> None:
@@ -475,12 +408,6 @@ class ServeLoop:
                                          len(req.fresh), seconds * 1e3))
         if self._cancel.is_set():
             raise Cancelled("cancelled during prefill")
-
-    def _done(self, req: Request, cancelled: bool = False, error: str = "") -> None:
-        self._running = None
-        done = RequestDone.of(req.timing, cancelled=cancelled, error=error)
-        self.bus.publish(TraceLine(done.line))
-        self.bus.publish(done)
 
 
 def converse(conv: Conversation, user_text: str, answer: Callable[[], Reply]) -> Reply:
@@ -508,7 +435,3 @@ def failure_line(exc: BaseException) -> str:
         return str(exc) or type(exc).__name__
     return f"{type(exc).__name__} (an internal error)"
 
-
-def _expert_reads(c: StreamCounters) -> tuple[int, int, int]:
-    """(hits, misses, promotions) so far of the engine's expert provider counters."""
-    return c.hits, c.streamed + c.host_reads, c.promoted

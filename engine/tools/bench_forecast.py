@@ -88,7 +88,7 @@ def _run_shots(loop: ServeLoop, options: EngineOptions, n_tokens: int, runs: int
     if rates is not None:
         loop.rates = rates
     if rates_file is not None:
-        loop.rates_file = rates_file
+        loop.learner.rates_file = rates_file
     shots: list[Shot] = []
     schedule = [("startup loan", LOAN_FLAGS, True)]
     schedule += [(c, f, i == 0) for i in range(runs + 1)
@@ -103,7 +103,7 @@ def _run_shots(loop: ServeLoop, options: EngineOptions, n_tokens: int, runs: int
         assert reply.verdict is not None
         forecast, t = reply.verdict.chosen, reply.timing
         w = forecast.workload
-        obs = loop.last_observation  # None where it was not kept (an engine's first prefill)
+        obs = loop.learner.last_observation  # None where it was not kept (an engine's first prefill)
         shots.append(Shot(
             n_tokens, config, f"{w.chunk_tokens:,} / {w.ring_slots}", forecast.total_s,
             t.prefill_s, first, w.streamed_bytes / (1 << 20), t.bytes_streamed / (1 << 20),
@@ -140,7 +140,7 @@ def run_forecast_bench(base: EngineOptions, sizes: Sequence[int], runs: int, max
             loop = ServeLoop.create(size_options(base, sizes[0], WARMUP_NEW), LoanFlags(),
                                     EventBus())
             try:
-                loop.rates_file = rates_file or loop.rates_file
+                loop.learner.rates_file = rates_file or loop.learner.rates_file
                 loop.complete(prompt_tokens(loop, min(sizes[0], 256), salt=7),
                               max_new=WARMUP_NEW)
             finally:
