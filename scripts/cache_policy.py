@@ -100,7 +100,7 @@ def markdown(steps: list[np.ndarray], fill: list[tuple[int, int]], n_layer: int,
              "", "| cache (experts) | policy | hits | promoted / token | link reads / token |",
              "|---|---|---:|---:|---:|"]
     for frac in fractions:
-        n_slots = max(1, int(round(frac * n_layer * n_expert)))
+        n_slots = max(1, round(frac * n_layer * n_expert))
         for policy in POLICIES:
             r = replay(steps, fill, n_layer, n_expert, n_slots, policy)
             lines.append(f"| {n_slots} ({100 * frac:.0f}%) | {policy} | {r.hit_pct:.1f}% | "

@@ -101,7 +101,7 @@ class CachedExperts:
             return
         try:
             self.counters.promoted += cache.promote(moves)
-        except Exception as e:  # an upload failed: keep decoding from the cache as it is
+        except Exception as e:  # noqa: BLE001  an upload failed: decode from the cache as it is
             self.admission = None
             if self.on_warning is not None:
                 self.on_warning(f"strata: warning: promoting experts into the cache failed "
