@@ -1,9 +1,11 @@
 """Flag and option changes between requests, on a running engine's parts: what it can take
 (`validate`: the guards, plus what needs a restart) and taking it (`apply`), from the next
-request on. The serve loop asks both (the app's flag panel, `ServeLoop.set_flags`)."""
+request on; `PendingFlags`: a change accepted while a request runs, kept for the next one
+(the app's flag panel, `ServeLoop.set_flags`)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 from engine.config import EngineOptions, LoanFlags
@@ -14,6 +16,7 @@ from engine.loan.guards import validate as guards
 from engine.memory.plan_types import PromptGeometry
 from engine.memory.planner import plan_prompt
 from engine.runtime.parts import Runtime
+from engine.trace.events import EventBus, FlagsChanged, FlagsRefused
 
 RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profile",
                   "vram_segment_mib", "vram_reserve_mib", "vram_limit", "mtp", "draft_vocab",
@@ -99,3 +102,50 @@ def follow(rt: Runtime, deferred: frozenset[str], armed: bool) -> None:
     line = deferral_line(restored, released)
     if line:
         rt.report.trace(line)
+
+
+class PendingFlags:
+    """Flags and options accepted while the engine runs, waiting for the next request: set from
+    any thread (`offer`: validated by the guards, said as FlagsChanged or FlagsRefused), taken
+    at a request's start (`take`: applied on the runtime). Until taken, `flags` and `options`
+    answer with them, so a question about the next request sees what it will run with."""
+
+    def __init__(self, rt: Runtime, bus: EventBus):
+        self.rt, self.bus = rt, bus
+        self._lock = threading.Lock()
+        self._flags: LoanFlags | None = None
+        self._options: EngineOptions | None = None
+
+    @property
+    def flags(self) -> LoanFlags:
+        return self._flags or self.rt.flags
+
+    @property
+    def options(self) -> EngineOptions:
+        return self._options or self.rt.options
+
+    def offer(self, flags: LoanFlags, options: EngineOptions | None = None) -> list[str]:
+        """Validate new flags (and options) with the guards; keep them for the next request.
+        Returns the violations (empty when accepted). An accepted change's warnings
+        (`warnings`: a clamped threshold) are printed as warning lines and carried on its
+        FlagsChanged event."""
+        with self._lock:
+            options = options or self.options
+            violations = validate(self.rt, options, flags)
+            if violations:
+                self.bus.publish(FlagsRefused(tuple(violations)))
+                return violations
+            self._flags, self._options = flags, options
+            said = warnings(options, flags)
+            for w in said:
+                self.rt.report.warn(f"strata: warning: {w}")
+            self.bus.publish(FlagsChanged(tuple(sorted(flags.as_env().items())) + (
+                ("spec", str(options.spec)), ("prefill", str(options.prefill))), tuple(said)))
+        return []
+
+    def take(self) -> None:
+        """At a request's start: what was accepted since the last one takes effect."""
+        with self._lock:
+            if self._flags or self._options:
+                apply(self.rt, self.options, self.flags)
+                self._flags = self._options = None

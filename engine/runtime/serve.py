@@ -48,8 +48,6 @@ from engine.startup.cache import startup_profile
 from engine.startup.runtime import build_runtime
 from engine.trace.events import (
     EventBus,
-    FlagsChanged,
-    FlagsRefused,
     PlanChosen,
     PrefillProgress,
     RequestDone,
@@ -90,9 +88,7 @@ class ServeLoop:
         self.bus = bus or runtime.bus
         self._cancel = threading.Event()  # the running request's (each request gets its own)
         self._busy = threading.Lock()
-        self._flags_lock = threading.Lock()  # pending flags: set by any thread, taken by a request
-        self._pending_flags: LoanFlags | None = None
-        self._pending_options: EngineOptions | None = None
+        self.pending = runtime_flags.PendingFlags(runtime, self.bus)  # for the next request
         self._conv_id: str | None = None  # the conversation whose tokens the KV holds
         self._request_id = 0
         device = hardware_name(runtime.backend.device_index)
@@ -123,11 +119,13 @@ class ServeLoop:
     # -- questions -------------------------------------------------------------------------
     @property
     def options(self) -> EngineOptions:
-        return self._pending_options or self.rt.options
+        """The next request's options (a pending change included)."""
+        return self.pending.options
 
     @property
     def flags(self) -> LoanFlags:
-        return self._pending_flags or self.rt.flags
+        """The next request's loan flags (a pending change included)."""
+        return self.pending.flags
 
     @property
     def rates(self) -> Rates:
@@ -238,25 +236,10 @@ class ServeLoop:
         self._cancel.set()
 
     def set_flags(self, flags: LoanFlags, options: EngineOptions | None = None) -> list[str]:
-        """Validate new flags/options with the guards; apply them from the next request.
-
-        Returns the violations (empty when accepted). Never changes a running request. An
-        accepted change's warnings (`runtime_flags.warnings`: a clamped threshold) are printed
-        as warning lines and carried on its FlagsChanged event.
-        """
-        with self._flags_lock:
-            options = options or self.options
-            violations = runtime_flags.validate(self.rt, options, flags)
-            if violations:
-                self.bus.publish(FlagsRefused(tuple(violations)))
-                return violations
-            self._pending_flags, self._pending_options = flags, options
-            said = runtime_flags.warnings(options, flags)
-            for w in said:
-                self.rt.report.warn(f"strata: warning: {w}")
-            self.bus.publish(FlagsChanged(tuple(sorted(flags.as_env().items())) + (
-                ("spec", str(options.spec)), ("prefill", str(options.prefill))), tuple(said)))
-        return []
+        """Validate new flags/options with the guards; apply them from the next request
+        (`pending`). Returns the violations (empty when accepted). Never changes a running
+        request."""
+        return self.pending.offer(flags, options)
 
     def chat(
         self,
@@ -281,19 +264,12 @@ class ServeLoop:
         if not self._busy.acquire(blocking=False):
             raise StrataError("a request is already running; wait for it or cancel it")
         try:
-            self._apply_pending()
+            self.pending.take()
             self._cancel = cancel or threading.Event()
             return converse(conv, user_text, lambda: self._answer(
                 conv, params or SamplingParams(), max_new, on_text, stop))
         finally:
             self._busy.release()
-
-    def _apply_pending(self) -> None:
-        with self._flags_lock:
-            if self._pending_flags or self._pending_options:
-                runtime_flags.apply(self.rt, self._pending_options or self.rt.options,
-                              self._pending_flags or self.rt.flags)
-                self._pending_flags = self._pending_options = None
 
     def complete(
         self,
@@ -308,7 +284,7 @@ class ServeLoop:
         if not self._busy.acquire(blocking=False):
             raise StrataError("a request is already running; wait for it or cancel it")
         try:
-            self._apply_pending()
+            self.pending.take()
             self._cancel = cancel or threading.Event()
             self._conv_id = None
             return self.step(Ask(ids, params or SamplingParams(), max_new, stop, on_text))
