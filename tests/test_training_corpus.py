@@ -5,6 +5,7 @@ without repeats, and the acceptance sets and scores (no model, no PyTorch)."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,93 @@ def test_nonwords_are_never_lemmas_and_split_train_from_eval(wn: wordnet.WordNet
     assert all(p.lemma in p.user.lower() for p in pairs)
 
 
+def _typo_sources(wn: wordnet.WordNet) -> list[str]:
+    return sorted(w for w, n in wn.tagged.items() if n and w.isalpha() and len(w) >= 4)
+
+
+def test_every_everyday_lemma_has_a_typo_in_the_pool(wn: wordnet.WordNet,
+                                                     sp: unknown.Speller) -> None:
+    sources = _typo_sources(wn)
+    assert len(sources) == 8  # house, horse, water, hose, watercourse, river, hello, happy
+    pool = unknown.pairs(wn, sp, len(sources), random.Random(3), corpus.DEFINE)
+    typos = [p.lemma for p in pool if p.kind == "unknown-typo"]
+    for lemma in sources:
+        near = [t for t in typos if unknown.distance(t, lemma) == 1]
+        assert near, f"no typo of {lemma!r} in {typos}"
+    assert not any(sp.is_lemma(t) or unknown.eval_only(t) for t in typos)
+    for p in pool:  # answered with the most used lemma one edit away, as before
+        assert p.reply == unknown.reply(p.lemma, sp.suggest(p.lemma)) and "Did you mean" in p.reply
+    with pytest.raises(ValueError, match="8 everyday lemmas"):
+        unknown.pairs(wn, sp, len(sources) - 1, random.Random(3), corpus.DEFINE)
+
+
+def test_the_unknown_count_is_fixed_whatever_the_dictionary_pairs(
+        wn: wordnet.WordNet, tmp_path: Path) -> None:
+    small = _small_wordnet(tmp_path)  # test_training's synsets: fewer pairs, fewer typos to make
+    for n in (12, 40):
+        mix = conversations.Mix(n_unknown=n, persona_each=1)
+        counts = []
+        for w in (wn, small):
+            items = conversations.exchanges(w, 0, mix)
+            odd = [p for p in items if data.kind_of(p) == "unknown"]
+            counts.append((len(odd), len(items) - len(odd)))
+        assert [c[0] for c in counts] == [n, n]
+        assert counts[0][1] > counts[1][1]  # the dictionary pairs differ; the count does not
+
+
+def _small_wordnet(d: Path) -> wordnet.WordNet:
+    files = {"data.noun": DATA_NOUN, "data.adj": DATA_ADJ, "index.noun": INDEX_NOUN,
+             "index.adj": INDEX_ADJ}
+    for name in wordnet.FILES:
+        (d / name).write_text(files.get(name, ""), encoding="utf-8")
+    return wordnet.load(d)
+
+
+def test_no_persona_message_is_an_evaluation_message() -> None:
+    asked = conversations.PERSONA_ASKS
+    wanted = ("Set a timer for 5 minutes", "Book me a flight", "Write a haiku", "howdy",
+              "yo what's up", "hey bot", "who made you", "what are you")
+    assert {conversations.norm(w) for w in wanted} <= asked  # imperatives, slang, itself
+    evaluation = {conversations.norm(m) for m in acceptance.persona_messages()}
+    assert len(evaluation) == 50 and not asked & evaluation
+    assert conversations.norm("Hey, what's up?") == conversations.norm("hey what's up")
+    rng = random.Random(0)
+    for kind, messages in persona.MESSAGES.items():
+        assert len(messages) >= 100, f"{kind}: {len(messages)} shapes"
+        met = {m for m in messages if conversations.norm(m) in evaluation}
+        assert not met, f"{kind}: {sorted(met)}"
+        for m in rng.sample(messages, 50):  # as typed: case and end punctuation only
+            assert conversations.norm(persona.typed(m, rng)) == conversations.norm(m)
+    assert asked == {conversations.norm(m) for ms in persona.MESSAGES.values() for m in ms}
+
+
+def test_a_suggestion_is_a_question_the_corpus_answers(wn: wordnet.WordNet) -> None:
+    rng = random.Random(0)
+    answers: dict[str, dict[str, str]] = {}  # lemma -> kind -> the corpus's reply
+    for w in wn.senses:
+        for p in corpus.pairs_for(wn, w, rng):
+            answers.setdefault(w, {})[p.kind] = p.reply
+    forms = {  # a suggested question -> the kind of pair the corpus must hold for its word
+        r"opposite of '([^']+)'": "antonym",
+        r"What is an? ([a-z ]+)\?": "kind",
+        r"Synonyms of ([a-z ]+)\?|A word like '([^']+)'": "synonym",
+        r"Use '([^']+)' in a sentence": "example",
+    }
+    seen = dict.fromkeys(forms.values(), 0)
+    for p in persona.pairs(conversations.suggestable(wn), 30, rng):
+        for pattern, kind in forms.items():
+            m = re.search(pattern, p.reply)
+            if m:
+                word = next(g for g in m.groups() if g)
+                answer = answers[word].get(kind, "")
+                assert answer and not answer.startswith("WordNet gives no"), p.reply
+                seen[kind] += 1
+    assert all(seen.values()), seen  # every form was suggested, only where it works
+    pool = dict(conversations.suggestable(wn))
+    assert pool["happy"] == ("define", "antonym", "example")  # no other word for 'happy'
+    assert pool["river"] == ("define", "kind", "example")
+
+
 def test_persona_replies_say_what_it_is_and_suggest_a_real_lemma(wn: wordnet.WordNet) -> None:
     pool = conversations.suggestable(wn)
     assert pool and all(w in wn.senses and not corpus.held_out(wn, w) for w, _ in pool)
@@ -124,7 +212,7 @@ def test_a_paste_reply_names_a_lemma_that_occurs_in_it(wn: wordnet.WordNet) -> N
 
 
 def test_conversations_hold_every_kind_and_are_deterministic(wn: wordnet.WordNet) -> None:
-    mix = conversations.Mix(unknown_share=0.3, persona_each=3, paste_share=0.3)
+    mix = conversations.Mix(n_unknown=30, persona_each=3, paste_share=0.3)
     a = conversations.build(wn, 0, mix)
     assert a == conversations.build(wn, 0, mix)  # the same seed, the same corpus
     assert a != conversations.build(wn, 1, mix)
@@ -140,7 +228,7 @@ def test_conversations_hold_every_kind_and_are_deterministic(wn: wordnet.WordNet
 
 def test_conversations_render_and_encode_as_the_engine_does(wn: wordnet.WordNet) -> None:
     tok = _tok()
-    convs = [c for c in conversations.build(wn, 0, conversations.Mix(paste_share=0.5))
+    convs = [c for c in conversations.build(wn, 0, conversations.Mix(n_unknown=30, paste_share=0.5))
              if len(c) >= 3][:4]
     enc = data.encode(tok, convs)
     assert enc.n_conversations == 4
@@ -159,7 +247,7 @@ def test_conversations_render_and_encode_as_the_engine_does(wn: wordnet.WordNet)
 
 def test_an_epoch_packs_whole_conversations_from_their_start(wn: wordnet.WordNet) -> None:
     tok = _tok()
-    convs = conversations.build(wn, 0, conversations.Mix(paste_share=0.0))
+    convs = conversations.build(wn, 0, conversations.Mix(n_unknown=30, paste_share=0.0))
     enc = data.encode(tok, convs)
     pad = tok.n_vocab - 3  # <|endoftext|>
     seq = int(np.diff(enc.starts).max()) + 40
@@ -173,10 +261,13 @@ def test_an_epoch_packs_whole_conversations_from_their_start(wn: wordnet.WordNet
 
 
 def test_statistics_count_every_exchange(wn: wordnet.WordNet) -> None:
-    p = data.prepare(wn, 0, 2, 600, conversations.Mix(persona_each=2, paste_share=0.2))
+    p = data.prepare(wn, 0, 2, 600, conversations.Mix(n_unknown=50, persona_each=2, paste_share=0.2))
     s = p.stats
     assert len(p.encoded) == 2 and p.vocab.n_vocab == 600
     assert s["exchanges"] == sum(s["by_kind"].values()) == sum(s["by_family"].values())
+    assert s["by_family"]["unknown"] == 50
+    assert sum(s["tokens_by_family"].values()) == s["tokens"]
+    assert s["tokens_by_family"].keys() == s["by_family"].keys()
     assert s["conversations"] == sum(s["turns"].values())
     assert s["tokens"] == len(p.encoded[0].ids) > s["loss_tokens"] > 0
 
@@ -229,12 +320,18 @@ def test_the_real_wordnet_if_present() -> None:
     s = unknown.Speller(big)
     assert s.suggest("beautifull") == "beautiful" and s.suggest("recieve") == "receive"
     assert not s.is_lemma("wasser") and "bonjour" in unknown.foreign_words(s)
+    seen: set[str] = set()
+    cover = unknown.typo_cover(big, s, random.Random(0), seen)
+    sources = _typo_sources(big)
+    assert len(cover) == len(sources) == len(seen) > 16_000 and conversations.Mix().n_unknown >= len(cover)
+    assert all(unknown.distance(t, w) == 1 for t, w in zip(cover, sources, strict=True))
+    assert not any(s.is_lemma(t) or unknown.eval_only(t) for t in cover)
 
 
 def test_encoding_in_batches_gives_the_same_ids(wn: wordnet.WordNet,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     tok = _tok()
-    convs = conversations.build(wn, 0, conversations.Mix(paste_share=0.3))[:9]
+    convs = conversations.build(wn, 0, conversations.Mix(n_unknown=30, paste_share=0.3))[:9]
     whole = data.encode(tok, convs)
     monkeypatch.setattr(data, "ENCODE_BATCH", 2)
     parts = data.encode(tok, convs)

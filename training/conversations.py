@@ -11,6 +11,7 @@ before), so the model learns to answer the last question whatever the history ho
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,31 +27,31 @@ Conversation = tuple[Pair, ...]
 class Mix:
     """How much of each kind of exchange, and how they are cut into conversations."""
 
-    unknown_share: float = 0.05  # non-word exchanges, as a share of the dictionary pairs
-    persona_each: int = 2000  # exchanges of each kind of persona message (10 kinds): 3%
+    # non-word exchanges, a fixed count (a share of the dictionary pairs fell with them): a
+    # typo of each of the 16,319 everyday lemmas of 4+ letters, then the seeded mix
+    n_unknown: int = 40_000
+    persona_each: int = 2300  # exchanges of each kind of persona message (12 kinds): 6%
     single_share: float = 0.25  # conversations of one exchange
     min_turns: int = 3  # the others: 2-8 earlier exchanges, then the last question
     max_turns: int = 9
-    paste_share: float = 0.04  # conversations holding one long pasted text (~20% of tokens at 0.08)
+    paste_share: float = 0.025  # conversations holding one long pasted text (15% of tokens at 0.04)
     paste_chars: tuple[int, int] = (400, 10_000)  # log-uniform: ~100 to ~2,500 tokens
 
 
 def norm(text: str) -> str:
-    """A user message compared loosely: lower case, no end punctuation or spaces."""
-    return text.lower().strip().strip("!?.").strip()
+    """A user message compared loosely: lower case, every run of punctuation and spaces one
+    space ("Hey, what's up?" and "hey what s up" are one message)."""
+    return " ".join(re.sub(r"[\W_]+", " ", text.lower()).split())
 
 
-PERSONA_ASKS = frozenset(norm(a) for asks in persona.ASKS.values() for a in asks)
+PERSONA_ASKS = frozenset(norm(m) for asks in persona.MESSAGES.values() for m in asks)
 
 
-def suggestable(wn: WordNet) -> list[tuple[str, bool]]:
-    """(lemma, is a noun with a kind) for the everyday training lemmas a reply may suggest."""
-    out = []
-    for w in corpus.lemmas(wn, "train"):
-        if wn.tagged.get(w) and w.isalpha() and len(w) >= 3 and norm(w) not in PERSONA_ASKS:
-            first = wn.synsets[wn.senses[w][0]]
-            out.append((w, first.pos == "n" and bool(first.hypernyms)))
-    return out
+def suggestable(wn: WordNet) -> list[tuple[str, tuple[str, ...]]]:
+    """(lemma, the kinds of question the corpus answers about it) for the everyday training
+    lemmas a reply may suggest."""
+    return [(w, corpus.answerable(wn, w)) for w in corpus.lemmas(wn, "train")
+            if wn.tagged.get(w) and w.isalpha() and len(w) >= 3 and norm(w) not in PERSONA_ASKS]
 
 
 def exchanges(wn: WordNet, seed: int, mix: Mix = Mix(), speller: unknown.Speller | None = None
@@ -61,8 +62,7 @@ def exchanges(wn: WordNet, seed: int, mix: Mix = Mix(), speller: unknown.Speller
     rng = random.Random(seed)
     words = [p for p in corpus.pairs(wn, "train", seed) if norm(p.user) not in PERSONA_ASKS]
     sp = speller or unknown.Speller(wn)
-    n_unknown = max(1, int(mix.unknown_share * len(words)))
-    odd = unknown.pairs(wn, sp, n_unknown, rng, corpus.DEFINE)
+    odd = unknown.pairs(wn, sp, mix.n_unknown, rng, corpus.DEFINE)
     people = persona.pairs(suggestable(wn), mix.persona_each, rng)
     return words + odd + people
 

@@ -102,34 +102,69 @@ def pairs_for(wn: WordNet, lemma: str, rng: random.Random) -> Iterator[Pair]:
     for _ in range(COMMON_DEFINE_COPIES if everyday else DEFINE_COPIES):
         yield Pair(_ask(DEFINE, lemma, rng), sense_line(lemma, first), lemma, "define")
     if everyday:
-        yield from _kind_and_synonyms(wn, lemma, first, rng)
-    if first.antonyms:
-        off, idx = first.antonyms[0]
-        target = wn.synsets[(first.key[0], off)]
-        opposite = target.lemmas[min(idx, len(target.lemmas) - 1)]
-        reply = f"The opposite of '{lemma}' is '{opposite}': {target.definition}."
+        chain = kinds_of(wn, lemma)
+        if chain:
+            kinds = chain[0] + (f", itself a kind of {chain[1]}" if len(chain) > 1 else "")
+            reply = f"{_article(lemma).capitalize()} {lemma} is a kind of {kinds}."
+            yield Pair(_ask(KIND, lemma, rng), reply, lemma, "kind")
+        words = synonyms(wn, lemma)
+        reply = (f"Words like '{lemma}': {', '.join(words)}." if words else
+                 f"WordNet gives no other word for '{lemma}'.")
+        yield Pair(_ask(SYNONYM, lemma, rng), reply, lemma, "synonym")
+    found = opposite(wn, lemma)
+    if found:
+        word, target = found
+        reply = f"The opposite of '{lemma}' is '{word}': {target.definition}."
         yield Pair(_ask(ANTONYM, lemma, rng), reply, lemma, "antonym")
     if first.examples:
         yield Pair(_ask(EXAMPLE, lemma, rng), _sentence(first.examples[0]), lemma, "example")
 
 
-def _kind_and_synonyms(wn: WordNet, lemma: str, first: Synset, rng: random.Random
-                       ) -> Iterator[Pair]:
-    if first.pos == "n" and first.hypernyms:
-        chain, s = [], first
-        while s.hypernyms and len(chain) < 2:
-            s = wn.synsets[("n", s.hypernyms[0])]
-            chain.append(s.lemmas[0])
-        chain = distinct(chain, lemma)
-        if chain:
-            kinds = chain[0] + (f", itself a kind of {chain[1]}" if len(chain) > 1 else "")
-            reply = f"{_article(lemma).capitalize()} {lemma} is a kind of {kinds}."
-            yield Pair(_ask(KIND, lemma, rng), reply, lemma, "kind")
-    words = distinct(first.lemmas + [wn.synsets[("a", o)].lemmas[0] for o in first.similar],
-                     lemma)[:MAX_SYNONYMS]
-    reply = (f"Words like '{lemma}': {', '.join(words)}." if words else
-             f"WordNet gives no other word for '{lemma}'.")
-    yield Pair(_ask(SYNONYM, lemma, rng), reply, lemma, "synonym")
+def kinds_of(wn: WordNet, lemma: str) -> list[str]:
+    """The first two hypernyms of `lemma`'s first sense if it is a noun ('cat' -> feline,
+    carnivore), without repeats or the lemma itself; [] for other parts of speech."""
+    first = wn.synsets[wn.senses[lemma][0]]
+    if first.pos != "n":
+        return []
+    chain, s = [], first
+    while s.hypernyms and len(chain) < 2:
+        s = wn.synsets[("n", s.hypernyms[0])]
+        chain.append(s.lemmas[0])
+    return distinct(chain, lemma)
+
+
+def synonyms(wn: WordNet, lemma: str) -> list[str]:
+    """Other words for `lemma`'s first sense: its synset's lemmas and the heads of its
+    similar adjectives, at most MAX_SYNONYMS."""
+    first = wn.synsets[wn.senses[lemma][0]]
+    similar = [wn.synsets[("a", o)].lemmas[0] for o in first.similar]
+    return distinct(first.lemmas + similar, lemma)[:MAX_SYNONYMS]
+
+
+def opposite(wn: WordNet, lemma: str) -> tuple[str, Synset] | None:
+    """(the antonym, its synset) of `lemma`'s first sense, or None where WordNet has none."""
+    first = wn.synsets[wn.senses[lemma][0]]
+    if not first.antonyms:
+        return None
+    off, idx = first.antonyms[0]
+    target = wn.synsets[(first.key[0], off)]
+    return target.lemmas[min(idx, len(target.lemmas) - 1)], target
+
+
+def answerable(wn: WordNet, lemma: str) -> tuple[str, ...]:
+    """The kinds of question (of KINDS) the corpus answers about `lemma` with real content:
+    a definition always, a kind and synonyms for everyday words that have them, an antonym
+    and an example where WordNet gives one. A suggestion names only these."""
+    first = wn.synsets[wn.senses[lemma][0]]
+    everyday = bool(wn.tagged.get(lemma, 0))
+    has = {
+        "define": True,
+        "kind": everyday and bool(kinds_of(wn, lemma)),
+        "synonym": everyday and bool(synonyms(wn, lemma)),
+        "antonym": opposite(wn, lemma) is not None,
+        "example": bool(first.examples),
+    }
+    return tuple(k for k in KINDS if has[k])
 
 
 def lemmas(wn: WordNet, split: str) -> list[str]:

@@ -36,6 +36,7 @@ class Encoded:
     ids: np.ndarray  # [N] uint16
     mask: np.ndarray  # [N] bool: a reply token (or its <|im_end|>)
     starts: np.ndarray  # [C + 1] int64 offsets of each conversation
+    turn_tokens: np.ndarray  # [E] int32 tokens of each exchange (prompt and reply), in order
 
     @property
     def n_conversations(self) -> int:
@@ -65,12 +66,13 @@ def encode(tok: Tokenizer, convs: Sequence[Conversation]) -> Encoded:
         np.concatenate([e.ids for e in parts]),
         np.concatenate([e.mask for e in parts]),
         np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        np.concatenate([e.turn_tokens for e in parts]),
     )
 
 
 def _encode(tok: Tokenizer, convs: Sequence[Conversation]) -> Encoded:
     enc = tok.encode_many([t for c in convs for p in c for t in render(p)])
-    ids, mask, starts = [], [], [0]
+    ids, mask, starts, turns = [], [], [0], []
     k = 0
     for conv in convs:
         n = 0
@@ -81,12 +83,14 @@ def _encode(tok: Tokenizer, convs: Sequence[Conversation]) -> Encoded:
             m = np.zeros(len(prompt) + len(reply), dtype=bool)
             m[len(prompt) : len(prompt) + len(reply) - 1] = True
             mask.append(m)
+            turns.append(len(m))
             n += len(m)
         starts.append(starts[-1] + n)
     return Encoded(
         np.concatenate([np.asarray(x, dtype=np.uint16) for x in ids]),
         np.concatenate(mask),
         np.asarray(starts, dtype=np.int64),
+        np.asarray(turns, dtype=np.int32),
     )
 
 
@@ -150,8 +154,12 @@ def kind_of(pair: Pair) -> str:
 
 
 def statistics(convs: Sequence[Conversation], enc: Encoded) -> dict:
-    """Counts per kind of exchange, conversation lengths and tokens of one phrasing."""
+    """Counts per kind of exchange, conversation lengths and tokens of one phrasing (all
+    and by family of exchange)."""
     kinds = Counter(p.kind for c in convs for p in c)
+    family_tokens: Counter[str] = Counter()
+    for p, n in zip((p for c in convs for p in c), enc.turn_tokens.tolist(), strict=True):
+        family_tokens[kind_of(p)] += n
     turns = Counter(len(c) for c in convs)
     lengths = np.diff(enc.starts)
     return {
@@ -160,6 +168,7 @@ def statistics(convs: Sequence[Conversation], enc: Encoded) -> dict:
         "by_family": dict(sorted(Counter(kind_of(p) for c in convs for p in c).items())),
         "turns": dict(sorted(turns.items())),
         "tokens": len(enc.ids), "loss_tokens": int(enc.mask.sum()),
+        "tokens_by_family": dict(sorted(family_tokens.items())),
         "conversation_tokens": {"median": int(np.median(lengths)), "max": int(lengths.max()),
                                 "over_4096": int((lengths > 4096).sum())},
     }  # fmt: skip

@@ -4,7 +4,9 @@ where a lemma is close (edit distance 1, or 2 for words of `LONG_WORD` letters o
 you mean 'Y'?" naming the most used such lemma (WordNet's tagged-sense counts).
 
 A non-word is never a lemma (checked where it is made). About a tenth of all non-words (a
-stable hash, `eval_only`) are kept for the evaluation set and never made for training.
+stable hash, `eval_only`) are kept for the evaluation set and never made for training. The
+training set holds a typo of every everyday lemma of 4+ letters (`typo_cover`), then a seeded
+mix of typos, made-up and foreign words up to its fixed count.
 """
 
 from __future__ import annotations
@@ -148,14 +150,15 @@ def _typo_sources(wn: WordNet) -> list[str]:
     return sorted(w for w, n in wn.tagged.items() if n and w.isalpha() and len(w) >= 4)
 
 
-def nonwords(wn: WordNet, sp: Speller, n: int, rng: random.Random, for_eval: bool = False
-             ) -> Iterator[tuple[str, str]]:
+def nonwords(wn: WordNet, sp: Speller, n: int, rng: random.Random, for_eval: bool = False,
+             seen: set[str] | None = None) -> Iterator[tuple[str, str]]:
     """`n` (non-word, how it was made) pairs, none a lemma: half typos of everyday lemmas
     and a third made-up words (each once), the rest foreign words (they repeat in training;
     in the evaluation set every word is another). `for_eval` draws from the
-    evaluation share instead of the training one."""
+    evaluation share instead of the training one; `seen` holds words already made (and
+    gets the new ones)."""
     sources, foreign = _typo_sources(wn), foreign_words(sp)
-    seen: set[str] = set()
+    seen = set() if seen is None else seen
     made = 0
     while made < n:
         r = rng.random()
@@ -175,12 +178,42 @@ def nonwords(wn: WordNet, sp: Speller, n: int, rng: random.Random, for_eval: boo
         yield word, how
 
 
+TYPO_TRIES = 20  # random typos tried for a lemma before its one-edit strings are listed
+
+
+def typo_cover(wn: WordNet, sp: Speller, rng: random.Random, seen: set[str]) -> list[str]:
+    """One training typo of every everyday lemma of 4+ letters (the lemmas a user types),
+    in lemma order: a random deletion, swap, substitution or insertion that is no lemma, no
+    evaluation word and not in `seen` (which gets it), else the first such string one edit
+    away. Every such lemma has one: 4 letters give ~230 one-edit strings."""
+    out = []
+    for lemma in _typo_sources(wn):
+        tries = (typo(lemma, rng) for _ in range(TYPO_TRIES))
+        word = next((w for w in tries if _trainable(w, sp, seen)), None)
+        if word is None:
+            word = next(w for w in sorted(edits1(lemma)) if _trainable(w, sp, seen))
+        seen.add(word)
+        out.append(word)
+    return out
+
+
+def _trainable(word: str, sp: Speller, seen: set[str]) -> bool:
+    return word not in seen and not sp.is_lemma(word) and not eval_only(word)
+
+
 def pairs(wn: WordNet, sp: Speller, n: int, rng: random.Random, templates: tuple[str, ...]
           ) -> list[Pair]:
     """`n` training pairs about non-words, asked with `templates` (the dictionary's
-    question forms, so a typo reads like any other question)."""
+    question forms, so a typo reads like any other question): a typo of every everyday
+    lemma (`typo_cover`), then the seeded mix of `nonwords`. `n` is at least the cover."""
+    seen: set[str] = set()
+    cover = typo_cover(wn, sp, rng, seen)
+    if n < len(cover):
+        raise ValueError(f"{n} unknown-word exchanges cannot hold a typo of each of the "
+                         f"{len(cover)} everyday lemmas of 4+ letters")
+    words = [(w, "typo") for w in cover] + list(nonwords(wn, sp, n - len(cover), rng, seen=seen))
     out = []
-    for word, how in nonwords(wn, sp, n, rng):
+    for word, how in words:
         user = rng.choice(templates).format(w=word, W=word[:1].upper() + word[1:], a="a")
         out.append(Pair(user, reply(word, sp.suggest(word)), word, f"unknown-{how}"))
     return out
