@@ -17,7 +17,7 @@ from engine.config import EngineOptions
 from engine.request.conversation import Conversation
 from engine.request.sampler import SamplingParams
 from engine.runtime.serve import ServeLoop
-from training import acceptance, unknown, wordnet
+from training import acceptance, corpus, unknown, wordnet
 from training.acceptance import QUESTION, rate
 from training.pastes import PasteMaker
 
@@ -105,7 +105,9 @@ def nonwords(loop: ServeLoop, wn: wordnet.WordNet, sp: unknown.Speller) -> dict:
 
 def everyday(model: str, wordnet_path: Path, n: int) -> int:
     """Measure 1 on everyday words alone (`acceptance.everyday_lemmas`), printed: a quick
-    comparison of two builds on what a new user asks first."""
+    comparison of two builds on what a new user asks first. Then "What is a X?" for the nouns
+    among them: a reply scores when it names the first sense's first hypernym as the corpus
+    does ("a kind of feline")."""
     wn = wordnet.load(wordnet_path)
     loop = _loop(model, 0)
     words = acceptance.everyday_lemmas(wn, n)
@@ -113,6 +115,11 @@ def everyday(model: str, wordnet_path: Path, n: int) -> int:
                for w in words)
     print(f"everyday words: {hits} of {len(words)} replies hold the gloss's first content word "
           f"({100 * rate(hits, len(words)):.1f}%)")
+    chains = {w: c for w in words if (c := corpus.kinds_of(wn, w))}
+    kinds = sum(f"kind of {c[0]}" in ask(loop, f"What is {corpus._article(w)} {w}?")[0]
+                for w, c in chains.items())
+    print(f"kinds: {kinds} of {len(chains)} 'What is a X?' replies name the first hypernym "
+          f"({100 * rate(kinds, len(chains)):.1f}%)")
     return 0
 
 
