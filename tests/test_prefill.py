@@ -31,9 +31,14 @@ def prompt_ids(demo_path: Path) -> list[int]:
 
 
 def test_geometries_agree(demo_path: Path, prompt_ids: list[int]) -> None:
-    """--prefill 256, 1024 and auto: same first-token logits (to 3e-4 of the largest: float32
-    sums in another order; measured on the trained demo 1.6e-5 to 1.0e-4 between chunk sizes,
-    8.5e-5 for 1,024 against 256 on CI's machine), same greedy tokens."""
+    """--prefill 256, 1024 and auto: same first-token logits to 2e-3 of the largest, same
+    greedy tokens.
+
+    Why not tighter: a chunk of another size sums float32 in another order (1e-7 apart after
+    layer 1), and the f16 KV cache turns some of those into one-ulp flips (48 of 192,000
+    cells of layer 1 at 1,024 against 256), which the later layers carry to the logits. Measured
+    on the trained demo: 2.8e-4 of the largest for 512 against 256, 5.1e-4 for 1,024 (here),
+    8.5e-5 on another machine's BLAS; a causal mask one token off moves them by 4.2e-2."""
     outs = {}
     for prefill in (256, 1024, "auto"):
         # 64 of 128 experts cached; the device has room for a 1,024-token chunk
@@ -46,7 +51,7 @@ def test_geometries_agree(demo_path: Path, prompt_ids: list[int]) -> None:
     ref_logits, ref_text, _ = outs[256]
     assert outs[256][2] == 6 and outs[1024][2] == 2  # 1,500 tokens in 6 and 2 chunks
     for prefill, (logits, text, _) in outs.items():
-        assert np.abs(logits - ref_logits).max() <= 3e-4 * np.abs(ref_logits).max(), prefill
+        assert np.abs(logits - ref_logits).max() <= 2e-3 * np.abs(ref_logits).max(), prefill
         assert text == ref_text, prefill
 
 
