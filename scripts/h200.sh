@@ -31,6 +31,9 @@
 #   b31 / b72 automatic planner (+ A/B at 31k), 48 layers, 8 GiB, 31,258 / 72,061 tokens
 #             -> $OUT/b31.md, b72.md (each run's prefill phases too: STRATA_TRACE=1);
 #             ONLY=auto or ONLY=ab runs one of the two tables (a call is at most 10 minutes)
+#   cmpdemo   the demo before a change (BASE as for cmp31) and after: --mtp --spec 2, 2,048
+#             tokens, the loan off / on at 256-token chunks and the automatic planner, 64 new;
+#             every reply's CRC                                    -> $OUT/cmpdemo.md
 #   lever     one lever against its absence on the 48-layer file at 8 GiB, 31,258 tokens (or
 #             LEVER_TOKENS): LEVER_A / LEVER_B flag sets (default --dense float / --dense
 #             quant), the automatic planner loan off and on, MAX_NEW tokens (default 128 here),
@@ -115,7 +118,7 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
             --ctx 31900 2>&1 | tee -a "$OUT/vram.md" ;;
     cmp31) python3 -c "import random; r=random.Random(31); \
 print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
-          root=$PWD
+          root=$PWD out_abs=$(cd "$OUT" && pwd)
           for r in $(seq "${ROUNDS:-2}"); do
             for side in base new; do
               dir=$([ "$side" = base ] && echo "${BASE:?BASE=dir of the engine before}" || echo .)
@@ -124,7 +127,7 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
                 python3 -m engine.cli bench --model "$root/models/q48.gguf" --device cuda \
                 --vram-limit "$limit" --mtp --spec 2 --kv q4_0 --scenario ab --prefill 4096 --runs 1 \
                 --prompt-tokens 31258 --max-new 64 --ctx 31400 \
-                --json "$root/$OUT/cmp-$side-$r.json") > "$OUT/cmp-$side-$r.log" 2>&1 || true
+                --json "$out_abs/cmp-$side-$r.json") > "$OUT/cmp-$side-$r.log" 2>&1 || true
               grep -E "strata loan: restored|^\||error" "$OUT/cmp-$side-$r.log" \
                 | sed "s/^/$side $r: /" | tee -a "$OUT/cmp31.md" || true
             done
@@ -132,6 +135,18 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           for side in base new; do
             echo "== $side, pooled"; strata bench --merge "$OUT"/cmp-$side-*.json
           done 2>&1 | tee -a "$OUT/cmp31.md" ;;
+    cmpdemo) root=$PWD out_abs=$(cd "$OUT" && pwd)  # the demo before (BASE) and after a change
+          for side in base new; do
+            dir=$([ "$side" = base ] && echo "${BASE:?BASE=dir of the engine before}" || echo .)
+            (cd "$dir" && PYTHONPATH=/tmp/site:$PWD STRATA_CACHE_DIR=/tmp/sd-$side \
+              python3 -m engine.cli bench --model "$root/engine/assets/demo.gguf" --device cuda \
+              --mtp --spec 2 --scenario ab --prefill 256 --scenario auto --runs 1 \
+              --prompt-tokens 2048 --max-new 64 --ctx 4096 \
+              --json "$out_abs/cmpdemo-$side.json") > "$OUT/cmpdemo-$side.log" 2>&1 || true
+            grep -E "^\||error" "$OUT/cmpdemo-$side.log" | sed "s/^/$side: /" \
+              | tee -a "$OUT/cmpdemo.md" || true
+          done
+          python3 scripts/reply_crcs.py "$OUT"/cmpdemo-*.json 2>&1 | tee -a "$OUT/cmpdemo.md" || true ;;
     lever) n=${LEVER_TOKENS:-31258}
           for r in $(seq "${ROUNDS:-1}"); do
             for side in A B; do

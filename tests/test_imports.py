@@ -352,3 +352,65 @@ def test_device_string_tests_and_row_copies_are_found(tmp_path: Path) -> None:
     ]
     (tmp_path / "engine" / "kernels.py").write_text("DECODE_ROWS = 8\n")
     assert decode_row_copies(find_modules(tmp_path))[0].startswith("DECODE_ROWS is assigned in")
+
+
+RUNTIME_RECORD = "engine.runtime.parts"  # where `Runtime` is defined
+# What builds a runtime (startup) or runs requests on it (the runtime package); every other
+# module takes the parts it works on.
+RUNTIME_USERS = ("engine.runtime", "engine.startup.runtime")
+STEP_MAX_LINES = 30  # ServeLoop.step: one screen, top to bottom
+
+
+def runtime_importers(mods: dict[str, Path]) -> list[str]:
+    """'module imports Runtime' for each engine module outside RUNTIME_USERS that imports the
+    module of the `Runtime` record (it holds nothing else)."""
+    out = []
+    for m, path in mods.items():
+        if not inside(m, "engine") or any(inside(m, u) for u in RUNTIME_USERS):
+            continue
+        if RUNTIME_RECORD in imported_names(m, path):  # `import` or `from ... import`
+            out.append(f"{m} imports Runtime: pass it the parts it needs")
+    return sorted(out)
+
+
+def function_lines(path: Path, qualname: str) -> int:
+    """Lines of the function `Class.method` (or `function`) in `path`, docstring included."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    *owners, name = qualname.split(".")
+    body: list[ast.stmt] = tree.body
+    for owner in owners:
+        body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == owner).body
+    fn = next(n for n in body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+              and n.name == name)
+    return fn.end_lineno - fn.lineno + 1
+
+
+def test_only_the_runtimes_builders_and_runners_import_it() -> None:
+    bad = runtime_importers(find_modules())
+    assert not bad, "\n" + "\n".join(bad)
+
+
+def test_serve_loop_step_fits_on_a_screen() -> None:
+    n = function_lines(ROOT / "engine" / "runtime" / "serve.py", "ServeLoop.step")
+    assert n <= STEP_MAX_LINES, f"ServeLoop.step is {n} lines (at most {STEP_MAX_LINES})"
+
+
+def test_runtime_importers_and_function_lengths_are_found(tmp_path: Path) -> None:
+    for pkg in ("engine", "engine/runtime", "engine/loan", "engine/startup"):
+        (tmp_path / pkg).mkdir(parents=True, exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "engine" / "runtime" / "parts.py").write_text("class Runtime: ...\n")
+    (tmp_path / "engine" / "runtime" / "serve.py").write_text(
+        "from engine.runtime.parts import Runtime\n"
+        "class ServeLoop:\n    def step(self):\n        '''One.'''\n        return 1\n")
+    (tmp_path / "engine" / "startup" / "runtime.py").write_text(
+        "from engine.runtime.parts import Runtime\n")
+    (tmp_path / "engine" / "loan" / "work.py").write_text(
+        "def f():\n    from engine.runtime.parts import Runtime\n")
+    (tmp_path / "engine" / "loan" / "other.py").write_text("import engine.runtime.parts\n")
+    (tmp_path / "engine" / "loan" / "fine.py").write_text("from engine.runtime import serve\n")
+    assert runtime_importers(find_modules(tmp_path)) == [
+        "engine.loan.other imports Runtime: pass it the parts it needs",
+        "engine.loan.work imports Runtime: pass it the parts it needs",
+    ]
+    assert function_lines(tmp_path / "engine" / "runtime" / "serve.py", "ServeLoop.step") == 3

@@ -1,5 +1,5 @@
 """A loan's prompt geometry (DESIGN §5 step 3), decided in one place: the transaction asks it
-with the memory its release freed, the forecast (engine.loan.workload) with the memory a
+with the memory its release freed, the forecast (engine.runtime.workload) with the memory a
 release would free. Pure: the caller reads the engine and passes the numbers."""
 
 from __future__ import annotations

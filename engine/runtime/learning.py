@@ -19,9 +19,9 @@ from engine.loan.forecast import (
     rates_path,
     save_rates,
 )
-from engine.loan.workload import request_workload
 from engine.runtime.parts import Runtime
 from engine.runtime.stages import FAILED, Finished
+from engine.runtime.workload import request_workload
 from engine.speculative import policy as draft_policy
 from engine.synth.demo import cache_dir
 

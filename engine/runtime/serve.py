@@ -25,7 +25,6 @@ from engine.loan.forecast import (
     routing_odds,
 )
 from engine.loan.transaction import REPEAT, STARTUP, admission
-from engine.loan.workload import request_workload
 from engine.request.conversation import Conversation, check_prompt_fits, check_text_fits
 from engine.request.record import Request, reused_tokens
 from engine.request.sampler import SamplingParams
@@ -44,6 +43,7 @@ from engine.runtime.stages import (
     prefill,
     rollback,
 )
+from engine.runtime.workload import request_workload
 from engine.startup.cache import startup_profile
 from engine.startup.runtime import build_runtime
 from engine.trace.events import (
