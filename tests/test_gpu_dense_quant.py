@@ -46,20 +46,38 @@ def test_linear_reads_blocks(cp, cuda, monkeypatch, qtype: Q, rows: int, tol: fl
 
 
 def test_engine_on_blocks_matches_decoded_weights(cp, demo_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """The demo on CUDA (token graph on): quantized and decoded dense weights give the same
-    greedy reply with MTP drafting, and first-token logits within fp16 rounding."""
-    out = {}
-    for dense in ("quant", "float"):
-        loop = ServeLoop.create(EngineOptions(model=str(demo_path), device="cuda", ctx=2048,
-                                              vram_limit="2GiB", vram_segment_mib=2, dense=dense,
-                                              mtp=True, spec=2, spec_always=True))
-        assert isinstance(loop.rt.model.transformer.head, QuantMatrix) == (dense == "quant")
-        ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 40)
-        logits, _ = prefill_request(loop.rt, ids)
-        loop.rt.session.truncate(0)
-        out[dense] = (host(logits)[-1], loop.complete(list(ids), max_new=32).text)
-        loop.rt.check_integrity()
-        assert loop.rt.session.graph is not None and loop.rt.session.graph.n_captures > 0
-    (lq, tq), (lf, tf) = out["quant"], out["float"]
-    assert float(np.abs(lq - lf).max() / np.abs(lf).max()) < 2e-3
-    assert tq == tf
+    """The demo on CUDA (token graph on): quantized and decoded dense weights give first-token
+    logits within fp16 rounding and the same greedy reply with MTP drafting, up to a token where
+    the decoded weights' two candidates are a near-tie (within that rounding), which may flip."""
+    loops, out = {}, {}
+    try:
+        for dense in ("quant", "float"):
+            loop = loops[dense] = ServeLoop.create(EngineOptions(
+                model=str(demo_path), device="cuda", ctx=2048, vram_limit="2GiB",
+                vram_segment_mib=2, dense=dense, mtp=True, spec=2, spec_always=True))
+            assert isinstance(loop.rt.model.transformer.head, QuantMatrix) == (dense == "quant")
+            ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 40)
+            logits, _ = prefill_request(loop.rt, ids)
+            loop.rt.session.truncate(0)
+            reply = loop.complete(list(ids), max_new=32)
+            out[dense] = (host(logits)[-1], reply.text, loop.rt.session.tokens[len(ids):])
+            loop.rt.check_integrity()
+            assert loop.rt.session.graph is not None and loop.rt.session.graph.n_captures > 0
+        (lq, tq, gq_), (lf, tf, gf) = out["quant"], out["float"]
+        assert float(np.abs(lq - lf).max() / np.abs(lf).max()) < 2e-3
+        k = next((i for i, (a, b) in enumerate(zip(gq_, gf, strict=False)) if a != b), None)
+        if k is None:
+            assert tq == tf
+            return
+        at = {}  # logits [vocab] of both after the common prefix, at the first differing token
+        for dense, loop in loops.items():
+            loop.rt.session.truncate(0)
+            logits, _ = prefill_request(loop.rt, ids + gf[:k])
+            at[dense] = host(logits)[-1]
+        scale = float(np.abs(at["float"]).max())
+        assert float(np.abs(at["quant"] - at["float"]).max()) < 2e-3 * scale
+        gap = abs(float(at["float"][gf[k]] - at["float"][gq_[k]]))
+        assert gap < 2e-3 * scale, (k, gap / scale, tq, tf)
+    finally:
+        for loop in loops.values():
+            loop.close()

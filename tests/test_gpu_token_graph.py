@@ -139,8 +139,9 @@ def test_speculative_decoding_and_a_loan_replay_graphs(mid_path: Path) -> None:
         texts.append((a, b))
         loop.rt.check_integrity()
         tg = loop.rt.session.graph
-        if tg is not None:
-            assert tg.n_captures >= 2 and tg.n_replays > 0
+        if not opts.no_token_graph:  # the graph held: it never gave up for eager steps
+            assert loop.rt.report.warnings == []
+            assert tg is not None and tg.n_captures >= 2 and tg.n_replays > 0
     assert texts[0] == texts[1]
 
 

@@ -149,7 +149,7 @@ def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = Non
              log: Callable[[str], None] | None = None, bus: EventBus | None = None) -> Sample:
     """A fresh engine, one measured request (after the warmup message, if any), the engine
     closed; `log` gets the prompt path's trace lines (its phases with STRATA_TRACE=1, the CUDA
-    temporaries); `bus` (optional) gets the run's events, down to the closed ledger's last
+    temporaries) and the run's warnings; `bus` (optional) gets the run's events, down to the closed ledger's last
     snapshot."""
     bus = bus or EventBus()
     plans: list[PlanChosen] = []
@@ -166,6 +166,9 @@ def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = Non
             sample = _measure(loop, cfg, n_tokens, max_new, hw, plans)
             peak = _peak(sampler, loop)
         finally:
+            if log is not None:  # a fallback (e.g. the token graph gave up) changes the figures
+                for line in loop.rt.report.warnings:
+                    log(line)
             loop.close()
     finally:
         if sampler is not None:
