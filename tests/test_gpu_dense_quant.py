@@ -63,9 +63,9 @@ def test_engine_on_blocks_matches_decoded_weights(cp, demo_path: Path) -> None: 
             out[dense] = (host(logits)[-1], reply.text, loop.rt.session.tokens[len(ids):])
             loop.rt.check_integrity()
             assert loop.rt.session.graph is not None and loop.rt.session.graph.n_captures > 0
-        (lq, tq, gq_), (lf, tf, gf) = out["quant"], out["float"]
+        (lq, tq, gq), (lf, tf, gf) = out["quant"], out["float"]
         assert float(np.abs(lq - lf).max() / np.abs(lf).max()) < 2e-3
-        k = next((i for i, (a, b) in enumerate(zip(gq_, gf, strict=False)) if a != b), None)
+        k = next((i for i, (a, b) in enumerate(zip(gq, gf, strict=False)) if a != b), None)
         if k is None:
             assert tq == tf
             return
@@ -76,7 +76,7 @@ def test_engine_on_blocks_matches_decoded_weights(cp, demo_path: Path) -> None: 
             at[dense] = host(logits)[-1]
         scale = float(np.abs(at["float"]).max())
         assert float(np.abs(at["quant"] - at["float"]).max()) < 2e-3 * scale
-        gap = abs(float(at["float"][gf[k]] - at["float"][gq_[k]]))
+        gap = abs(float(at["float"][gf[k]] - at["float"][gq[k]]))
         assert gap < 2e-3 * scale, (k, gap / scale, tq, tf)
     finally:
         for loop in loops.values():

@@ -149,8 +149,8 @@ def run_once(cfg: Config, n_tokens: int, max_new: int, hw: Hardware | None = Non
              log: Callable[[str], None] | None = None, bus: EventBus | None = None) -> Sample:
     """A fresh engine, one measured request (after the warmup message, if any), the engine
     closed; `log` gets the prompt path's trace lines (its phases with STRATA_TRACE=1, the CUDA
-    temporaries) and the run's warnings; `bus` (optional) gets the run's events, down to the closed ledger's last
-    snapshot."""
+    temporaries) and the run's warnings; `bus` (optional) gets the run's events, down to the
+    closed ledger's last snapshot."""
     bus = bus or EventBus()
     plans: list[PlanChosen] = []
     bus.subscribe(lambda e: plans.append(e) if isinstance(e, PlanChosen) else None)
