@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from textual.pilot import Pilot
+from textual.widgets import Input, TextArea
 
 from app.app import StrataApp
 from app.config import APP_DEFAULTS, APP_FLAGS, ChatConfig
@@ -76,11 +77,20 @@ async def wait_until(pilot: Pilot, predicate: Callable[[], bool], timeout_s: flo
     raise TimeoutError(f"scene condition not reached in {timeout_s:.0f} s")
 
 
+def steady_cursor(field: Input | TextArea) -> None:
+    """`field` draws its cursor without blinking, repainted now. A TextArea keys its cached
+    lines on the cursor only while it blinks, so a line drawn in a blink phase without the
+    cursor would otherwise stay as it was (the picture lost its cursor one run in four)."""
+    field.cursor_blink = False
+    field.notify_style_update()  # drops the TextArea's cached lines
+    field.refresh()
+
+
 async def wait_ready(pilot: Pilot) -> None:
     app = pilot.app
     assert isinstance(app, StrataApp)
     await wait_until(pilot, lambda: app.link.loop is not None and app.screen is app.default_screen)
-    app.query_one(PromptInput).cursor_blink = False  # a still picture: no blink phase in it
+    steady_cursor(app.query_one(PromptInput))  # a still picture: no blink phase in it
     await pilot.pause(0.2)
 
 

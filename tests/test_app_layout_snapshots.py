@@ -9,11 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from textual.containers import VerticalScroll
+from textual.widgets import Input, TextArea
 from test_app_store import store_all
 
 from app.app import StrataApp
 from app.config import ChatConfig
-from app.scenes import wait_ready, wait_until
+from app.scenes import steady_cursor, wait_ready, wait_until
+from app.screens import HelpScreen
 from app.store import Store
 from app.widgets.chat_log import ChatLog
 from app.widgets.toggle import Toggle
@@ -44,6 +47,14 @@ def reopened_app(tmp_path: Path) -> StrataApp:
     return StrataApp(config, store=store, export_dir=tmp_path / "exports")
 
 
+def still(screen) -> None:  # type: ignore[no-untyped-def]
+    """No blink phase in the picture: every text field of `screen`, and of the screens below
+    it that a dialog shows dimmed, draws a steady cursor."""
+    for shown in screen.app.screen_stack:
+        for text_field in (*shown.query(Input), *shown.query(TextArea)):
+            steady_cursor(text_field)
+
+
 async def settled(pilot) -> None:  # type: ignore[no-untyped-def]
     """Ready, the reopened chat at its end and every Markdown block laid out."""
     await wait_ready(pilot)
@@ -63,8 +74,14 @@ def test_help_scrolled_by_keyboard(size: tuple[int, int], snap_compare, tmp_path
     async def run_before(pilot) -> None:  # type: ignore[no-untyped-def]
         await settled(pilot)
         await pilot.press("f1")
-        await pilot.pause()
+        await wait_until(pilot, lambda: isinstance(pilot.app.screen, HelpScreen))
+        body = pilot.app.screen.query_one("#help-body", VerticalScroll)
+        # the help laid out (Markdown mounts its blocks later) and focused
+        await wait_until(pilot, lambda: body.max_scroll_y > body.size.height and body.has_focus)
+        still(pilot.app.screen)
         await pilot.press("pagedown", "down")
+        await wait_until(pilot, lambda: body.scroll_y == body.size.height + 1)  # a page, a line
+        await pilot.wait_for_scheduled_animations()
         await pilot.pause(0.3)
 
     assert snap_compare(reopened_app(tmp_path), terminal_size=size, run_before=run_before)

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_app_layout_snapshots import SIZES, reopened_app, settled
+from test_app_layout_snapshots import SIZES, reopened_app, settled, still
 from test_app_store import conversation, store_all
 from textual.events import Paste
 from textual.widgets import Input, OptionList, TextArea
@@ -49,12 +49,6 @@ from engine.trace.events import (
 )
 
 size_ids = pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
-
-
-def still(screen) -> None:  # type: ignore[no-untyped-def]
-    """No blink phase in the picture: every text field of `screen` shows a steady cursor."""
-    for field in (*screen.query(Input), *screen.query(TextArea)):
-        field.cursor_blink = False
 
 
 async def laid_out(pilot) -> None:  # type: ignore[no-untyped-def]
