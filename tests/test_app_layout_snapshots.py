@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_app_store import store_all
 from textual.containers import VerticalScroll
 from textual.widgets import Input, TextArea
-from test_app_store import store_all
 
 from app.app import StrataApp
 from app.config import ChatConfig
