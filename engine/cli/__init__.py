@@ -14,7 +14,7 @@ COMMANDS = tuple(
     f"engine.cli.{name}"
     for name in (
         "run", "logits", "info", "make_model", "strip_mtp", "plan", "profile", "bench",
-        "bench_spec", "gpu_probe", "serve", "bench_serve",
+        "bench_spec", "bench_sampler", "gpu_probe", "serve", "bench_serve",
     )
 )
 

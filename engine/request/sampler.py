@@ -58,35 +58,80 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def distribution(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """logits [V] -> probabilities [V] float64 after temperature, top-k and top-p."""
-    # NaN logits rank last and +inf first, so no probability below can be NaN
-    z = np.nan_to_num(logits.astype(np.float64), nan=-np.inf, posinf=np.finfo(np.float64).max)
+def support(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """logits [V] -> (ids [n] int64 ascending, probs [n] float64 summing to 1): the tokens
+    that keep a probability after temperature, top-k and top-p, and those probabilities.
+
+    Top-k is found in one O(V) partition of the float32 logits, so everything after it works
+    on the k candidates (ties at the k-th value included), not on the whole vocabulary: a
+    151,936-token vocabulary samples in about 0.5 ms instead of 11 (`strata bench-sampler`)."""
+    x = np.asarray(logits)
     if p.greedy:
-        out = np.zeros_like(z)
-        out[int(np.argmax(z))] = 1.0
-        return out
+        return np.array([int(np.argmax(x))], dtype=np.int64), np.ones(1)
+    if np.isnan(x).any():  # NaN logits rank last, as -inf
+        x = np.where(np.isnan(x), -np.inf, x)
+    if 0 < p.top_k < x.size:
+        kth = np.partition(x, -p.top_k)[-p.top_k]
+        ids = np.flatnonzero(x >= kth)  # [n >= k] the top k and any tie with the k-th
+        x = x[ids]
+    else:
+        ids = None  # every token
+    z = x.astype(np.float64)
+    top = np.isposinf(z)
+    if top.any():  # +inf ranks first and shares the mass with its equals
+        z[top] = np.finfo(np.float64).max
     # the top logit is 0 before the division: a tiny temperature (1e-320) sends the others to
     # -inf, not inf - inf, and the distribution becomes the greedy one
     with np.errstate(over="ignore"):  # to -inf is the point
-        z = (z - z.max()) / p.temperature
-    if 0 < p.top_k < z.size:
-        kth = np.partition(z, -p.top_k)[-p.top_k]
-        z = np.where(z < kth, -np.inf, z)
-    probs = np.exp(z)  # [V], the top one exactly 1
+        z -= z.max()
+        z /= p.temperature
+    probs = np.exp(z, out=z)  # [n], the top one exactly 1
     probs /= probs.sum()
     if p.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
+        keep = _nucleus(probs, p.top_p)
+        probs = probs[keep] / probs[keep].sum()
+    elif probs.all():
+        keep = np.arange(probs.size)
+    else:  # what the temperature sent to 0 is no candidate
+        keep = np.flatnonzero(probs)
+        probs = probs[keep]
+    return (keep if ids is None else ids[keep]), probs
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Positions (ascending) of the most likely entries of probs [n] whose mass first reaches
+    `top_p`, ties ordered by position: a sort of the `m` largest (ties with the m-th
+    included), m growing x8 from 64 until their mass reaches top_p, not of all n."""
+    m = 64
+    while True:
+        if m < probs.size:
+            cut = np.partition(probs, -m)[-m]
+            cand = np.flatnonzero(probs >= cut)  # [>= m] ascending
+        else:
+            cand = np.flatnonzero(probs)
+        order = cand[np.argsort(-probs[cand], kind="stable")]  # most likely first
         cum = np.cumsum(probs[order])
-        keep = order[: int(np.searchsorted(cum, p.top_p)) + 1]
-        mask = np.zeros_like(probs)
-        mask[keep] = probs[keep]
-        probs = mask / mask.sum()
-    return probs
+        n_keep = int(np.searchsorted(cum, top_p)) + 1
+        if n_keep <= order.size or m >= probs.size:
+            return np.sort(order[:n_keep])
+        m *= 8
+
+
+def distribution(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """logits [V] -> probabilities [V] float64 after temperature, top-k and top-p (`support`
+    scattered into the vocabulary)."""
+    ids, probs = support(logits, p)
+    out = np.zeros(np.asarray(logits).size, dtype=np.float64)
+    out[ids] = probs
+    return out
 
 
 class Sampler:
-    """Draws tokens; one generator per request so seeded runs repeat exactly."""
+    """Draws tokens; one generator per request so seeded runs repeat exactly.
+
+    Every draw takes one uniform from the generator and inverts the cumulative distribution
+    in token-id order, as `Generator.choice(V, p=probs)` does, so the candidate-only path
+    draws what a draw over the whole vocabulary would."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -95,10 +140,18 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         if self.params.greedy:
             return int(np.argmax(logits))
-        return self.draw(distribution(logits, self.params))
+        return self._pick(*support(logits, self.params))
 
     def draw(self, probs: np.ndarray) -> int:
-        return int(self.rng.choice(probs.size, p=probs))
+        """A token from probabilities [V] (a distribution, or a speculative residual)."""
+        ids = np.flatnonzero(probs)  # [n] the support, ascending
+        return self._pick(ids, probs[ids])
 
     def uniform(self) -> float:
         return float(self.rng.random())
+
+    def _pick(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        """ids [n] ascending, probs [n] -> one of ids, by one uniform."""
+        cdf = np.cumsum(probs)
+        cdf /= cdf[-1]
+        return int(ids[int(np.searchsorted(cdf, self.rng.random(), side="right"))])
