@@ -9,7 +9,7 @@ import numpy as np
 
 from engine.request.sampler import Sampler
 from engine.request.session import Session
-from engine.speculative.draft import Draft, draft_token
+from engine.speculative.draft import Draft
 
 
 class TargetDraft:
@@ -37,30 +37,23 @@ class TargetDraft:
     def propose(self, session: Session, pending: int, n_draft: int, sampler: Sampler) -> Draft:
         n0, tok = len(session.tokens), pending
         tokens: list[int] = []
-        qs: list[np.ndarray] = []
         try:
-            for _ in range(n_draft):
+            for j in range(n_draft):
                 row = session.backend.download(session.forward([tok]).logits[-1])  # [V]
-                tok, q = self._choose(row, sampler)
+                tok = self._choose(row, sampler, n0 + 1 + j)  # the pending token is at n0
                 tokens.append(tok)
-                qs.append(q)  # type: ignore[arg-type]
         finally:
             session.truncate(n0)
-        return Draft(tokens, None if sampler.params.greedy else qs)
+        return Draft(tokens)
 
-    def _choose(self, row: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
-        return draft_token(row, sampler)
+    def _choose(self, row: np.ndarray, sampler: Sampler, pos: int) -> int:
+        return sampler.sample(row, pos)
 
 
 class AdversarialDraft(TargetDraft):
-    """Proposes the target's least likely token (one-hot q): greedy accepts none, and with
-    top-k or top-p filtering neither does sampling (p(d) = 0)."""
+    """Proposes the target's least likely token: greedy accepts none, and with top-k or
+    top-p filtering neither does sampling (the token is never picked)."""
 
-    def _choose(self, row: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
-        tok = int(np.argmin(row))
-        if sampler.params.greedy:
-            return tok, None
-        q = np.zeros(row.size, dtype=np.float64)
-        q[tok] = 1.0
-        return tok, q
+    def _choose(self, row: np.ndarray, sampler: Sampler, pos: int) -> int:
+        return int(np.argmin(row))
 

@@ -1,7 +1,7 @@
 """The sampler against its definition over the whole vocabulary: temperature, top-k (ties at
-the k-th kept), top-p (the most likely first, ties by token id) and one uniform a draw,
-inverted in token-id order as `Generator.choice(V, p=probs)` does. The sampler works on the
-top-k candidates only; these tests hold it to what the whole-vocabulary definition gives."""
+the k-th kept), top-p (the most likely first, ties by token id). The sampler works on the
+top-k candidates only and picks by Gumbel-max; these tests hold its probabilities to the
+whole-vocabulary definition and its picks over many positions to those probabilities."""
 
 from __future__ import annotations
 
@@ -68,17 +68,30 @@ def test_distribution_is_the_definition(i: int) -> None:
     np.testing.assert_array_equal(got[ids], probs)
 
 
-def test_draws_are_generator_choice_over_the_whole_vocabulary() -> None:
-    """The same seed draws the same tokens as `Generator.choice(V, p=definition)`: sampling
-    from the candidates changes the time, not the text a seed gives."""
-    for x, params in cases(60):
-        if params.greedy:
-            continue
-        rng = np.random.default_rng(params.seed)
-        want = [int(rng.choice(x.size, p=reference(x, params))) for _ in range(30)]
-        sampler = Sampler(params)
-        assert [sampler.sample(x) for _ in range(20)] == want[:20]
-        assert [sampler.draw(distribution(x, params)) for _ in range(10)] == want[20:]
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=1),
+    SamplingParams(temperature=0.7, top_k=0, top_p=0.9, seed=2),
+    SamplingParams(temperature=1.5, top_k=8, top_p=1.0, seed=3),
+    SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=4),
+], ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_picks_over_positions_follow_the_definition(params: SamplingParams) -> None:
+    """The Gumbel-max picks of 20,000 positions from one row's logits are drawn from the
+    definition's distribution: a chi-square over the kept tokens (the rare ones pooled)."""
+    x = (np.random.default_rng(9).standard_normal(1024) * 1.5).astype(np.float32)
+    x[[3, 4]] = x.max()  # a tie at the top
+    x[7] = np.nan
+    want = reference(x, params)
+    sampler = Sampler(params)
+    picks = np.array([sampler.sample(x, pos) for pos in range(20_000)])
+    assert set(np.unique(picks)) <= set(np.flatnonzero(want).tolist())
+    counts = np.bincount(picks, minlength=x.size).astype(float)
+    common = want * picks.size >= 20  # cells with an expected count of at least 20
+    obs = np.append(counts[common], counts[~common].sum())
+    exp = np.append(want[common], want[~common].sum()) * picks.size
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    dof = obs.size - 1
+    assert dof >= 1 and chi2 < dof + 5 * np.sqrt(2 * dof) + 10, (chi2, dof)
 
 
 def test_top_k_keeps_every_tie_with_the_kth_value() -> None:
@@ -103,7 +116,7 @@ def test_greedy_support_is_the_argmax() -> None:
     x = np.array([0.1, 5.0, 5.0, -1.0], dtype=np.float32)
     ids, probs = support(x, SamplingParams())
     assert ids.tolist() == [1] and probs.tolist() == [1.0]
-    assert Sampler(SamplingParams()).sample(x) == 1
+    assert Sampler(SamplingParams()).sample(x, 0) == 1
 
 
 def test_bench_sampler_prints_a_row_per_setting(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,7 @@ from engine.model.loader import Model, load_model
 from engine.request.record import generate
 from engine.request.sampler import Sampler, SamplingParams
 from engine.request.session import Session
-from engine.speculative.decoder import SpecDecoder, rejection_step, speculative_accept
+from engine.speculative.decoder import SpecDecoder
 from engine.speculative.verifier import Verifier
 from engine.trace.timing import Timing
 
@@ -221,44 +221,34 @@ def chi_square(counts: np.ndarray, p: np.ndarray) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def test_rejection_step_preserves_the_target_distribution() -> None:
+def test_a_positions_pick_follows_p_and_is_fixed_by_seed_and_position() -> None:
+    """Over 40,000 positions the picks from one distribution follow it (Gumbel-max), the
+    same (seed, position) picks the same token in any order, and another seed other ones."""
     p = np.array([0.30, 0.05, 0.25, 0.10, 0.20, 0.10])
-    q = np.array([0.05, 0.40, 0.05, 0.30, 0.10, 0.10])
-    sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=7)
+    sampler, logits = Sampler(params), np.log(p).astype(np.float32)
     n = 40_000
-    out = np.zeros(p.size)
-    naive = np.zeros(p.size)  # accepting every draft: the output follows q, not p
-    for _ in range(n):
-        d = sampler.draw(q)
-        r = rejection_step(p, q, d, sampler)
-        out[d if r is None else r] += 1
-        naive[d] += 1
-    assert chi_square(out, p) < CHI2_5DOF_P999
-    assert chi_square(naive, p) > 100 * CHI2_5DOF_P999  # the bound does discriminate
+    picks = np.array([sampler.sample(logits, pos) for pos in range(n)])
+    assert chi_square(np.bincount(picks, minlength=p.size).astype(float), p) < CHI2_5DOF_P999
+    q = np.array([0.05, 0.40, 0.05, 0.30, 0.10, 0.10])  # the bound does discriminate
+    assert chi_square(np.bincount(picks, minlength=p.size).astype(float), q) > 100 * CHI2_5DOF_P999
+    backwards = [Sampler(params).sample(logits, pos) for pos in reversed(range(500))]
+    assert backwards[::-1] == picks[:500].tolist()
+    other = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=8))
+    assert [other.sample(logits, pos) for pos in range(500)] != picks[:500].tolist()
 
 
-def test_speculative_accept_two_positions_keeps_the_first_marginal() -> None:
-    """With two drafts, the first output token still follows p0 (joint rule, one window)."""
-    v = 6
-    logits = np.log(
-        np.array(
-            [
-                [0.30, 0.05, 0.25, 0.10, 0.20, 0.10],
-                [0.10, 0.10, 0.10, 0.40, 0.20, 0.10],
-                [1 / 6] * 6,
-            ]
-        )
-    )
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=3)
-    q0 = np.array([0.05, 0.40, 0.05, 0.30, 0.10, 0.10])
-    q1 = np.full(v, 1 / v)
-    sampler = Sampler(params)
-    first = np.zeros(v)
-    for _ in range(30_000):
-        d = [sampler.draw(q0), sampler.draw(q1)]
-        k, bonus = speculative_accept(d, [q0, q1], logits, sampler)
-        first[d[0] if k >= 1 else bonus] += 1
-    assert chi_square(first, np.exp(logits[0])) < CHI2_5DOF_P999
+def test_a_draft_from_a_near_distribution_is_mostly_the_targets_pick() -> None:
+    """A draft picked with the same noise from q near p agrees with p's pick about as often
+    as the two distributions overlap; from a far q, rarely."""
+    p = np.array([0.30, 0.05, 0.25, 0.10, 0.20, 0.10])
+    near = np.array([0.28, 0.06, 0.26, 0.10, 0.19, 0.11])
+    far = np.array([0.01, 0.45, 0.01, 0.01, 0.01, 0.51])
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=3))
+    target = [sampler.sample(np.log(p), pos) for pos in range(5000)]
+    agree = {name: np.mean([sampler.sample(np.log(q), pos) == t for pos, t in enumerate(target)])
+             for name, q in (("near", near), ("far", far))}
+    assert agree["near"] > 0.9 and agree["far"] < 0.2, agree
 
 
 def test_sampled_sources_accept_all_or_none(model: Model) -> None:
@@ -275,6 +265,21 @@ def test_sampled_sources_accept_all_or_none(model: Model) -> None:
         assert s.tokens == ids + got[:-1]
         again, _, _ = spec_run(dec, model, ids, 30, 512, params=params)
         assert again == got  # seeded: repeatable
+        want, _ = plain(model, ids, 30, 512, params=params)
+        assert got == want  # the seed's text, drafts accepted or not
+
+
+@pytest.mark.parametrize("n_window", (2, 4))
+def test_sampled_mtp_spec_equals_plain_sampled_decoding(model: Model, n_window: int) -> None:
+    """At any temperature drafting changes the time, never the text a seed gives."""
+    dec = SpecDecoder.with_mtp(model, n_window)
+    dec.always = True
+    for i, params in enumerate((SamplingParams(temperature=0.8, seed=5),
+                                SamplingParams(temperature=1.2, top_k=0, top_p=0.9, seed=6))):
+        ids = prompt(23, seed=40 + i)
+        want, _ = plain(model, ids, 40, 7, params=params)
+        got, _, timing = spec_run(dec, model, ids, 40, 7, params=params)
+        assert got == want and timing.drafted_steps > 0
 
 
 def test_sampled_mtp_decoding_runs_and_keeps_state(model: Model) -> None:

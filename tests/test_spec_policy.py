@@ -120,7 +120,7 @@ def test_plain_steps_reach_the_mtp_draft_in_one_pass(model: Model) -> None:
     ref.always = True
     want, s_ref, _ = spec_generate(ref, model, ids, 30)
     dec = SpecDecoder.with_mtp(model, 3)
-    dec.new_policy = lambda greedy: Scripted("dppdpppd")  # type: ignore[method-assign]
+    dec.new_policy = lambda: Scripted("dppdpppd")  # type: ignore[method-assign]
     got, s, timing = spec_generate(dec, model, ids, 30)
     plain_ids = list(generate(Session(model, n_ctx=512), ids, 30, GREEDY, 8))
     assert got == want == plain_ids
@@ -149,7 +149,7 @@ def test_a_long_plain_span_defers_the_prompt_to_after_the_reply(model: Model) ->
     ref.always = True
     want, s_ref, _ = spec_generate(ref, model, ids, 24)
     dec = SpecDecoder.with_mtp(model, 3)
-    dec.new_policy = lambda greedy: Scripted("p" * 40 + "d")  # type: ignore[method-assign]
+    dec.new_policy = lambda: Scripted("p" * 40 + "d")  # type: ignore[method-assign]
     s, cells = Session(model, n_ctx=512), []
     for tok in generate(s, ids, 24, GREEDY, 8, spec=dec):
         cells.append(dec.draft.n_cells)
@@ -191,7 +191,7 @@ def test_an_error_after_plain_steps_leaves_a_usable_state(model: Model) -> None:
     base = SpecDecoder.with_mtp(model, 3)
     verifier = FailingVerifier.for_model(model, 3)
     dec = SpecDecoder(3, base.draft, verifier)
-    dec.new_policy = lambda greedy: Scripted("dpp")  # type: ignore[method-assign]
+    dec.new_policy = lambda: Scripted("dpp")  # type: ignore[method-assign]
     verifier.fail_at = 6
     s = Session(model, n_ctx=512)
     with pytest.raises(RuntimeError, match="device lost"):

@@ -1,7 +1,16 @@
-"""Token sampling: greedy, or temperature with top-k and top-p, from a seeded generator.
+"""Token sampling: greedy, or temperature with top-k and top-p, fixed by a seed and the
+position.
 
-`distribution()` is exposed because speculative decoding's rejection rule needs the target
-and draft distributions, not only a sample.
+A sampled token is a Gumbel-max draw: among the tokens the filters keep (`support`), the one
+with the largest p / E, where E is a standard exponential computed from (seed, position,
+token id) by a counter-based hash (splitmix64). That is a draw from p, and the token at a
+position depends on that position's distribution and the seed only, not on what was drawn
+before nor on how the steps were grouped: speculative decoding accepts a draft exactly when
+it is the token plain decoding would pick (a draft made with the same noise agrees with it
+often when the draft model's q is near p), so a seed gives the same text with drafts or
+without, whatever the drafting policy decides (issue 32).
+
+`distribution()` is exposed for what wants the whole [V] probabilities (tests, the bench).
 """
 
 from __future__ import annotations
@@ -126,32 +135,42 @@ def distribution(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     return out
 
 
-class Sampler:
-    """Draws tokens; one generator per request so seeded runs repeat exactly.
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
-    Every draw takes one uniform from the generator and inverts the cumulative distribution
-    in token-id order, as `Generator.choice(V, p=probs)` does, so the candidate-only path
-    draws what a draw over the whole vocabulary would."""
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer on a Python int (mod 2**64)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def exponentials(seed: int, pos: int, ids: np.ndarray) -> np.ndarray:
+    """Standard exponential noise [n] float64 for tokens `ids` [n] at position `pos`: a pure
+    function of (seed, pos, id), the same wherever and however often it is asked."""
+    key = np.uint64(_mix((seed ^ _mix((pos + 1) * _GOLDEN & _MASK)) & _MASK))
+    h = ids.astype(np.uint64) * np.uint64(_GOLDEN) ^ key  # [n], wraps mod 2**64
+    h ^= h >> np.uint64(30)
+    h *= np.uint64(0xBF58476D1CE4E5B9)
+    h ^= h >> np.uint64(27)
+    h *= np.uint64(0x94D049BB133111EB)
+    h ^= h >> np.uint64(31)
+    u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # (0, 1)
+    return -np.log(u)
+
+
+class Sampler:
+    """Picks the token at a position from its logits: greedy, or the Gumbel-max draw that
+    (seed, position) fix (the module's docstring)."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
 
-    def sample(self, logits: np.ndarray) -> int:
+    def sample(self, logits: np.ndarray, pos: int) -> int:
+        """The token at position `pos` (the index it will hold in the sequence) from the
+        logits [V] that predict it."""
         if self.params.greedy:
             return int(np.argmax(logits))
-        return self._pick(*support(logits, self.params))
-
-    def draw(self, probs: np.ndarray) -> int:
-        """A token from probabilities [V] (a distribution, or a speculative residual)."""
-        ids = np.flatnonzero(probs)  # [n] the support, ascending
-        return self._pick(ids, probs[ids])
-
-    def uniform(self) -> float:
-        return float(self.rng.random())
-
-    def _pick(self, ids: np.ndarray, probs: np.ndarray) -> int:
-        """ids [n] ascending, probs [n] -> one of ids, by one uniform."""
-        cdf = np.cumsum(probs)
-        cdf /= cdf[-1]
-        return int(ids[int(np.searchsorted(cdf, self.rng.random(), side="right"))])
+        ids, probs = support(logits, self.params)
+        return int(ids[int(np.argmax(probs / exponentials(self.params.seed, pos, ids)))])

@@ -182,7 +182,7 @@ class Session:
         """Plain decoding from the prompt's last logits [.., V]: one forward per token, until
         a stop id, `max_new`, a full context or `cancel`."""
         for i in range(max_new):
-            tok = sampler.sample(self.backend.download(logits[-1]))
+            tok = sampler.sample(self.backend.download(logits[-1]), len(self.tokens))
             if timing is not None:
                 timing.generated += 1
             yield tok

@@ -5,12 +5,13 @@ One step, with `x` the last emitted token (not yet in the KV) at position n:
 
     drafts   = source.propose(x, T-1)                # MTP block, or a test source
     logits   = verifier.verify([x, d1..d_{T-1}])     # [T, V]; main KV grows to n+T
-    k, bonus = accept(drafts, logits)                # greedy: longest prefix with d == argmax
+    k, bonus = accept(drafts, logits)                # longest prefix with d == the target's pick
     main KV -> n+1+k;  source.observe(hidden[:k+1], [d1..dk, bonus])
 
-Greedy output is token-identical to plain decoding. With temperature, each draft is accepted
-with probability min(1, p(d)/q(d)); on rejection the token is drawn from normalize(max(0, p-q)),
-and when every draft is accepted the bonus is drawn from p: the output distribution is p's.
+The output is token-identical to plain decoding at any temperature: a row's target is the
+token plain decoding picks at that position (the argmax, or the Gumbel-max draw the seed and
+the position fix, `engine.request.sampler`), and the drafts are picked with the same noise
+from the draft model's logits, so a draft is accepted when both agree.
 
 The MTP block needs the main model's hidden h[p] for every position it has a cell for. The
 prompt's hidden is collected during prefill (`collect`, called per chunk) and fed to the block
@@ -41,7 +42,7 @@ from engine.errors import FlagError, StrataError
 from engine.loan.resources import Releasable
 from engine.model.loader import Model
 from engine.model.mtp import MTPBlock
-from engine.request.sampler import Sampler, SamplingParams, distribution
+from engine.request.sampler import Sampler
 from engine.request.session import Session
 from engine.speculative.draft import Draft, DraftSource, MTPDraft
 from engine.speculative.draft_head import draft_head_of
@@ -59,36 +60,23 @@ def check_spec(n_window: int) -> None:
         )
 
 
-def greedy_accept(drafts: list[int], targets: np.ndarray) -> tuple[int, int]:
-    """targets [T] = argmax per window row -> (drafts accepted k, bonus token targets[k])."""
-    k = 0
-    while k < len(drafts) and drafts[k] == int(targets[k]):
-        k += 1
-    return k, int(targets[k])
-
-
-def rejection_step(p: np.ndarray, q: np.ndarray, d: int, sampler: Sampler) -> int | None:
-    """One position of speculative sampling: None if draft d (drawn from q) is accepted,
-    else the replacement token drawn from normalize(max(0, p - q))."""
-    if sampler.uniform() * q[d] < p[d]:  # u < p(d)/q(d), without dividing
-        return None
-    residual = np.maximum(p - q, 0.0)
-    total = residual.sum()
-    if total <= 0:  # p == q: acceptance was certain, unreachable but kept exact
-        return sampler.draw(p)
-    return sampler.draw(residual / total)
-
-
-def speculative_accept(
-    drafts: list[int], qs: list[np.ndarray], logits: np.ndarray, sampler: Sampler
-) -> tuple[int, int]:
-    """logits [T, V] on the host -> (drafts accepted k, the token after them)."""
-    params: SamplingParams = sampler.params
-    for j, d in enumerate(drafts):
-        out = rejection_step(distribution(logits[j], params), qs[j], d, sampler)
-        if out is not None:
-            return j, out
-    return len(drafts), sampler.draw(distribution(logits[len(drafts)], params))
+def accept(drafts: list[int], logits: Any, sampler: Sampler, pos: int, be: Backend) -> tuple[int, int]:
+    """logits [T, V] of a window whose row j predicts position pos + j -> (drafts accepted
+    k, the token after them). Each row's target is the token plain decoding picks there
+    (`Sampler.sample`: the argmax, or the draw the seed and position fix); the drafts agreeing
+    with their targets are kept, and the first target that disagrees (or the last row's)
+    follows them. Greedy rows are compared on the device, one download of T ids."""
+    if sampler.params.greedy:
+        targets = be.download(be.xp.argmax(logits, axis=-1))  # [T]
+        k = 0
+        while k < len(drafts) and drafts[k] == int(targets[k]):
+            k += 1
+        return k, int(targets[k])
+    for j in range(len(drafts) + 1):
+        target = sampler.sample(be.download(logits[j]), pos + j)
+        if j == len(drafts) or drafts[j] != target:
+            return j, target
+    raise AssertionError("unreachable: the last row returns")
 
 
 class Lender(Protocol):
@@ -211,10 +199,10 @@ class SpecDecoder:
         n_start = len(session.tokens)
         pos0, hidden = self._take_hidden(session, n_start)
         emitted: list[int] = []
-        self.policy = policy = self.new_policy(sampler.params.greedy)
+        self.policy = policy = self.new_policy()
         self._unseen = None
         try:
-            out = [sampler.sample(session.backend.download(logits[-1]))]
+            out = [sampler.sample(session.backend.download(logits[-1]), n_start)]
             while True:
                 for tok in out:
                     emitted.append(tok)
@@ -294,11 +282,11 @@ class SpecDecoder:
             if not quiet:
                 raise
 
-    def new_policy(self, greedy: bool) -> DraftPolicy:
-        """A request's drafting policy: measured for greedy decoding, going on from the last
-        request's; a sampled request drafts every step, so a seed gives the same text every
-        time. It asks the decoder how many rows a probe would catch the draft model up on."""
-        policy = DraftPolicy(always=self.always or not greedy, prior=self.policy)
+    def new_policy(self) -> DraftPolicy:
+        """A request's drafting policy, going on from the last request's: measured at any
+        temperature (a seed's text does not depend on which steps draft: `Sampler`). It asks
+        the decoder how many rows a probe would catch the draft model up on."""
+        policy = DraftPolicy(always=self.always, prior=self.policy)
         policy.backlog = self._backlog
         return policy
 
@@ -344,14 +332,11 @@ class SpecDecoder:
         n0 = len(session.tokens)
         if n_draft:
             self._catch_up(session)
-        draft = self.draft.propose(session, x, n_draft, sampler) if n_draft else Draft([], [])
+        draft = self.draft.propose(session, x, n_draft, sampler) if n_draft else Draft([])
         assert len(session.tokens) == n0 and len(draft.tokens) == n_draft
-        logits = self.verifier.verify(session, [x, *draft.tokens])  # [w, V]
+        logits = self.verifier.verify(session, [x, *draft.tokens])  # [w, V], row j: position n0+1+j
         be = session.backend
-        if sampler.params.greedy:
-            k, bonus = greedy_accept(draft.tokens, be.download(be.xp.argmax(logits, axis=-1)))
-        else:
-            k, bonus = speculative_accept(draft.tokens, draft.q or [], be.download(logits), sampler)
+        k, bonus = accept(draft.tokens, logits, sampler, n0 + 1, be)
         session.truncate(n0 + 1 + k)
         timing.spec_steps += 1
         if not n_draft:  # a plain step: the draft model runs once drafting resumes, over every such row

@@ -13,7 +13,7 @@ import numpy as np
 from engine.kv import KVCache
 from engine.loan.resources import Releasable
 from engine.model.mtp import MTPBlock
-from engine.request.sampler import Sampler, distribution
+from engine.request.sampler import Sampler
 from engine.request.session import Session, common_prefix
 
 MTP_CHUNK = 2048  # cells per MTP pass when catching up over a prompt (its passes each read the
@@ -22,18 +22,10 @@ MTP_CHUNK = 2048  # cells per MTP pass when catching up over a prompt (its passe
 
 @dataclass
 class Draft:
-    """Proposed tokens and, in sampled mode, the [V] distribution q each was drawn from."""
+    """Proposed tokens, each picked from the draft's logits with the noise of its position
+    (`Sampler.sample`): the verifier accepts one when it is the token the target picks."""
 
     tokens: list[int]
-    q: list[np.ndarray] | None
-
-
-def draft_token(logits: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
-    """logits [V] -> greedy argmax, or a draw from the sampling distribution q (returned)."""
-    if sampler.params.greedy:
-        return int(np.argmax(logits)), None
-    q = distribution(logits, sampler.params)
-    return sampler.draw(q), q
 
 
 class DraftSource(Protocol):
@@ -140,17 +132,14 @@ class MTPDraft:
         assert self.kv is not None and self._logits is not None, "observe() comes first"
         assert self.n_cells == len(session.tokens) and self.seq[-1] == pending
         tokens: list[int] = []
-        qs: list[np.ndarray] = []
         logits, h = self._logits, self._hidden
         for j in range(n_draft):
             if j:  # chained step: the block's own output stands in for the main hidden
                 out = self.block.forward(h, np.asarray(tokens[-1:]), self.n_cells + j - 1, self.kv)
                 logits, h = self.block.backend.download(out.logits[-1]), out.hidden
-            tok, q = draft_token(self.block.head.full_logits(logits), sampler)
-            tokens.append(tok)
-            if q is not None:
-                qs.append(q)
-        return Draft(tokens, None if sampler.params.greedy else qs)
+            # the pending token sits at n_cells: draft j is the token at n_cells + 1 + j
+            tokens.append(sampler.sample(self.block.head.full_logits(logits), self.n_cells + 1 + j))
+        return Draft(tokens)
 
     def check_integrity(self) -> None:
         if self.kv is None:

@@ -23,15 +23,15 @@ decoding, however long the context.
 A request's policy goes on from the previous request's (`prior`): its home, span and measured
 rates, so drafts that do not pay are probed rarely from the second request on (a few steps in
 a few hundred) instead of being measured again from scratch on every message. The serve loop
-keeps the last greedy request's policy per device beside the forecast's rates (`save` /
-`load`), so a new engine on the same model and machine goes on from it too.
+keeps the last request's policy per device beside the forecast's rates (`save` / `load`), so
+a new engine on the same model and machine goes on from it too.
 
 A mode's first step after a switch is not measured (it may capture a token graph for a new
-row count or bring the draft model's state up to date). Greedy output does not depend on the
-policy (speculative greedy decoding is token-identical to plain decoding); with sampling the
-output distribution is the same either way, but which sample a seed gives can change with the
-decisions, as with any change of the window. `always=True` (`--spec-always`) drafts on every
-step.
+row count or bring the draft model's state up to date). The output does not depend on the
+policy at any temperature: speculative decoding is token-identical to plain decoding, a
+sampled token being fixed by the seed and its position (`engine.request.sampler`), so the
+policy measures sampled requests as it does greedy ones. `always=True` (`--spec-always`)
+drafts on every step.
 """
 
 from __future__ import annotations
