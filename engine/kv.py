@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.backend.array_ops import KV_KINDS, Q4_BLOCK
-from engine.backend.base import Backend
+from engine.backend.base import Backend, DevicePosition, KVCells, Position
 from engine.errors import FlagError
 
 
@@ -76,6 +76,23 @@ class KVCache:
         """K, V of cells 0..n-1 as float32 [n, n_head_kv, head_dim]; for a prompt chunk's
         attention (`chunk`) in the dtype the backend's kernel reads (`Backend.kv_load`)."""
         return self._load(layer, 0, n, chunk), self._load(layer, 1, n, chunk)
+
+    def attend(self, layer: int, pos: Position, q: Any, k: Any, v: Any) -> Any:
+        """Store k, v [T, Hkv, D] at cells pos.. of `layer` and attend q [T, H, D] (normed,
+        rotated) causally over cells 0..pos+T-1 -> float32 [T, H, D]. A device position (a
+        captured decode step) reads and writes the cells in place (`Backend.attention_at`)."""
+        if isinstance(pos, DevicePosition):
+            return self.backend.attention_at(q, k, v, self.cells(layer), pos)
+        t = q.shape[0]
+        self.write(layer, pos, k, v)
+        k_all, v_all = self.read(layer, pos + t, chunk=t > 1)  # [S, Hkv, D] with S = pos + T
+        return self.backend.attention(q, k_all, v_all, pos)
+
+    def cells(self, layer: int) -> KVCells:
+        """Every cell of `layer`, K and V with their scales, as views (no copy)."""
+        scale = self.scale
+        return KVCells(self.kind, self.data[layer, 0], None if scale is None else scale[layer, 0],
+                       self.data[layer, 1], None if scale is None else scale[layer, 1])
 
     def truncate(self, n: int) -> None:
         assert 0 <= n <= self.n_tokens, (n, self.n_tokens)

@@ -117,6 +117,31 @@ def test_every_expert_provider_implements_the_whole_protocol(model: Model) -> No
         assert p.ring_slots is None and p.layout_of(0).blob_bytes > 0
 
 
+@pytest.mark.parametrize("kind", ["f16", "int8", "q4_0"])
+def test_a_step_at_a_device_position_is_the_same_pass(random_demo_path: Path, kind: str) -> None:
+    """The token graph's pass (`forward_embedded` at a `DevicePosition`: the position read
+    where the step runs, K/V written into the cells in place) gives what the host position
+    gives, through any backend's ops: here the array code's."""
+    from engine.backend.base import DevicePosition
+    from engine.experts.provider import DirectExperts
+
+    model = load_model(random_demo_path)
+    tr, be = model.transformer, model.transformer.backend
+    experts = DirectExperts(model.experts, be)
+    ids = np.random.default_rng(3).integers(5, 900, 40)
+    caches = [KVCache(be, model.hp.n_layer, 64, model.hp.n_head_kv, model.hp.head_dim, kind)
+              for _ in range(2)]
+    for kv in caches:
+        tr.forward(ids[:37], 0, kv, experts, logits="none")
+    want = tr.forward(ids[37:], 37, caches[0], experts, logits="all")
+    at = DevicePosition(be.to_device(np.array([37], dtype=np.int32)))
+    got = tr.forward_embedded(tr.embed(ids[37:]), at, caches[1], experts, logits="all")
+    np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(caches[1].data, caches[0].data)  # the same cells written
+    for a, b in zip(got.routes, want.routes):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_the_sim_backend_implements_the_whole_protocol() -> None:
     be = SimBackend(1 * MiB)
     assert isinstance(be, Backend)
@@ -128,8 +153,8 @@ def test_the_sim_backend_implements_the_whole_protocol() -> None:
 
 DEVICE_CODE = ("engine/model", "engine/kv.py", "engine/experts", "engine/memory",
                "engine/trace/phases.py", "engine/request/session.py", "engine/prompt")
-# in those folders, held to other rules: the token graph is CUDA code (kernels called directly,
-# until it captures Transformer.forward through the backend); costs reads the kernels' sizes
+# in those folders, held to other rules: the token graph is CUDA's capture of Transformer.forward
+# (streams, memory pools, the expert sources its kernels read); costs reads the kernels' sizes
 NOT_DEVICE_CODE = ("engine/model/token_graph.py", "engine/memory/costs.py")
 
 

@@ -32,7 +32,6 @@ def test_attention_and_kv_write_match_the_eager_path(cp, kind: str) -> None:  # 
     from engine.backend.cuda import CudaBackend
     from engine.kernels.decode import attention_at, attention_workspace, kv_write_at
     from engine.kv import KVCache
-    from engine.model.token_graph import layer_cells
 
     rng = np.random.default_rng(0)
     n_ctx, h, hkv, d, t, pos0 = 700, 32, 4, 128, 3, 517  # rows span a tile boundary (512)
@@ -45,11 +44,11 @@ def test_attention_and_kv_write_match_the_eager_path(cp, kind: str) -> None:  # 
     k, v = (cp.asarray(rng.standard_normal((t, hkv, d)), dtype=cp.float32) for _ in range(2))
     q = cp.asarray(rng.standard_normal((t, h, d)), dtype=cp.float32)
     pos = cp.asarray([pos0], dtype=cp.int32)
-    kv_write_at(layer_cells(kv, 1), k, v, pos)
+    kv_write_at(kv.cells(1), k, v, pos)
     ref.write(1, pos0, k, v)
     assert bool((kv.data == ref.data).all())
     ml, acc = (cp.empty(s, dtype=cp.float32) for s in attention_workspace(t, h, d, n_ctx))
-    out = attention_at(q, layer_cells(kv, 1), pos, ml, acc)
+    out = attention_at(q, kv.cells(1), pos, ml, acc)
     k_all, v_all = ref.read(1, pos0 + t)
     want = causal_gqa(cp, q, k_all, v_all, pos0)
     assert float(cp.abs(out - want).max()) < 1e-4 * float(cp.abs(want).max()) + 1e-5
@@ -91,6 +90,25 @@ def test_graph_steps_match_eager_steps_with_misses(mid_path: Path) -> None:
     assert c.hits > 0 and c.streamed > 0  # both paths of the job table ran
     assert graph.rt.cache.n_hits + graph.rt.cache.n_misses >= 12 * 2 * k
     graph.rt.check_integrity()
+
+
+def test_a_deep_model_is_captured(tmp_path: Path, cp) -> None:  # type: ignore[no-untyped-def]
+    """48 narrow layers of the 30B preset's types: the step's routes of every layer are
+    gathered inside the capture without a host-to-device copy (`cupy.stack` of 48 arrays
+    uploads one, and the 48-layer file's graph gave up for eager steps)."""
+    spec = replace(PRESETS["qwen3-30b-a3b"], n_vocab=2048, n_embd=256, n_head=4, n_head_kv=2,
+                   n_expert=16, n_expert_used=4, n_ff_exp=128, n_ctx=2048)
+    path = write_model(tmp_path / "deep.gguf", spec)
+    loop = ServeLoop.create(EngineOptions(model=str(path), device="cuda", ctx=512, kv="q4_0"))
+    try:
+        tg = loop.rt.session.graph
+        assert tg is not None
+        ids = loop.rt.model.tokenizer.encode("the river runs " * 8)
+        toks, _ = _decode(loop, ids, 6)
+        assert loop.rt.report.warnings == [] and loop.rt.session.graph is tg
+        assert tg.n_captures == 1 and tg.n_replays == 6
+    finally:
+        loop.close()
 
 
 def test_promotions_under_the_graph_change_where_experts_are_read_not_what_they_compute(

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine.backend.base import DeviceArray, ExpertProvider
+from engine.backend.base import DeviceArray, DevicePosition, ExpertProvider, Position
 from engine.gguf.quant import QuantMatrix, QuantStack, dequantize_bytes
 
 QUERY_BLOCK = 512  # queries per score block at most (`causal_gqa`)
@@ -168,15 +168,35 @@ class ArrayOps(ABC):
         """RMSNorm over the last axis of x [.., n] with weight [n]; float32 out."""
         return rms_norm(self.xp, x, weight, eps)
 
-    def rope(self, x: Any, pos0: int, base: float) -> Any:
-        """x [T, H, D] rotated (NEOX) at positions pos0..pos0+T-1; x itself may be rotated in
+    def host_position(self, pos: Position) -> int:
+        """A `Position` as a host int (a device one read back through `download`: array code
+        computes with the host's view of it)."""
+        if isinstance(pos, DevicePosition):
+            return int(self.download(pos.array)[0])
+        return pos
+
+    def rope(self, x: Any, pos: Position, base: float) -> Any:
+        """x [T, H, D] rotated (NEOX) at positions pos..pos+T-1; x itself may be rotated in
         place (callers pass a fresh array)."""
+        pos0 = self.host_position(pos)
         return rope_neox(self.xp, x, self.xp.arange(pos0, pos0 + x.shape[0]), base)
 
     def attention(self, q: Any, k: Any, v: Any, pos0: int) -> Any:
         """Causal grouped-query attention: q [T, H, D] at positions pos0.., k, v [S, Hkv, D]
         for positions 0..S-1 (S >= pos0 + T) -> float32 [T, H, D]."""
         return causal_gqa(self.xp, q, k, v, pos0)
+
+    def attention_at(self, q: Any, k: Any, v: Any, cells: Any, pos: DevicePosition) -> Any:
+        """The step's K/V stored into the layer's `cells` at pos.. with the KV codec, then
+        `attention` over cells 0..pos+T decoded (array code reads the position back)."""
+        pos0, t = self.host_position(pos), q.shape[0]
+        for x, data, scale in ((k, cells.k, cells.k_scale), (v, cells.v, cells.v_scale)):
+            self.kv_store(cells.kind, x, data[pos0 : pos0 + t],
+                          None if scale is None else scale[pos0 : pos0 + t])
+        k_all, v_all = (self.kv_load(cells.kind, data[: pos0 + t],
+                                     None if scale is None else scale[: pos0 + t])
+                        for data, scale in ((cells.k, cells.k_scale), (cells.v, cells.v_scale)))
+        return self.attention(q, k_all, v_all, pos0)
 
     def route(self, logits: Any, k: int) -> tuple[Any, Any, Any]:
         """Router logits [T, E] -> (ids [T, k], weights [T, k] summing to 1, margin [T])."""
@@ -200,6 +220,12 @@ class ArrayOps(ABC):
             act = silu(xp, self.linear(he, gate)) * self.linear(he, up)  # [n_e, f]
             out[tok] += self.linear(act, down) * w[tok, slot][:, None]  # [n_e, d]
         return out
+
+    def moe_at(self, h: Any, ids: Any, w: Any, source: Any) -> Any:
+        """No array code finds experts itself: only the CUDA token graph's provider hands out
+        a `source`, and the sim never builds one."""
+        raise AssertionError("moe_at: an expert source reached the array ops (a CUDA provider "
+                             "on a non-CUDA backend)")
 
     def kv_store(self, kind: str, x: Any, cells: Any, scales: Any) -> None:
         """Encode x [T, Hkv, D] float32 into KV cells [T, Hkv, ..] and their scales (None for

@@ -35,6 +35,43 @@ DeviceArray = Any
 
 
 @dataclass(frozen=True)
+class KVCells:
+    """Every cell of one layer's KV cache as views, what `attention_at` reads and writes in
+    place (the CUDA kernels take it as it is).
+
+    `kind` "q4_0": `k`, `v` uint8 [n_ctx, Hkv, D/2] and `k_scale`, `v_scale` float16
+    [n_ctx, Hkv, D/32]; "int8": int8 [n_ctx, Hkv, D] and float32 [n_ctx, Hkv, 1] scales;
+    "f16": `k`, `v` float16 [n_ctx, Hkv, D] and no scales (None)."""
+
+    kind: str
+    k: DeviceArray
+    k_scale: DeviceArray | None
+    v: DeviceArray
+    v_scale: DeviceArray | None
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.k.shape[0])
+
+    @property
+    def n_head_kv(self) -> int:
+        return int(self.k.shape[1])
+
+
+@dataclass(frozen=True)
+class DevicePosition:
+    """A decode step's first position held in device memory (`array`: int32 [1]), what a
+    captured step reads: one capture serves every position (the token graph writes the value
+    before each replay). The ops that take a `Position` read it there."""
+
+    array: DeviceArray
+
+
+# Where a forward's rows start: a host int (a prompt chunk, an eager step) or a device one.
+Position = int | DevicePosition
+
+
+@dataclass(frozen=True)
 class MemInfo:
     """The process's device budget (the simulated capacity; on CUDA the whole-process
     `--vram-limit`), what is left of it, and the process's bytes (None where NVML cannot tell)."""
@@ -199,6 +236,12 @@ class ExpertProvider(Protocol):
         after it)."""
         ...
 
+    def source(self, layer: int) -> Any | None:
+        """Where the MoE kernels find `layer`'s experts themselves (`Backend.moe_at`: the
+        routed ids stay on the device, a captured step), or None: the host reads the routing
+        and the provider hands the experts over (`prepare`, `weights`, `blobs`)."""
+        ...
+
 
 @runtime_checkable
 class PromptArena(Protocol):
@@ -322,12 +365,19 @@ class Backend(Protocol):
         """RMSNorm over the last axis of x [.., n] with weight [n]; float32 out."""
         ...
 
-    def rope(self, x: DeviceArray, pos0: int, base: float) -> DeviceArray:
-        """x [T, H, D] rotated (NEOX) at positions pos0..; may rotate x in place."""
+    def rope(self, x: DeviceArray, pos: Position, base: float) -> DeviceArray:
+        """x [T, H, D] rotated (NEOX) at positions pos..; may rotate x in place."""
         ...
 
     def attention(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, pos0: int) -> DeviceArray:
         """Causal GQA: q [T, H, D] at positions pos0.., k, v [S, Hkv, D] -> float32 [T, H, D]."""
+        ...
+
+    def attention_at(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, cells: KVCells,
+                     pos: DevicePosition) -> DeviceArray:
+        """A decode step's attention with its position on the device: k, v [T, Hkv, D] float32
+        written into one layer's KV `cells` at pos.., then q [T, H, D] attended over cells
+        0..pos+T -> float32 [T, H, D]."""
         ...
 
     def route(self, logits: DeviceArray, k: int) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
@@ -343,6 +393,12 @@ class Backend(Protocol):
         """The routed FFN of one layer: h [T, d] normed, ids [T, k] (on the host for a decode
         step), w [T, k], `used` the sorted experts named, `counts` host rows per expert [E]
         -> float32 [T, d]."""
+        ...
+
+    def moe_at(self, h: DeviceArray, ids: DeviceArray, w: DeviceArray, source: Any) -> DeviceArray:
+        """A captured decode step's routed FFN: h [T, d] normed, ids / w [T, k] left on the
+        device; the kernels find each expert from `source` (an `ExpertProvider.source`: the
+        staged residency row, cache slots and the page-locked file) -> float32 [T, d]."""
         ...
 
     def decode_expert(self, blob: DeviceArray, layout: ExpertLayout

@@ -8,9 +8,11 @@ CuPy (engine/backend/array_ops.py) where none does.
 - `rms_norm`, `rope`, `route`, `expert_counts`, the q4_0 KV codec: one fused launch each
   (kernels/fused.py);
 - `attention`: a prompt chunk (T > 1) takes the flash kernel where it handles the head size,
-  else cuBLAS GEMMs with a fused softmax; a decode row takes the array code;
+  else cuBLAS GEMMs with a fused softmax; a decode row takes the array code; `attention_at`
+  (a captured step: its position on the device) the token graph's kernels over the KV cells;
 - `moe`: fused GEMVs on the quantized expert bytes for a decode step without a ring, else
   grouped fp16 GEMMs with experts fetched (and, through a ring, staged) one group at a time;
+  `moe_at` (a captured step) GEMVs on job rows built on the device from an expert source;
   `decode_expert`: an expert's bytes to float32 weights through the dequantize kernel;
 - `embed`: more than `EMBED_ON_HOST_ROWS` rows go up quantized and are decoded on the device.
 
@@ -26,11 +28,14 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.backend.array_ops import ArrayOps
-from engine.backend.base import ExpertProvider
+from engine.backend.base import DevicePosition, ExpertProvider, Position
 from engine.config import DECODE_ROWS
 from engine.gguf.quant import ExpertLayout, QuantMatrix, QuantStack
 from engine.kernels import fused
 from engine.kernels.attention import causal_attention
+from engine.kernels.decode import GRAPH_KV_KINDS, attention_workspace, kv_write_at
+from engine.kernels.decode import attention_at as attention_over_cells
+from engine.kernels.decode import moe_at as moe_from_source
 from engine.kernels.dequant import DECODE_SLICE_BYTES, GEMV_MAX_ROWS, SUPPORTED, dequantize, gemv
 from engine.kernels.flash import flash_attention
 from engine.kernels.flash import supported as flash_supported
@@ -76,14 +81,27 @@ class CudaOps(ArrayOps):
             return fused.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
-    def rope(self, x: Any, pos0: int, base: float) -> Any:
-        return fused.rope_neox_(cupy.ascontiguousarray(x, dtype=cupy.float32), pos0, base)
+    def rope(self, x: Any, pos: Position, base: float) -> Any:
+        x = cupy.ascontiguousarray(x, dtype=cupy.float32)
+        if isinstance(pos, DevicePosition):  # the kernel adds the device value
+            return fused.rope_neox_(x, 0, base, pos=pos.array)
+        return fused.rope_neox_(x, pos, base)
 
     def attention(self, q: Any, k: Any, v: Any, pos0: int) -> Any:
         if q.shape[0] > 1:  # a prompt chunk: tensor-core kernels
             attend = flash_attention if flash_supported(q.shape[2]) else causal_attention
             return attend(q, k, v, pos0)  # [T, H, D] float32
         return super().attention(q, k, v, pos0)
+
+    def attention_at(self, q: Any, k: Any, v: Any, cells: Any, pos: DevicePosition) -> Any:
+        """The token graph's kernels (q4_0 and f16 cells): the K/V write and the attention
+        read the position and the cells in place, tiles past the position return at once."""
+        if cells.kind not in GRAPH_KV_KINDS:
+            return super().attention_at(q, k, v, cells, pos)
+        kv_write_at(cells, k, cupy.ascontiguousarray(v), pos.array)
+        ml_shape, acc_shape = attention_workspace(q.shape[0], q.shape[1], q.shape[2], cells.n_ctx)
+        ml, acc = cupy.empty(ml_shape, dtype=cupy.float32), cupy.empty(acc_shape, dtype=cupy.float32)
+        return attention_over_cells(q, cells, pos.array, ml, acc)  # [T, H, D]
 
     def route(self, logits: Any, k: int) -> tuple[Any, Any, Any]:
         return fused.route_topk(logits, k)
@@ -104,6 +122,11 @@ class CudaOps(ArrayOps):
         return moe_prefill(h, ids, w, fetch, layout, counts=counts, max_group=ring_slots,
                            release=lambda es: experts.reads_queued(layer, es),
                            staged=lambda e: experts.needs_slot(layer, e), lap=phases.lap)
+
+    def moe_at(self, h: Any, ids: Any, w: Any, source: Any) -> Any:
+        """GEMVs on job rows the kernels build from the device ids and the staged residency
+        row (`engine.kernels.decode.moe_at`); the source's counters gain its hits and misses."""
+        return moe_from_source(h, ids, w, source)
 
     def decode_expert(self, blob: Any, layout: ExpertLayout) -> tuple[Any, Any, Any]:
         """Each part through the dequantize kernel, float32 out."""

@@ -205,6 +205,9 @@ class CachedExperts:
         if self.ring is not None:
             self.ring.release(layer, experts)
 
+    def source(self, layer: int) -> None:
+        return None  # the host reads the routing: experts are handed over
+
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         be, layout = self.backend, self.host.layout_of(layer)
         view = self._resident(layer, expert)
@@ -247,6 +250,9 @@ class DirectExperts:
 
     def reads_queued(self, layer: int, experts: list[int]) -> None:
         pass
+
+    def source(self, layer: int) -> None:
+        return None
 
 
 def _upload_decoded(be: Backend, host: FileExperts, layer: int, expert: int) -> tuple[Any, Any, Any]:

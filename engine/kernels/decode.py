@@ -3,7 +3,8 @@ KV cache's cells, the KV write and the MoE job table, all reading the step's pos
 expert residency from device memory, so a captured CUDA graph replays unchanged every step.
 
 - `attention_at(q [T, H, D], cells, pos, ws)` -> [T, H, D]: causal attention of rows at
-  positions pos[0].. over cells 0..pos[0]+t of one layer (q4_0 or f16 cells, no decoded copy);
+  positions pos[0].. over cells 0..pos[0]+t of one layer (q4_0 or f16 cells, no decoded copy;
+  `cells`: the layer's `engine.backend.base.KVCells`, views of every cell);
 - `kv_write_at(cells, k, v, pos)`: k, v [T, Hkv, D] into one layer's cells pos[0]..;
 - `moe_at(...)`: the routed FFN of a few tokens with weights read from the cache slot the staged
   residency table names, or over PCIe from the page-locked GGUF on a miss.
@@ -68,29 +69,7 @@ def attention_workspace(t: int, n_head: int, d: int, n_ctx: int) -> tuple[tuple[
     return (t, n_head, n, 2), (t, n_head, n, d)
 
 
-@dataclass(frozen=True)
-class KVCells:
-    """Every cell of one layer's KV cache, as the kernels read and write them in place.
-
-    `kind` "q4_0": `k`, `v` uint8 [n_ctx, Hkv, D/2] and `k_scale`, `v_scale` float16
-    [n_ctx, Hkv, D/32]; "f16": `k`, `v` float16 [n_ctx, Hkv, D] and no scales (None)."""
-
-    kind: str
-    k: Any
-    k_scale: Any
-    v: Any
-    v_scale: Any
-
-    @property
-    def n_ctx(self) -> int:
-        return int(self.k.shape[0])
-
-    @property
-    def n_head_kv(self) -> int:
-        return int(self.k.shape[1])
-
-
-def attention_at(q: Any, cells: KVCells, pos: Any, ml: Any, acc: Any) -> Any:
+def attention_at(q: Any, cells: Any, pos: Any, ml: Any, acc: Any) -> Any:
     """q [T, H, D] float32 (normed, rotated) -> [T, H, D] over the layer's cells 0..pos[0]+t.
 
     `ml`, `acc`: float32 workspaces of `attention_workspace` shapes (tiles cover all n_ctx cells;
@@ -121,7 +100,7 @@ def _kv_arg(cells: Any, scale: Any) -> tuple[np.uint64, np.uint64]:
     return np.uint64(cells.data.ptr), np.uint64(0 if scale is None else scale.data.ptr)
 
 
-def kv_write_at(cells: KVCells, k: Any, v: Any, pos: Any) -> None:
+def kv_write_at(cells: Any, k: Any, v: Any, pos: Any) -> None:
     """Store k, v [T, Hkv, D] float32 at cells pos[0].. of one layer (q4_0 or f16 cells)."""
     for x, data, scale in ((k, cells.k, cells.k_scale), (v, cells.v, cells.v_scale)):
         if cells.kind == "q4_0":
@@ -140,7 +119,7 @@ class ExpertSource:
     of slot 0, `slot_bytes` apart, gate | up | down at `offsets` (the layer's `layout`: its
     quant types and part sizes; a slot may be longer than the layer's blob); `host`: uint64 [3]
     device addresses of the layer's gate/up/down expert tensors in the page-locked file,
-    `part_bytes` int64 [3] apart per expert."""
+    `part_bytes` int64 [3] apart per expert; `counts`: where the kernel counts hits and misses."""
 
     table: Any
     slot_base: int
@@ -149,12 +128,13 @@ class ExpertSource:
     host: Any
     part_bytes: Any
     layout: ExpertLayout
+    counts: Any  # uint64 [2]: the layer's expert hits and misses so far (the kernel adds)
 
 
-def moe_at(h: Any, ids: Any, w: Any, src: ExpertSource, counts: Any) -> Any:
+def moe_at(h: Any, ids: Any, w: Any, src: ExpertSource) -> Any:
     """h [T, d] float32, ids [T, k] int64, w [T, k] -> [T, d]: the routed FFN through the fused
-    GEMV kernels, with job rows built on the device (`moe_jobs`); counts (uint64 [2]: the
-    layer's) gains the hits and misses."""
+    GEMV kernels, with job rows built on the device (`moe_jobs`); `src.counts` gains the hits
+    and misses."""
     import cupy
 
     layout = src.layout
@@ -172,7 +152,7 @@ def moe_at(h: Any, ids: Any, w: Any, src: ExpertSource, counts: Any) -> Any:
          np.int64(src.slot_bytes), np.int64(src.offsets[0]), np.int64(src.offsets[1]),
          src.host, src.part_bytes, np.uint64(h.data.ptr), np.uint64(gu.data.ptr),
          np.uint64(act.data.ptr), np.uint64(y.data.ptr), np.int32(d), np.int32(f),
-         jobs_gu, jobs_down, counts))  # fmt: skip
+         jobs_gu, jobs_down, src.counts))  # fmt: skip
     q_gate, q_up, q_down = layout.qtypes
     if q_gate == q_up:
         gemv_jobs(jobs_gu, q_gate, (f, d))

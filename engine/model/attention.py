@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.backend.base import Backend
+from engine.backend.base import Backend, Position
 from engine.config import DECODE_ROWS
 from engine.gguf.hparams import HParams
 from engine.gguf.quant import matrix_rows
@@ -39,17 +39,21 @@ def project_qkv(be: Backend, hp: HParams, wqkv: Any, h: Any) -> tuple[Any, Any, 
 
 
 def attention_block(
-    be: Backend, hp: HParams, w: AttentionWeights, x: Any, pos0: int, kv: KVCache, layer: int
+    be: Backend, hp: HParams, w: AttentionWeights, x: Any, pos: Position, kv: KVCache, layer: int
 ) -> Any:
-    """x: [T, d] residual stream -> [T, d] attention output; writes this chunk's K/V at pos0."""
-    t = x.shape[0]
+    """x: [T, d] residual stream -> [T, d] attention output; writes these rows' K/V at pos."""
+    q, k, v = qkv_rows(be, hp, w, x, pos)
+    out = kv.attend(layer, pos, q, k, v)  # [T, H, D]
+    return be.linear(out.reshape(x.shape[0], hp.q_dim), w.wo)  # [T, d]
+
+
+def qkv_rows(be: Backend, hp: HParams, w: AttentionWeights, x: Any, pos: Position
+             ) -> tuple[Any, Any, Any]:
+    """Rows x [T, d] -> q [T, H, D], k [T, Hkv, D] normed and rotated at pos.., v [T, Hkv, D]."""
     h = be.rms_norm(x, w.norm, hp.rms_eps)  # [T, d]
     q, k, v = project_qkv(be, hp, w.wqkv, h)  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
     q = be.rms_norm(q, w.q_norm, hp.rms_eps)
     k = be.rms_norm(k, w.k_norm, hp.rms_eps)
-    q = be.rope(q, pos0, hp.rope_base)  # q, k: fresh arrays from rms_norm
-    k = be.rope(k, pos0, hp.rope_base)
-    kv.write(layer, pos0, k, v)
-    k_all, v_all = kv.read(layer, pos0 + t, chunk=t > 1)  # [S, Hkv, D] with S = pos0 + T
-    out = be.attention(q, k_all, v_all, pos0)  # [T, H, D]
-    return be.linear(out.reshape(t, hp.q_dim), w.wo)  # [T, d]
+    q = be.rope(q, pos, hp.rope_base)  # q, k: fresh arrays from rms_norm
+    k = be.rope(k, pos, hp.rope_base)
+    return q, k, v

@@ -22,9 +22,13 @@ def moe_block(
     """x: [T, d] -> ([T, d] FFN output, ids [T, k] routing used, margin [T]).
 
     The host reads the routing once: a decode step's ids themselves (the decode kernels build
-    their job tables from them), a prompt chunk's rows per expert."""
+    their job tables from them), a prompt chunk's rows per expert; never where the provider
+    names a `source` (a captured step: the kernels build their job rows on the device)."""
     h = be.rms_norm(x, norm, hp.rms_eps)  # [T, d]
     ids, w, margin = be.route(be.linear(h, router), hp.n_expert_used)  # [T, k], [T, k], [T]
+    source = experts.source(layer)
+    if source is not None:  # a captured step: the kernels read the routing on the device
+        return be.moe_at(h, ids, w, source), ids, margin
     if len(ids) <= DECODE_ROWS:
         routed = be.download(ids)  # [T, k] on the host
         counts = np.bincount(routed.reshape(-1), minlength=hp.n_expert)  # [E]

@@ -103,6 +103,9 @@ class MTPExperts:
     def reads_queued(self, layer: int, experts: list[int]) -> None:
         pass  # resident: no slot to give back
 
+    def source(self, layer: int) -> None:
+        return None
+
     def release(self) -> int:
         """Drop the resident blobs; returns the bytes freed (0 if already released). The
         decoded float copies stay: they stand in for a GPU's dequantizing reads (host memory,

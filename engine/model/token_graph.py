@@ -5,6 +5,10 @@ Why. A decode step is ~15 launches per layer; from Python each costs 10-20 us of
 the eager path brings the routed expert ids to the host once per layer (a wait for the GPU).
 Replaying a graph queues the whole step in one call and the host never waits inside it.
 
+What is captured is the model's own pass, `Transformer.forward_embedded`, through the backend:
+its rows' position is a `DevicePosition` and its expert provider a `SourcedExperts`, and the
+backend's ops take the kernels below for both (`rope`, `attention_at`, `moe_at`).
+
 What makes the step capturable (engine/kernels/decode.py):
 - every position-dependent kernel (RoPE, the KV write, attention) reads the step's position
   from device memory (`pos`), and attention reads the KV cells in place over the whole context
@@ -12,7 +16,8 @@ What makes the step capturable (engine/kernels/decode.py):
 - the MoE builds its GEMV job rows on the device from the routed ids and the staged residency
   table: a hit reads the cache slot, a miss reads the expert in place from the page-locked GGUF
   over PCIe (the decode-miss policy under the graph: nothing is copied, nothing waits);
-- every linear is the fp16 GEMV kernel (cuBLAS calls cannot be captured).
+- every linear is the fp16 GEMV kernel (cuBLAS calls cannot be captured): checked on the
+  weights before a capture.
 
 Graphs are keyed by (rows, logits wanted): plain decoding replays the 1-row graph, speculative
 decoding also the n_window + 1 row one. Their temporaries come from a private memory pool fed
@@ -30,38 +35,61 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend.base import Backend
+from engine.backend.base import Backend, DeviceArray, DevicePosition
 from engine.config import DECODE_ROWS
 from engine.errors import TokenGraphError
 from engine.experts.cache import ExpertCache
+from engine.experts.host import FileExperts
 from engine.experts.provider import CachedExperts
 from engine.gguf.quant import QuantMatrix, QuantStack
-from engine.kernels.decode import (
-    GRAPH_KV_KINDS,
-    ExpertSource,
-    KVCells,
-    attention_at,
-    attention_workspace,
-    kv_write_at,
-    moe_at,
-)
+from engine.kernels.decode import GRAPH_KV_KINDS, ExpertSource
 from engine.kernels.dequant import GEMV_MAX_ROWS, decoder_align
-from engine.kernels.fused import rope_neox_, route_topk
 from engine.kv import KVCache
-from engine.model.attention import project_qkv
 from engine.model.transformer import ForwardResult, Transformer
 
 
+class SourcedExperts:
+    """`ExpertProvider` of a captured decode step (the token graph): the MoE kernels find each
+    expert themselves from `source(layer)` (the staged residency row: a hit reads its cache
+    slot, a miss the page-locked file over PCIe), so the routed ids never leave the device.
+    Nothing is staged, decoded or handed over here."""
+
+    ring_slots = None
+
+    def __init__(self, host: FileExperts, sources: list[ExpertSource]):
+        self.layout_of = host.layout_of
+        self.sources = sources  # per layer
+
+    def source(self, layer: int) -> ExpertSource:
+        return self.sources[layer]
+
+    def prepare(self, layer: int, experts: list[int]) -> None:
+        pass
+
+    def prefetch(self, layer: int) -> None:
+        pass
+
+    def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
+        raise AssertionError("a captured step's kernels read experts from `source`")
+
+    def blobs(self, layer: int, experts: list[int]) -> list[DeviceArray]:
+        raise AssertionError("a captured step's kernels read experts from `source`")
+
+    def needs_slot(self, layer: int, expert: int) -> bool:
+        return False
+
+    def reads_queued(self, layer: int, experts: list[int]) -> None:
+        pass
+
+
 @dataclass
-class _Graph:
-    """One captured step and the device buffers its addresses point at."""
+class Graph:
+    """One captured step: the rows it reads and the outputs of the captured pass (their
+    device buffers are the ones every replay writes)."""
 
     graph: Any
     x_in: Any  # [T, d] float32 token embeddings, written before each replay
-    logits: Any  # [T or 1, V] float32
-    hidden: Any  # [T, d] residual stream before the final norm
-    routes: Any  # [L, T, k] int64
-    margins: Any  # [T] float32
+    out: ForwardResult  # logits [T or 1, V], hidden [T, d], routes [L, T, k], margins [T]
 
 
 class TokenGraph:
@@ -83,25 +111,27 @@ class TokenGraph:
         self.tr, self.kv, self.experts, self.cache, self.backend = transformer, kv, experts, cache, backend
         self._warn = warn
         self._cp = cupy
-        self._pool = cupy.cuda.MemoryPool(allocator=cupy.get_default_memory_pool().malloc)
-        self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        # the graphs' buffers and temporaries, and the side stream they are captured on
+        self.pool = cupy.cuda.MemoryPool(allocator=cupy.get_default_memory_pool().malloc)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.graphs: dict[tuple[int, bool], Graph] = {}  # (rows, every row's logits) -> graph
         self._fingerprint: tuple[int, ...] | None = None
         self.n_captures = 0
         self.n_replays = 0
         self._events = (cupy.cuda.Event(), cupy.cuda.Event())  # around each replay
         self._gpu_ms: dict[int, list[float]] = {}  # rows -> [replays, GPU ms] since `stats_line`
-        with cupy.cuda.using_allocator(self._pool.malloc):
-            self.pos = cupy.zeros(1, dtype=cupy.int32)  # position of row 0 of the step
+        with cupy.cuda.using_allocator(self.pool.malloc):
+            # row 0's position, written before each replay
+            self.position = DevicePosition(cupy.zeros(1, dtype=cupy.int32))
             # per layer: expert hits, misses (cumulative); a miss streams that layer's blob size
             self.counts = cupy.zeros((transformer.hp.n_layer, 2), dtype=cupy.uint64)
-            self._sources = self._expert_sources()
+            self.on_device = SourcedExperts(experts.host, self._expert_sources())
         self._counted = np.zeros((transformer.hp.n_layer, 2), dtype=np.uint64)
 
     @property
     def nbytes(self) -> int:
         """Device bytes the graphs' buffers and temporaries hold (from the workspace pool)."""
-        return int(self._pool.total_bytes())
+        return int(self.pool.total_bytes())
 
     def handles(self, n_rows: int, experts: Any, chunk: Any) -> bool:
         """Whether the session's forward of `n_rows` rows (not a prompt chunk's) is a step
@@ -121,9 +151,9 @@ class TokenGraph:
 
     def release(self) -> None:
         """Drop every graph and give their memory back to the workspace pool."""
-        self._graphs.clear()
+        self.graphs.clear()
         self._fingerprint = None
-        self._pool.free_all_blocks()  # unused blocks only: pos, counts and the tables stay
+        self.pool.free_all_blocks()  # unused blocks only: pos, counts and the tables stay
 
     # -- the step --------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, pos0: int, logits: str) -> ForwardResult:
@@ -132,15 +162,15 @@ class TokenGraph:
         fingerprint = self._addresses()
         if fingerprint != self._fingerprint:  # an address a graph baked in has moved
             self.release()
-            with cp.cuda.using_allocator(self._pool.malloc):
-                self._sources = self._expert_sources()
+            with cp.cuda.using_allocator(self.pool.malloc):
+                self.on_device = SourcedExperts(self.experts.host, self._expert_sources())
             self._fingerprint = fingerprint
         rows = np.ascontiguousarray(self.tr.embd.rows(np.asarray(tokens, dtype=np.int64)), np.float32)
-        be.upload_inline(np.array([pos0], dtype=np.int32), self.pos)
+        be.upload_inline(np.array([pos0], dtype=np.int32), self.position.array)
         key = (t, logits == "all")
-        g = self._graphs.get(key)
+        g = self.graphs.get(key)
         if g is None:
-            g = self._graphs[key] = self._capture(rows, key[1])
+            g = self.graphs[key] = self._capture(rows, key[1])
         else:
             be.upload_inline(rows, g.x_in)
         stream = cp.cuda.get_current_stream()
@@ -153,12 +183,27 @@ class TokenGraph:
         acc[0] += 1
         acc[1] += cp.cuda.get_elapsed_time(*self._events)
         self.kv.n_tokens = pos0 + t
+        out = g.out
         if logits == "none":
-            out = cp.zeros((0, self.tr.hp.n_vocab), dtype=cp.float32)
+            step_logits = cp.zeros((0, self.tr.hp.n_vocab), dtype=cp.float32)
         else:
-            out = g.logits.copy()
-        return ForwardResult(logits=out, hidden=g.hidden.copy(), routes=g.routes,
-                             margins=g.margins.copy())
+            step_logits = out.logits.copy()
+        return ForwardResult(logits=step_logits, hidden=out.hidden.copy(), routes=out.routes,
+                             margins=out.margins.copy())
+
+    def run(self, x_in: Any, all_logits: bool) -> ForwardResult:
+        """The step as it is captured: the transformer's own pass over a copy of the rows
+        x_in [T, d], at the device position, with the sourced experts; routes stacked into
+        one [L, T, k] array (read back in one copy), a layer at a time: `cupy.stack` of many
+        arrays uploads a table of their addresses, and a capture refuses host-to-device copies
+        (48 layers did; 2 did not)."""
+        res = self.tr.forward_embedded(x_in.copy(), self.position, self.kv, self.on_device,
+                                       "all" if all_logits else "last")
+        routes = self._cp.empty((len(res.routes), *res.routes[0].shape), dtype=res.routes[0].dtype)
+        for layer, ids in enumerate(res.routes):  # [T, k] each
+            routes[layer] = ids
+        return ForwardResult(logits=res.logits, hidden=res.hidden, routes=routes,
+                             margins=res.margins)
 
     def stats_line(self) -> str | None:
         """'token graph: 1 row 511 x 21.3 ms GPU, ...' since the last call (None if no replay):
@@ -185,77 +230,30 @@ class TokenGraph:
             self.cache.n_hits += hits
             self.cache.n_misses += misses
 
-    def _capture(self, rows: np.ndarray, all_logits: bool) -> _Graph:
+    def _capture(self, rows: np.ndarray, all_logits: bool) -> Graph:
         """Run the step once (compiles kernels, sizes the pool; its KV writes are the ones the
         replay repeats) and capture it on a side stream."""
-        cp, hp = self._cp, self.tr.hp
-        t = rows.shape[0]
+        cp = self._cp
+        check_gemv_weights(self.tr, rows.shape[0])
         cur = cp.cuda.get_current_stream()
-        with cp.cuda.using_allocator(self._pool.malloc):
-            g = _Graph(
-                graph=None, x_in=self.backend.to_device(rows),
-                logits=cp.empty((t if all_logits else 1, hp.n_vocab), dtype=cp.float32),
-                hidden=cp.empty((t, hp.n_embd), dtype=cp.float32),
-                routes=cp.empty((hp.n_layer, t, hp.n_expert_used), dtype=cp.int64),
-                margins=cp.empty(t, dtype=cp.float32),
-            )
-            s = self._stream
+        with cp.cuda.using_allocator(self.pool.malloc):
+            x_in = self.backend.to_device(rows)
+            s = self.stream
             s.wait_event(cur.record())
             with s:
-                self._step(g, all_logits)
+                self.run(x_in, all_logits)
                 self._counted = self.backend.download(self.counts)  # not the step's experts
                 # relaxed: the pool may still cudaMalloc a block while capturing
                 s.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
                 try:
-                    self._step(g, all_logits)
+                    out = self.run(x_in, all_logits)
                 except Exception as e:
                     _end_quietly(s)
                     raise TokenGraphError(f"token graph: the decode step cannot be captured ({e})") from e
-                g.graph = s.end_capture()
+                graph = s.end_capture()
             cur.wait_event(s.record())
         self.n_captures += 1
-        return g
-
-    def _step(self, g: _Graph, all_logits: bool) -> None:
-        """The decode step on the graph's buffers (what is captured)."""
-        cp, be, tr, hp = self._cp, self.backend, self.tr, self.tr.hp
-        x = g.x_in.copy()  # [T, d] residual stream
-        g.margins.fill(np.inf)
-        for i, blk in enumerate(tr.blocks):
-            x += self._attention(blk.attn, x, i)
-            h = be.rms_norm(x, blk.ffn_norm, hp.rms_eps)  # [T, d]
-            ids, w, margin = route_topk(_gemv(be, h, blk.router), hp.n_expert_used)
-            g.routes[i] = ids
-            x += moe_at(h, ids, w, self._sources[i], self.counts[i])
-            cp.minimum(g.margins, margin, out=g.margins)
-        g.hidden[...] = x
-        tail = x if all_logits else x[-1:]
-        g.logits[...] = _gemv(be, be.rms_norm(tail, tr.output_norm, hp.rms_eps), tr.head)
-
-    def _attention(self, w: Any, x: Any, layer: int) -> Any:
-        """`attention_block` with the position on the device: x [T, d] -> [T, d]."""
-        q = self._qkv(w, x, layer)
-        return _gemv(self.backend, self._attend(q, layer).reshape(x.shape[0], self.tr.hp.q_dim), w.wo)
-
-    def _qkv(self, w: Any, x: Any, layer: int) -> Any:
-        """Norm, q/k/v projections, RoPE and the KV write of rows x [T, d] -> q [T, H, D]."""
-        cp, be, hp = self._cp, self.backend, self.tr.hp
-        h = be.rms_norm(x, w.norm, hp.rms_eps)
-        _check_gemv(h, w.wqkv)
-        q, k, v = project_qkv(be, hp, w.wqkv, h)  # one GEMV launch for the three
-        q = be.rms_norm(q, w.q_norm, hp.rms_eps)
-        k = be.rms_norm(k, w.k_norm, hp.rms_eps)
-        rope_neox_(q, 0, hp.rope_base, pos=self.pos)
-        rope_neox_(k, 0, hp.rope_base, pos=self.pos)
-        kv_write_at(layer_cells(self.kv, layer), k, cp.ascontiguousarray(v), self.pos)
-        return q
-
-    def _attend(self, q: Any, layer: int) -> Any:
-        """q [T, H, D] over the layer's KV cells 0..pos+t -> [T, H, D]."""
-        cp, hp, t = self._cp, self.tr.hp, q.shape[0]
-        ml_shape, acc_shape = attention_workspace(t, hp.n_head, hp.head_dim, self.kv.n_ctx)
-        ml, acc = cp.empty(ml_shape, dtype=cp.float32), cp.empty(acc_shape, dtype=cp.float32)
-        return attention_at(q, layer_cells(self.kv, layer), self.pos, ml, acc)  # [T, H, D]
+        return Graph(graph=graph, x_in=x_in, out=out)
 
     # -- addresses -------------------------------------------------------------------------------
     def _expert_sources(self) -> list[ExpertSource]:
@@ -286,6 +284,7 @@ class TokenGraph:
                 table=table[layer], slot_base=slot_base, slot_bytes=host.blob_bytes,
                 offsets=(n_gate, n_gate + n_up), host=be.to_device(np.array(addrs, np.uint64)),
                 part_bytes=be.to_device(np.array(strides, np.int64)), layout=layout,
+                counts=self.counts[layer],
             ))
         return out
 
@@ -297,31 +296,17 @@ class TokenGraph:
         return (head_ptr, self.kv.data.data.ptr, *cache)
 
 
-def layer_cells(kv: KVCache, layer: int) -> KVCells:
-    """Every cell of `layer` of `kv` as the decode kernels take them (views, no copy)."""
-    scale = kv.scale
-    return KVCells(kv.kind, kv.data[layer, 0], None if scale is None else scale[layer, 0],
-                   kv.data[layer, 1], None if scale is None else scale[layer, 1])
-
-
-def _check_gemv(x: Any, w: Any) -> None:
-    """Raise where `linear(x, w)` would not take the GEMV kernel (a cuBLAS call would end the
-    capture): the weight must be quantized blocks or contiguous fp16, x a few rows."""
-    if isinstance(w, QuantStack):
-        for part in w.parts:
-            _check_gemv(x, part)
-        return
-    quant = isinstance(w, QuantMatrix)
-    if not ((quant or (w.dtype == np.float16 and w.flags.c_contiguous))
-            and x.ndim == 2 and x.shape[0] <= GEMV_MAX_ROWS):
-        kind = w.qtype.name if quant else w.dtype
-        raise TokenGraphError(f"token graph: a {kind} [{w.shape}] weight would need cuBLAS")
-
-
-def _gemv(be: Backend, x: Any, w: Any) -> Any:
-    """The backend's `linear` where it must take the GEMV kernel (`_check_gemv`)."""
-    _check_gemv(x, w)
-    return be.linear(x, w)
+def check_gemv_weights(tr: Transformer, n_rows: int) -> None:
+    """Raise where a step of `n_rows` rows would not take the GEMV kernel for every linear
+    (a cuBLAS call would end the capture): each weight quantized blocks or contiguous fp16."""
+    assert n_rows <= GEMV_MAX_ROWS, n_rows
+    weights = [w for blk in tr.blocks for w in (blk.attn.wqkv, blk.attn.wo, blk.router)]
+    for w in [*weights, tr.head]:
+        for part in (w.parts if isinstance(w, QuantStack) else (w,)):
+            if not (isinstance(part, QuantMatrix)
+                    or (part.dtype == np.float16 and part.flags.c_contiguous)):
+                raise TokenGraphError(f"token graph: a {part.dtype} [{part.shape}] weight would "
+                                      "need cuBLAS")
 
 
 def _end_quietly(stream: Any) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend.base import Backend, ExpertProvider
+from engine.backend.base import Backend, DevicePosition, ExpertProvider, Position
 from engine.gguf import names
 from engine.gguf.hparams import HParams
 from engine.gguf.quant import dequantize
@@ -91,19 +91,33 @@ class Transformer:
     def forward(
         self,
         tokens: np.ndarray,
-        pos0: int,
+        pos: Position,
         kv: KVCache,
         experts: ExpertProvider,
         logits: str = "last",
         chunk: PromptChunk | None = None,
     ) -> ForwardResult:
-        """Run tokens [T] at positions pos0..pos0+T-1, appending their K/V to `kv`.
+        """Run tokens [T] at positions pos..pos+T-1, appending their K/V to `kv`.
 
         `chunk` (optional): the prompt path's chunk buffer, carved from lent cache slots, which
         holds the residual stream and the temporaries, with the prompt's clock and stats.
         """
+        return self.forward_embedded(self.embed(tokens), pos, kv, experts, logits, chunk)
+
+    def forward_embedded(
+        self,
+        x: Any,
+        pos: Position,
+        kv: KVCache,
+        experts: ExpertProvider,
+        logits: str = "last",
+        chunk: PromptChunk | None = None,
+    ) -> ForwardResult:
+        """`forward` from embedded rows x [T, d] float32 (added to in place: the residual
+        stream). The token graph captures this with `pos` on the device and an expert provider
+        whose kernels read the routing there (`SourcedExperts`): the same pass, replayed."""
         be, xp, hp = self.backend, self.xp, self.hp
-        x = self.embed(tokens)  # [T, d]
+        n_rows = x.shape[0]
         arena = None
         if chunk is not None:
             n = x.nbytes
@@ -112,7 +126,7 @@ class Transformer:
             x = stream
             arena = be.chunk_arena(chunk.buf[-(-n // 4096) * 4096 :])  # the rest: temporaries
         routes = []
-        margins = xp.full(len(tokens), xp.inf, dtype=xp.float32)
+        margins = xp.full(n_rows, xp.inf, dtype=xp.float32)
         experts.prefetch(0)
         clock = chunk.clock if chunk is not None else None
         lap = clock.lap if clock is not None else (lambda phase: None)
@@ -120,7 +134,7 @@ class Transformer:
         with arena or nullcontext(), phases.active(clock):
             for i, blk in enumerate(self.blocks):
                 experts.prefetch(i + 1)  # the next layer's experts upload while this one computes
-                x += attention_block(be, hp, blk.attn, x, pos0, kv, i)
+                x += attention_block(be, hp, blk.attn, x, pos, kv, i)
                 lap("attention")
                 ffn, ids, margin = moe_block(be, hp, blk.ffn_norm, blk.router, x, i, experts)
                 x += ffn
@@ -133,7 +147,8 @@ class Transformer:
             routes, margins = [r.copy() for r in routes], margins.copy()
             arena.close()
             chunk.arena = ArenaStats.of(arena).merge(chunk.arena)
-        kv.n_tokens = pos0 + len(tokens)
+        if not isinstance(pos, DevicePosition):  # a replayed step's caller knows its position
+            kv.n_tokens = pos + n_rows
         if logits == "none":
             out = xp.zeros((0, hp.n_vocab), dtype=xp.float32)
         else:

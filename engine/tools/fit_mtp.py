@@ -97,6 +97,9 @@ class ArrayExperts:
     def reads_queued(self, layer: int, experts: list[int]) -> None:
         pass
 
+    def source(self, layer: int) -> None:
+        return None
+
 
 def collect(model: Model, n_seq: int, n_prompt: int, n_gen: int, seed: int) -> list[Trace]:
     """Greedy continuations of random regular-token prompts, keeping every position's hidden."""

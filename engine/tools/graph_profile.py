@@ -9,9 +9,10 @@ step's replay shows what the node-to-node gaps cost.
 
 The parts run at a position `pos` past the session's tokens (the KV writes land in free cells,
 which later steps overwrite), on the embeddings of real tokens, so layer 0 routes as in use;
-the expert hit/miss counters are put back afterwards. A companion of `TokenGraph`: it calls
-the graph's own step pieces (`_qkv`, `_attend`, `moe_at` on its expert sources) on its stream
-and memory pool, so what it times is what the graph replays.
+the expert hit/miss counters are put back afterwards. It calls the model's own step pieces
+(`qkv_rows`, `KVCache.attend`, the backend's `route` and `moe_at`, `Transformer.logits`) at
+the graph's device position with its sourced experts, on its stream and memory pool, so what
+it times is what the graph replays.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.kernels.decode import moe_at
-from engine.kernels.fused import route_topk
-from engine.model.token_graph import TokenGraph, _gemv
+from engine.model.attention import qkv_rows
+from engine.model.token_graph import TokenGraph
 
 
 def _time_graph(cp: Any, stream: Any, pool: Any, fn: Callable[[], Any], repeat: int) -> float:
@@ -46,33 +46,36 @@ def _time_graph(cp: Any, stream: Any, pool: Any, fn: Callable[[], Any], repeat: 
 def profile_step(tg: TokenGraph, tokens: list[int], pos: int, repeat: int = 20) -> list[tuple[str, float]]:
     """[(part, GPU ms per step)] for a step of rows `tokens` at position `pos` (>= the KV's
     tokens): per-layer parts x n_layer, the head, their sum and the whole step's replay."""
-    cp, be, tr, hp = tg._cp, tg.backend, tg.tr, tg.tr.hp
+    import cupy as cp
+
+    be, tr, hp, kv, pos_at = tg.backend, tg.tr, tg.tr.hp, tg.kv, tg.position
     t = len(tokens)
-    assert tg.kv.n_tokens <= pos and pos + t <= tg.kv.n_ctx, (tg.kv.n_tokens, pos, t)
+    assert kv.n_tokens <= pos and pos + t <= kv.n_ctx, (kv.n_tokens, pos, t)
     blk, layer = tr.blocks[0], 0
     saved = tg.counts.copy()
-    be.upload_inline(np.array([pos], dtype=np.int32), tg.pos)
+    be.upload_inline(np.array([pos], dtype=np.int32), pos_at.array)
     x = be.to_device(np.ascontiguousarray(tr.embd.rows(np.asarray(tokens, dtype=np.int64)), np.float32))
-    q = tg._qkv(blk.attn, x, layer)
-    o = tg._attend(q, layer)
+    q, k, v = qkv_rows(be, hp, blk.attn, x, pos_at)
+    o = kv.attend(layer, pos_at, q, k, v)
     h = be.rms_norm(x, blk.ffn_norm, hp.rms_eps)
-    ids, w, _ = route_topk(_gemv(be, h, blk.router), hp.n_expert_used)
+    ids, w, _ = be.route(be.linear(h, blk.router), hp.n_expert_used)
+    source = tg.on_device.source(layer)
     parts: list[tuple[str, Callable[[], Any], int]] = [
-        ("norm, q/k/v, rope, KV write", lambda: tg._qkv(blk.attn, x, layer), hp.n_layer),
-        (f"attention over {pos + t} cells", lambda: tg._attend(q, layer), hp.n_layer),
-        ("output projection", lambda: _gemv(be, o.reshape(t, hp.q_dim), blk.attn.wo), hp.n_layer),
-        ("norm, router, top-k", lambda: route_topk(_gemv(be, be.rms_norm(x, blk.ffn_norm, hp.rms_eps),
+        ("norm, q/k/v, rope", lambda: qkv_rows(be, hp, blk.attn, x, pos_at), hp.n_layer),
+        (f"KV write, attention over {pos + t} cells", lambda: kv.attend(layer, pos_at, q, k, v),
+         hp.n_layer),
+        ("output projection", lambda: be.linear(o.reshape(t, hp.q_dim), blk.attn.wo), hp.n_layer),
+        ("norm, router, top-k", lambda: be.route(be.linear(be.rms_norm(x, blk.ffn_norm, hp.rms_eps),
                                                          blk.router), hp.n_expert_used), hp.n_layer),
-        ("routed experts (layer 0's routing)",
-         lambda: moe_at(h, ids, w, tg._sources[layer], tg.counts[layer]), hp.n_layer),
-        ("output head", lambda: _gemv(be, be.rms_norm(x[-1:], tr.output_norm, hp.rms_eps), tr.head), 1),
+        ("routed experts (layer 0's routing)", lambda: be.moe_at(h, ids, w, source), hp.n_layer),
+        ("output head", lambda: tr.logits(x[-1:]), 1),
     ]
-    rows = [(name, n * _time_graph(cp, tg._stream, tg._pool, fn, repeat)) for name, fn, n in parts]
+    rows = [(name, n * _time_graph(cp, tg.stream, tg.pool, fn, repeat)) for name, fn, n in parts]
     rows.append(("sum of the parts", sum(ms for _, ms in rows)))
-    graph = tg._graphs.get((t, False))
+    graph = tg.graphs.get((t, False))
     if graph is not None:  # the captured step itself, replayed back to back
         graph.x_in[...] = x
-        s = tg._stream
+        s = tg.stream
         start, end = cp.cuda.Event(), cp.cuda.Event()
         with s:
             graph.graph.launch(stream=s)
