@@ -104,7 +104,7 @@ def test_a_deep_model_is_captured(tmp_path: Path, cp) -> None:  # type: ignore[n
         tg = loop.rt.session.graph
         assert tg is not None
         ids = loop.rt.model.tokenizer.encode("the river runs " * 8)
-        toks, _ = _decode(loop, ids, 6)
+        _decode(loop, ids, 6)
         assert loop.rt.report.warnings == [] and loop.rt.session.graph is tg
         assert tg.n_captures == 1 and tg.n_replays == 6
     finally:

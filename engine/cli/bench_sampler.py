@@ -9,6 +9,7 @@ same seeded logits, one position after another.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -62,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
     print("| sampling | `Sampler.sample` | tokens kept |")
     print("|---|---:|---:|")
     for label, params in SETTINGS:
-        positions = iter(range(1 << 30))
-        sampler = Sampler(params)
+        sampler, positions = Sampler(params), itertools.count()
         ms = timed(lambda s=sampler, p=positions: s.sample(logits, next(p)), args.runs)
         kept = int(np.count_nonzero(distribution(logits, params)))
         print(f"| {label} | {cell(ms)} | {kept:,} |")

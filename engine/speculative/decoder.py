@@ -65,18 +65,18 @@ def accept(drafts: list[int], logits: Any, sampler: Sampler, pos: int, be: Backe
     k, the token after them). Each row's target is the token plain decoding picks there
     (`Sampler.sample`: the argmax, or the draw the seed and position fix); the drafts agreeing
     with their targets are kept, and the first target that disagrees (or the last row's)
-    follows them. Greedy rows are compared on the device, one download of T ids."""
+    follows them. Greedy rows are compared on the device, one download of T ids; sampled
+    rows come down one at a time, as far as the drafts agree."""
     if sampler.params.greedy:
-        targets = be.download(be.xp.argmax(logits, axis=-1))  # [T]
-        k = 0
-        while k < len(drafts) and drafts[k] == int(targets[k]):
-            k += 1
-        return k, int(targets[k])
-    for j in range(len(drafts) + 1):
-        target = sampler.sample(be.download(logits[j]), pos + j)
-        if j == len(drafts) or drafts[j] != target:
-            return j, target
-    raise AssertionError("unreachable: the last row returns")
+        picks = be.download(be.xp.argmax(logits, axis=-1))  # [T]
+        target: Callable[[int], int] = lambda j: int(picks[j])
+    else:
+        target = lambda j: sampler.sample(be.download(logits[j]), pos + j)
+    for k, d in enumerate(drafts):
+        t = target(k)
+        if d != t:
+            return k, t
+    return len(drafts), target(len(drafts))
 
 
 class Lender(Protocol):
