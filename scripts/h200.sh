@@ -46,6 +46,11 @@
 #             MTP) at depth 31k, 48 layers, 8 GiB, `--cache-policy static` against `adaptive`,
 #             ROUNDS (default 2) rounds of one process per side, sides interleaved, MAX_NEW_D31
 #             (default 256) tokens; reply CRCs (greedy: all equal)          -> $OUT/cpol.md
+#   dec31     issue 32's table: decode at depth 31k (48 layers, 8 GiB, --kv q4_0, after m48) on
+#             sampled text (T 1.0, seed 1) and greedy, no MTP and --mtp --spec 2, the expert
+#             cache static and adaptive (`bench --scenario decode`, one run each, MAX_NEW_D31
+#             tokens, default 256); each table with hit rate, link MiB / token and the drafted
+#             share; the token graph's lines                     -> $OUT/dec31.md
 #   ident     greedy identity on the 48-layer file (issue 18): 31,258 tokens, 64 new, the loan off
 #             and on with a 4,096-token chunk (`--scenario ab`) and with the automatic planner's
 #             chunks; every reply's CRC must be the same           -> $OUT/ident.md
@@ -183,6 +188,17 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           for pol in static adaptive; do
             echo "== $pol, pooled"; strata bench --merge "$OUT"/cpol-$pol-*.json
           done 2>&1 | tee -a "$OUT/cpol.md" ;;
+    dec31) warm=""
+          for pol in static adaptive; do
+            STRATA_TRACE=1 strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB \
+              --kv q4_0 --mtp --spec 2 --scenario decode --runs 1 --prompt-tokens 31258 \
+              --max-new "${MAX_NEW_D31:-256}" --cache-policy "$pol" $warm \
+              --json "$OUT/dec31-$pol.json" > "$OUT/dec31-$pol.log" 2>&1 || true
+            echo "#### --cache-policy $pol" >> "$OUT/dec31.md"
+            grep -E "^(#|\|)|token graph|expert cache:|error|Error" "$OUT/dec31-$pol.log" \
+              | cut -c1-400 | tee -a "$OUT/dec31.md" || true
+            warm=--no-warmup  # the first process compiled the kernels (CuPy's disk cache)
+          done ;;
     ident) strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB --mtp --spec 2 \
           --kv q4_0 --scenario ab --prefill 4096 --scenario auto --runs 1 --prompt-tokens 31258 \
           --max-new 64 --json "$OUT/ident.json" 2>&1 | grep -E "^\|" | tee "$OUT/ident.md"

@@ -173,6 +173,43 @@ def test_the_plain_scenario_decodes_without_the_mtp_block(tiny_path: Path) -> No
     assert plain.reply_crc == spec.reply_crc
 
 
+def test_the_decode_table_samples_with_a_fixed_seed_beside_greedy(
+    tiny_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--scenario decode` (in the default set): sampled rows (T 1.0, a fixed seed) and greedy
+    rows, with and without MTP drafts. The seed fixes the sampled text, drafts or not; greedy
+    text is another; the decode steps' link bytes per token are a column."""
+    from engine.tools.bench import DEFAULT_SCENARIOS, SAMPLED, scenario
+
+    assert "decode" in DEFAULT_SCENARIOS
+    base = EngineOptions(model=str(tiny_path), ctx=1024, mtp=True, spec=2, expert_cache=6)
+    title, configs = scenario("decode", base, 300)
+    assert title == "Decode at depth, sampled and greedy"
+    assert [c.label for c in configs] == [
+        "sampled (T 1.0, top-k 40, top-p 0.95, seed 1), no MTP",
+        "sampled (T 1.0, top-k 40, top-p 0.95, seed 1), --mtp --spec 2",
+        "greedy, no MTP", "greedy, --mtp --spec 2"]
+    assert [c.params for c in configs[:2]] == [SAMPLED] * 2 and configs[2].params.greedy
+    rows = run_bench(configs, 300, 12, 1, warmup=False)
+    crcs = [r.samples[0].reply_crc for r in rows]
+    assert crcs[0] == crcs[1] and crcs[2] == crcs[3] and crcs[0] != crcs[2]
+    assert [r.samples[0].spec_steps > 0 for r in rows] == [False, True, False, True]
+    code, out, err = run(capsys, "bench", "--model", str(tiny_path), "--scenario", "decode",
+                         "--runs", "1", "--max-new", "4", "--prompt-tokens", "64",
+                         "--no-warmup", "--seed", "5")
+    assert code == 0, err
+    assert "### Decode at depth, sampled and greedy: 64 fresh tokens, 4-token cap, 1 runs" in out
+    assert "| sampled (T 1.0, top-k 40, top-p 0.95, seed 5), no MTP |" in out
+    code, _, err = run(capsys, "bench", "--model", str(tiny_path), "--temperature", "0")
+    assert code == 2 and "--temperature 0 is greedy" in err
+
+
+def test_decode_steps_count_the_bytes_their_misses_copy() -> None:
+    hits = Row("on", [Sample("512 / 8", 200.0, 10.0, 0.5, 5.0, True, decode_hits=30,
+                             decode_misses=10, generated=4, decode_mib=10.0)])
+    assert "| Link / token (MiB) |" in markdown([hits], "t") and "| 2.5 |" in markdown([hits], "t")
+
+
 def test_reply_crcs_says_whether_the_greedy_replies_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """scripts/reply_crcs.py (the H200 identity stages): every run's reply CRC from bench JSON
     files, exit 0 only when all agree."""

@@ -92,6 +92,23 @@ def test_graph_steps_match_eager_steps_with_misses(mid_path: Path) -> None:
     graph.rt.check_integrity()
 
 
+def test_a_reply_counts_the_bytes_its_decode_misses_copy(mid_path: Path) -> None:
+    """`Timing.decode_bytes` (bench's "Link / token" column): every decode miss copies its
+    expert's blob over the link once, with and without the token graph."""
+    base = EngineOptions(model=str(mid_path), device="cuda", ctx=4096, vram_limit="4GiB",
+                         vram_segment_mib=64, expert_cache=40, kv="q4_0", cache_policy="static")
+    for opts in (base, replace(base, no_token_graph=True)):
+        loop = ServeLoop.create(opts)
+        try:
+            ids = loop.rt.model.tokenizer.encode("the river runs through the old city " * 30)
+            t = loop.complete(ids, max_new=8).timing
+            blob = loop.rt.experts.host.layer_blob_bytes
+            assert len(set(blob)) == 1 and t.decode_misses > 0
+            assert t.decode_bytes == t.decode_misses * blob[0], opts.no_token_graph
+        finally:
+            loop.close()
+
+
 def test_a_deep_model_is_captured(tmp_path: Path, cp) -> None:  # type: ignore[no-untyped-def]
     """48 narrow layers of the 30B preset's types: the step's routes of every layer are
     gathered inside the capture without a host-to-device copy (`cupy.stack` of 48 arrays

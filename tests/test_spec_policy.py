@@ -107,9 +107,10 @@ def model(tiny_path: Path) -> Model:
     return load_model(tiny_path)
 
 
-def spec_generate(dec: SpecDecoder, model: Model, ids: list[int], max_new: int) -> tuple[list[int], Session, Timing]:
+def spec_generate(dec: SpecDecoder, model: Model, ids: list[int], max_new: int,
+                  params: SamplingParams = GREEDY) -> tuple[list[int], Session, Timing]:
     s, timing = Session(model, n_ctx=512), Timing()
-    return list(generate(s, ids, max_new, GREEDY, 8, timing=timing, spec=dec)), s, timing
+    return list(generate(s, ids, max_new, params, 8, timing=timing, spec=dec)), s, timing
 
 
 def test_plain_steps_reach_the_mtp_draft_in_one_pass(model: Model) -> None:
@@ -170,6 +171,21 @@ def test_useless_drafts_are_mostly_skipped(model: Model) -> None:
     assert got == list(generate(Session(model, n_ctx=512), ids, 80, GREEDY, 8))
     drafted_steps = timing.drafts_offered // 3
     assert drafted_steps < 40 and timing.drafts_accepted == 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rejected_sampled_drafts_stop_within_the_probe_budget(model: Model, temperature: float) -> None:
+    """At temperature 1.0 and 0.7 (top-k 40: the adversary's token is never picked) drafts are
+    all rejected; the policy measures that as it does greedy and stops drafting: at most 8 of
+    the 79 decode steps draft (its first span, then probes; 2 on this VM). The text is plain
+    sampled decoding's for the seed."""
+    params = SamplingParams(temperature=temperature, seed=11)
+    ids = np.random.default_rng(12).integers(0, 1000, 12).tolist()
+    dec = SpecDecoder(4, AdversarialDraft(), Verifier.for_model(model, 4))
+    got, _, timing = spec_generate(dec, model, ids, 80, params)
+    assert got == list(generate(Session(model, n_ctx=512), ids, 80, params, 8))
+    assert timing.drafts_accepted == 0
+    assert timing.drafted_steps <= 8 < timing.spec_steps, (timing.drafted_steps, timing.spec_steps)
 
 
 class FailingVerifier(Verifier):

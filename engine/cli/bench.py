@@ -9,7 +9,10 @@ from pathlib import Path
 
 from engine.cli.options import add_engine_args, engine_options, integer, number
 from engine.errors import StrataError
+from engine.request.sampler import SamplingParams
 from engine.tools.bench import (
+    DEFAULT_SCENARIOS,
+    SAMPLED,
     SCENARIOS,
     TITLES,
     Hardware,
@@ -41,13 +44,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="loan off/on tables: fixed A/B, automatic, repeat, chunks")
     add_engine_args(p)
     p.add_argument("--scenario", action="append", choices=SCENARIOS,
-                   help="which tables (repeatable; default ab, auto, repeat)")
+                   help=f"which tables (repeatable; default {', '.join(DEFAULT_SCENARIOS)})")
     p.add_argument("--prompt-tokens", type=token_counts, default=[4096], metavar="N[,N...]",
                    help="fresh prompt tokens; a list runs each size (the soak cycles its long "
                         "messages through it)")
     p.add_argument("--max-new", type=integer, default=32, help="completion cap")
     p.add_argument("--runs", type=integer, default=3, help="runs per configuration (median, range)")
     p.add_argument("--json", help="also write the samples as JSON to this path")
+    p.add_argument("--temperature", type=number, default=SAMPLED.temperature,
+                   help="the decode table's sampled rows (greedy rows beside them; default "
+                        f"{SAMPLED.temperature})")
+    p.add_argument("--top-k", type=integer, default=SAMPLED.top_k)
+    p.add_argument("--top-p", type=number, default=SAMPLED.top_p)
+    p.add_argument("--seed", type=integer, default=SAMPLED.seed)
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the unmeasured short request before the runs")
     p.add_argument("--h2d-gbs", type=number,
@@ -104,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
         hw = Hardware(args.h2d_gbs * 1e9, args.peak_tflops * 1e12)
     base = engine_options(args)
     sizes: list[int] = args.prompt_tokens
+    sampled = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                             seed=args.seed)
+    if sampled.greedy:
+        raise StrataError("--temperature 0 is greedy, and the decode table has greedy rows "
+                          "already; give a temperature above 0 for its sampled rows")
 
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr)
@@ -130,12 +144,13 @@ def run(args: argparse.Namespace) -> int:
     out, data = [], {}
     for n in sizes:
         opts = base.with_changes(ctx=max(args.ctx, n + args.max_new + 128))
-        for i, name in enumerate(args.scenario or ["ab", "auto", "repeat"]):
-            title, configs = scenario(name, opts, n)
+        for i, name in enumerate(args.scenario or DEFAULT_SCENARIOS):
+            title, configs = scenario(name, opts, n, sampled)
             rows = run_bench(configs, n, args.max_new, args.runs, progress=progress,
                              warmup=not args.no_warmup and i == 0 and n == sizes[0], hw=hw)
+            greedy = ", greedy decoding" if all(c.params.greedy for c in configs) else ""
             out.append(markdown(rows, f"{title}: {n:,} fresh tokens, "
-                                      f"{args.max_new}-token cap, {args.runs} runs"))
+                                      f"{args.max_new}-token cap{greedy}, {args.runs} runs"))
             data[name if len(sizes) == 1 else f"{name}-{n}"] = as_json(rows)
             print(out[-1] + "\n", flush=True)
     if args.json:

@@ -107,7 +107,7 @@ def decode(rt: Runtime, req: Request, logits: Any, ask: Ask, answer: Answer,
     answer.close(stream.flush())
     timing.decode_s = time.perf_counter() - t1
     after = expert_reads(rt.experts.counters)
-    timing.decode_hits, timing.decode_misses, timing.decode_promoted = (
+    timing.decode_hits, timing.decode_misses, timing.decode_promoted, timing.decode_bytes = (
         a - b for a, b in zip(after, before))
     rt.trace_decode(timing)
     rt.settle()
@@ -124,6 +124,7 @@ def rollback(rt: Runtime, req: Request, t0: float) -> None:
     rt.settle(quiet=True)
 
 
-def expert_reads(c: StreamCounters) -> tuple[int, int, int]:
-    """(hits, misses, promotions) so far of the engine's expert provider counters."""
-    return c.hits, c.streamed + c.host_reads, c.promoted
+def expert_reads(c: StreamCounters) -> tuple[int, int, int, int]:
+    """(hits, misses, promotions, bytes streamed) so far of the engine's expert provider
+    counters."""
+    return c.hits, c.streamed + c.host_reads, c.promoted, c.bytes_streamed

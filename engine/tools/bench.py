@@ -4,8 +4,11 @@ Every run starts a fresh engine and closes it (`Runtime.close`) before the next,
 configuration's device memory never stays behind under another's; configurations are interleaved (off, on, off, on, ...) and
 serialized; each cell is the median of the runs with the range beside it. Scenarios follow
 seed 000's tables: the fixed-planner A/B (same plan, loan off and on), the automatic planner,
-and a repeat prefill (a short first message, then a long one with the repeat loan); plus a
-sweep of chunk sizes (prefill tok/s and bytes streamed against the chunk).
+and a repeat prefill (a short first message, then a long one with the repeat loan); decode at
+depth on sampled text (temperature 1.0, a fixed seed) with greedy rows beside it, with and
+without MTP drafts; plus a sweep of chunk sizes (prefill tok/s and bytes streamed against the
+chunk). Every table but the decode one decodes greedily (its replies' CRCs then agree across
+configurations that must compute the same tokens).
 
 Before the measured runs one short request warms what a process does once (kernel
 compilation, the calibration profile, the model file in the page cache), so the first row is
@@ -36,6 +39,7 @@ from engine.config import REPEAT_MIN_FLOOR, EngineOptions, LoanFlags
 from engine.devices import peak_sampler, vram_limit_bytes
 from engine.memory.costs import Shapes, prefill_flops
 from engine.memory.sizes import MiB
+from engine.request.sampler import SamplingParams
 from engine.runtime.serve import ServeLoop
 from engine.startup.profile_record import calibration_text
 from engine.trace.events import EventBus, PlanChosen, TraceLine
@@ -57,6 +61,7 @@ class Config:
     options: EngineOptions
     flags: LoanFlags = field(default_factory=LoanFlags)
     warmup_tokens: int = 0  # repeat scenario: a short first message before the measured one
+    params: SamplingParams = field(default_factory=SamplingParams)  # greedy unless given
 
 
 @dataclass
@@ -80,6 +85,7 @@ class Sample:
     limit_mib: float = 0.0  # --vram-limit of the run (0: none)
     reply_crc: str = ""  # CRC-32 of the reply's text (greedy runs of two configurations agree)
     decode_promoted: int = 0  # decode misses then put into the cache (--cache-policy adaptive)
+    decode_mib: float = 0.0  # the decode misses' bytes over the host-to-device link (MiB)
 
     @property
     def over_limit(self) -> bool:
@@ -94,6 +100,11 @@ class Sample:
     @property
     def promoted_per_token(self) -> float:
         return self.decode_promoted / self.generated if self.generated else 0.0
+
+    @property
+    def link_mib_per_token(self) -> float:
+        """MiB the decode steps copied over the link per generated token."""
+        return self.decode_mib / self.generated if self.generated else 0.0
 
     @property
     def drafted_pct(self) -> float:
@@ -186,7 +197,7 @@ def _measure(loop: ServeLoop, cfg: Config, n_tokens: int, max_new: int, hw: Hard
     ids = prompt_tokens(loop, n_tokens)
     if cfg.warmup_tokens:  # continue the same sequence so only the new part is fresh
         ids = list(loop.rt.session.tokens) + ids
-    reply = loop.complete(ids, max_new=max_new)
+    reply = loop.complete(ids, cfg.params, max_new=max_new)
     t = reply.timing
     loop.rt.check_integrity()
     p = plans[-1]
@@ -201,6 +212,7 @@ def _measure(loop: ServeLoop, cfg: Config, n_tokens: int, max_new: int, hw: Hard
                   arena.spilled_bytes / (1 << 20) if arena else 0.0, ratio,
                   t.decode_hits, t.decode_misses, t.spec_steps, t.drafted_steps,
                   generated=t.generated, decode_promoted=t.decode_promoted,
+                  decode_mib=t.decode_bytes / MiB,
                   reply_crc=f"{zlib.crc32(reply.text.encode()):08x}")
 
 
@@ -250,6 +262,7 @@ OPTIONAL_COLUMNS: tuple[tuple[str, str, str, Callable[[Sample], bool]], ...] = (
     ("Prefill / lower bound", "bound_ratio", "{:.1f}x", lambda s: s.bound_ratio > 0),
     ("Decode cache hits (%)", "decode_hit_pct", "{:.0f}", lambda s: s.decode_hits + s.decode_misses > 0),
     ("Promoted / token", "promoted_per_token", "{:.2f}", lambda s: s.decode_promoted > 0),
+    ("Link / token (MiB)", "link_mib_per_token", "{:.1f}", lambda s: s.decode_mib > 0),
     ("Drafted steps (%)", "drafted_pct", "{:.0f}", lambda s: s.spec_steps > 0),
 )
 
@@ -258,7 +271,7 @@ def markdown(rows: list[Row], title: str) -> str:
     """The table; optional columns where some run has their data: the process's device peak
     (NVML on CUDA, the simulated device's own), on CUDA the prompt temporaries' peak and spill
     (MiB), the lower-bound ratio when a `Hardware` was given, the decode steps' expert-cache
-    hit share, and with speculative decoding the share of steps that drafted (the drafting
+    hit share and the MiB their misses copied over the link per token, and with speculative decoding the share of steps that drafted (the drafting
     policy runs plain steps when drafts do not pay). A peak past --vram-limit is marked `*`
     and each such configuration gets a line under the table."""
     samples = [s for r in rows for s in r.samples]
@@ -358,12 +371,25 @@ TITLES = {
     "repeat": "Repeat prefill (second message)",
     "plain": "No MTP (plain decoding)",
     "chunks": "Chunk size sweep",
+    "decode": "Decode at depth, sampled and greedy",
 }
 SCENARIOS = tuple(TITLES)
+DEFAULT_SCENARIOS = ("ab", "auto", "repeat", "decode")
+SAMPLED = SamplingParams(temperature=1.0, seed=1)  # the decode table's sampled rows
 
 
-def scenario(name: str, base: EngineOptions, n_tokens: int) -> tuple[str, list[Config]]:
-    """The title and configurations of one named scenario."""
+def sampling_label(p: SamplingParams) -> str:
+    """'greedy' or 'sampled (T 1.0, top-k 40, top-p 0.95, seed 1)'."""
+    if p.greedy:
+        return "greedy"
+    filters = (f", top-k {p.top_k}" if p.top_k else "") + (f", top-p {p.top_p}" if p.top_p < 1 else "")
+    return f"sampled (T {p.temperature}{filters}, seed {p.seed})"
+
+
+def scenario(name: str, base: EngineOptions, n_tokens: int,
+             sampled: SamplingParams = SAMPLED) -> tuple[str, list[Config]]:
+    """The title and configurations of one named scenario; `sampled` is what the decode
+    table's sampled rows draw with (every other row decodes greedily)."""
     loan_base = replace(base, serve=True, vram_elastic=True, mtp=True, spec=base.spec or 4)
     if name == "ab":
         fixed = base.prefill if isinstance(base.prefill, int) else 256
@@ -385,6 +411,16 @@ def scenario(name: str, base: EngineOptions, n_tokens: int) -> tuple[str, list[C
         # (without it the loan has nothing to lend: the head loan needs --mtp --spec)
         plain = replace(base, serve=True, vram_elastic=True, mtp=False, spec=0, prefill="auto")
         return TITLES[name], [Config("No MTP, automatic planner", plain)]
+    if name == "decode":  # sampled text is the honest decode workload: greedy text of a random-
+        # weight file loops, and the adaptive expert cache learns the loop (docs/decode.md)
+        plain = replace(base, serve=True, vram_elastic=True, mtp=False, spec=0, prefill="auto")
+        decoders = [("no MTP", plain)]
+        if base.mtp:
+            spec = base.spec or 2
+            decoders.append((f"--mtp --spec {spec}", replace(plain, mtp=True, spec=spec)))
+        return TITLES[name], [
+            Config(f"{sampling_label(params)}, {how}", opts, params=params)
+            for params in (sampled, SamplingParams()) for how, opts in decoders]
     if name == "chunks":
         return TITLES[name], [
             Config(f"--prefill {p}", replace(base, prefill=p))

@@ -23,6 +23,7 @@ class Timing:
     decode_hits: int = 0  # routed experts the decode steps found in the expert cache
     decode_misses: int = 0  # ... and read from host memory (streamed, or decoded on the CPU)
     decode_promoted: int = 0  # ... missed, then put into the cache (--cache-policy adaptive)
+    decode_bytes: int = 0  # ... the misses' bytes over the host-to-device link
     spec_steps: int = 0  # speculative decoding: verify steps, and how many of them drafted
     drafted_steps: int = 0
     forecast_s: float = 0.0  # the prefill's forecast made before it ran (engine.loan.forecast)
