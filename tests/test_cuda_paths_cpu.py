@@ -270,3 +270,29 @@ def test_row_plan_counts_only_staged_experts_against_the_ring() -> None:
     assert plan.groups == [[0, 1], [2, 3, 4], [5]]  # one staged expert a group
     # without `staged`: 3 a group (padded rows stay under half of all 30 rows)
     assert plan_rows(n_per, group=4).groups == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_the_kernel_warm_up_is_shown_and_a_slow_one_says_why(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The CUDA warm-up's progress reaches the app as `Loading` events; one that took longer
+    than SLOW_KERNELS_S (a first run compiling with NVRTC) also prints a serve line."""
+    from engine.startup import runtime
+    from engine.trace.events import EventBus, Loading
+    from engine.trace.report import Reporter
+
+    def shown(seconds: float) -> tuple[list[Loading], list[str]]:
+        bus, lines = EventBus(), []
+        events: list[Loading] = []
+        bus.subscribe(lambda e: events.append(e) if isinstance(e, Loading) else None)
+        clock = iter([0.0, 100.0, 100.0, 100.0 + seconds, 100.0 + seconds])
+        monkeypatch.setattr(runtime.time, "perf_counter", lambda: next(clock))
+        progress = runtime.kernel_progress(Reporter(bus, lines.append))
+        for done in range(3):
+            progress(done, 2)
+        return events, lines
+
+    events, lines = shown(9.5)
+    assert [(e.stage, e.done, e.total) for e in events] == [
+        ("loading CUDA kernels", i, 2) for i in range(3)]
+    assert lines == [("strata serve: 2 CUDA kernel modules compiled in 9.5 s (NVRTC, once per "
+                     "machine: CuPy's disk cache keeps them)")]
+    assert shown(0.4)[1] == []  # loaded from CuPy's disk cache: nothing to say

@@ -210,3 +210,33 @@ def test_a_decoders_kernels_compile_together(cp) -> None:
         for name in dequant._names(decoder):
             assert dequant._function(decoder, name) is not None
     assert dequant._module.cache_info().misses == misses
+
+
+def test_the_warm_up_compiles_every_module_up_front_on_threads(cp, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`warm_up` compiles the modules of a model's quant types (a `RawModule` compiles at its
+    first `get_function`, not when made) on a pool of threads, telling each one as it ends;
+    afterwards no kernel of those types meets NVRTC."""
+    from cupy.cuda import compiler
+
+    from engine.kernels import dequant
+    from engine.kernels.warmup import compile_jobs, warm_up
+
+    qtypes = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F16]
+    dequant._module.cache_clear()
+    seen: list[tuple[int, int]] = []
+    warm_up(qtypes, progress=lambda d, t: seen.append((d, t)), workers=4)
+    n = len(compile_jobs(qtypes))
+    assert seen == [(i, n) for i in range(n + 1)]
+
+    def no_compile(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("an NVRTC compile after the warm-up")
+
+    monkeypatch.setattr(compiler, "_compile_module_with_cache", no_compile)
+    for qtype in qtypes:
+        decoder = dequant.DECODERS[qtype]
+        for name in dequant._names(decoder):
+            assert dequant._function(decoder, name) is not None
+    dequant._module.cache_clear()  # the check can fail: a module made now would compile
+    with pytest.raises(AssertionError, match="NVRTC"):
+        dequant._function(dequant.DECODERS[Q.Q4_K], dequant._names(dequant.DECODERS[Q.Q4_K])[0])
+    dequant._module.cache_clear()

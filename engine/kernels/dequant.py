@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,11 +180,23 @@ def _function(decoder: str, name_expression: str) -> Any:
 
 
 def preload(qtypes: Sequence[Q]) -> None:
-    """Compile and load the kernels of these quant types now (a model's expert and embedding
-    types), before the CUDA backend measures what the process holds and before any request."""
-    for qtype in dict.fromkeys(qtypes):
-        if qtype in DECODERS:
-            _module(DECODERS[qtype])
+    """Compile and load the kernels of these quant types now (a model's tensor types),
+    before the CUDA backend measures what the process holds and before any request."""
+    for job in preload_jobs(qtypes):
+        job()
+
+
+def preload_jobs(qtypes: Sequence[Q]) -> list[Callable[[], None]]:
+    """One job per decoder these quant types need (types without one are left out): each
+    compiles its module (NVRTC, or CuPy's disk cache) and loads it. A `RawModule` compiles at
+    its first `get_function`, so each job asks for one of its kernels. Jobs of different
+    decoders may run on threads of their own (engine/kernels/warmup.py)."""
+    decoders = dict.fromkeys(DECODERS[q] for q in qtypes if q in DECODERS)
+    return [functools.partial(_compile, d) for d in decoders]
+
+
+def _compile(decoder: str) -> None:
+    _module(decoder).get_function(_names(decoder)[0])
 
 
 @functools.cache

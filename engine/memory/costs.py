@@ -65,6 +65,12 @@ class Shapes:
     def has_mtp(self) -> bool:
         return self.hp.n_nextn > 0
 
+    @property
+    def every_qtype(self) -> tuple[GGMLQuantizationType, ...]:
+        """The quant types of every tensor (the experts' first): what the CUDA kernels load
+        up front (engine/kernels/warmup.py)."""
+        return tuple(dict.fromkeys((*self.qtypes, *(q for _, q in self.tensor_qtypes))))
+
     @functools.cached_property
     def qtypes_by_name(self) -> dict[str, GGMLQuantizationType]:
         return dict(self.tensor_qtypes)

@@ -19,7 +19,7 @@ from engine.devices import (
     vram_limit_bytes,
 )
 from engine.errors import FlagError
-from engine.kernels.warmup import warm_up
+from engine.kernels.warmup import Progress, warm_up
 from engine.loan.deferral import deferred_regions
 from engine.loan.guards import validate
 from engine.memory.costs import Shapes, model_costs
@@ -41,11 +41,12 @@ class DevicePlan:
 
 
 def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes,
-                backend: Backend | None = None) -> DevicePlan:
+                backend: Backend | None = None, compiling: Progress | None = None) -> DevicePlan:
     """Open the device, run the guards on the options, the flags and the device's facts
     (capacity, segment), then plan memory. Every refusal is one FlagError listing them all,
     raised before anything is allocated or deferred. `backend`: a device opened by an earlier
-    call with the same options (`strata plan` plans it again with other flags)."""
+    call with the same options (`strata plan` plans it again with other flags); `compiling`
+    hears the CUDA kernel modules load (engine/kernels/warmup.py)."""
     device = resolve_device(options.device)
     traits = device_traits(device) if backend is None else backend.traits
     quantized = dense_quantized(traits, options)
@@ -53,7 +54,8 @@ def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes,
     reserve = options.vram_reserve_mib * MiB
     limit = vram_limit_bytes(options)
     if backend is None:
-        warm = functools.partial(warm_up, shapes.qtypes)  # the model's kernels load up front
+        # the model's kernels load up front
+        warm = functools.partial(warm_up, shapes.every_qtype, progress=compiling)
         backend = make_backend(sim_device(device, costs, reserve, limit), limit,
                                elastic=options.vram_elastic, warm_up=warm)
     capacity = backend.capacity_bytes

@@ -7,6 +7,7 @@ speculative decoding, then release whatever a startup loan defers. The result is
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -34,6 +35,27 @@ from engine.synth.demo import resolve_model
 from engine.trace.events import EventBus, LedgerChanged, Loading
 from engine.trace.report import Reporter
 
+SLOW_KERNELS_S = 2.0  # a warm-up longer than this says so: a first run compiles (NVRTC)
+
+
+def kernel_progress(report: Reporter) -> Callable[[int, int], None]:
+    """The CUDA warm-up's progress (engine/kernels/warmup.py) as `Loading` events, and once
+    it took longer than SLOW_KERNELS_S (a first run on this machine compiles every module) a
+    line saying how long, so neither the app nor the CLI sits through it silently."""
+    t0 = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal t0
+        if done == 0:
+            t0 = time.perf_counter()
+        report.publish(Loading("loading CUDA kernels", done, total))
+        seconds = time.perf_counter() - t0
+        if done == total and seconds > SLOW_KERNELS_S:
+            report.say(f"strata serve: {total} CUDA kernel modules compiled in {seconds:.1f} s "
+                       "(NVRTC, once per machine: CuPy's disk cache keeps them)")
+
+    return progress
+
 
 def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None = None,
                   on_line: Callable[[str], None] | None = None,
@@ -54,7 +76,7 @@ def build_runtime(options: EngineOptions, flags: LoanFlags, bus: EventBus | None
                          progress=lambda d, t: publish(Loading("building model", d, t)))
     publish(Loading("opening model", 0, 1))
     model = load_model(path, build=False)
-    planned = plan_device(options, flags, Shapes.of(model))
+    planned = plan_device(options, flags, Shapes.of(model), compiling=kernel_progress(report))
     backend, costs = planned.backend, planned.costs
     ledger = Ledger(backend, backend.capacity_bytes,
                     segment_bytes=planned.plan_options.segment_bytes,
