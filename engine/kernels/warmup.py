@@ -23,10 +23,15 @@ from engine.kernels import attention, decode, dequant, flash, fused, moe
 Progress = Callable[[int, int], None]  # (modules loaded, modules in all)
 
 
+# fp16 weights (dense ones the backend decodes, a float draft head) run through the F16
+# GEMV whatever types the file holds (engine/backend/cuda_ops.py)
+ALWAYS_QTYPES = (Q.F16,)
+
+
 def compile_jobs(qtypes: Sequence[Q] = ()) -> list[Callable[[], None]]:
     """The modules an engine of a model with these tensor types loads up front, one job each."""
     shape_free = [m.preload for m in (attention, decode, flash, fused, moe)]
-    return [*shape_free, *dequant.preload_jobs(qtypes)]
+    return [*shape_free, *dequant.preload_jobs([*qtypes, *ALWAYS_QTYPES])]
 
 
 def warm_up(qtypes: Sequence[Q] = (), progress: Progress | None = None,
