@@ -155,28 +155,36 @@ def _cupy() -> Any:
     return cupy
 
 
-def _names(decoder: str) -> tuple[str, ...]:
-    """Every instantiation a decoder has: dequantize to fp16 / fp32, and the fused GEMV for
-    each rows-per-warp and batch (1..GEMV_MAX_ROWS vectors)."""
-    return (
-        *(f"dequant_multi<{decoder}, {f16}>" for f16 in ("true", "false")),
-        *(f"gemv<{decoder}, {rows}, {b}>" for rows in (1, 2, 4) for b in range(1, GEMV_MAX_ROWS + 1)),
-    )
+GEMV_ROWS = (1, 2, 4)  # rows per warp the GEMV is instantiated for (`_rows_per_warp`)
+# A decoder's instantiations in modules of their own, so that a machine's first run compiles
+# them on parallel threads: the dequantize kernels, then the GEMV per rows per warp
+PARTS = ("dequant", *(f"gemv{rows}" for rows in GEMV_ROWS))
+
+
+def _names(decoder: str, part: str) -> tuple[str, ...]:
+    """The instantiations of one part of a decoder: dequantize to fp16 / fp32 ("dequant"), or
+    the fused GEMV of `rows` rows per warp for each batch, 1..GEMV_MAX_ROWS vectors ("gemvN")."""
+    if part == "dequant":
+        return tuple(f"dequant_multi<{decoder}, {f16}>" for f16 in ("true", "false"))
+    assert part in PARTS, part
+    rows = int(part.removeprefix("gemv"))
+    return tuple(f"gemv<{decoder}, {rows}, {b}>" for b in range(1, GEMV_MAX_ROWS + 1))
 
 
 @functools.cache
-def _module(decoder: str) -> Any:
-    """All of a decoder's instantiations in one NVRTC compile (cached by CuPy on disk): a
+def _module(decoder: str, part: str) -> Any:
+    """A part of a decoder's instantiations in one NVRTC compile (cached by CuPy on disk): a
     decode step that meets a new batch size (a verify window, experts shared by its rows)
     finds its kernel loaded, instead of stalling for a compile of its own."""
     cp = _cupy()
     source = kernel_source()
     check_layouts(source)
-    return cp.RawModule(code=source, options=("-std=c++17",), name_expressions=_names(decoder))
+    return cp.RawModule(code=source, options=("-std=c++17",),
+                        name_expressions=_names(decoder, part))
 
 
-def _function(decoder: str, name_expression: str) -> Any:
-    return _module(decoder).get_function(name_expression)
+def _function(decoder: str, part: str, name_expression: str) -> Any:
+    return _module(decoder, part).get_function(name_expression)
 
 
 def preload(qtypes: Sequence[Q]) -> None:
@@ -187,16 +195,16 @@ def preload(qtypes: Sequence[Q]) -> None:
 
 
 def preload_jobs(qtypes: Sequence[Q]) -> list[Callable[[], None]]:
-    """One job per decoder these quant types need (types without one are left out): each
-    compiles its module (NVRTC, or CuPy's disk cache) and loads it. A `RawModule` compiles at
-    its first `get_function`, so each job asks for one of its kernels. Jobs of different
-    decoders may run on threads of their own (engine/kernels/warmup.py)."""
+    """One job per part of each decoder these quant types need (types without one are left
+    out): each compiles its module (NVRTC, or CuPy's disk cache) and loads it. A `RawModule`
+    compiles at its first `get_function`, so each job asks for one of its kernels. The jobs
+    may run on threads of their own (engine/kernels/warmup.py)."""
     decoders = dict.fromkeys(DECODERS[q] for q in qtypes if q in DECODERS)
-    return [functools.partial(_compile, d) for d in decoders]
+    return [functools.partial(_compile, d, part) for d in decoders for part in PARTS]
 
 
-def _compile(decoder: str) -> None:
-    _module(decoder).get_function(_names(decoder)[0])
+def _compile(decoder: str, part: str) -> None:
+    _module(decoder, part).get_function(_names(decoder, part)[0])
 
 
 @functools.cache
@@ -267,7 +275,7 @@ def dequantize_ptrs(
     assert all(p % align == 0 for p in src_ptrs), f"{qtype.name} sources need {align}-alignment"
     assert all(p % 16 == 0 for p in dst_ptrs), "dequantize outputs need 16-byte alignment"
     decoder = DECODERS[qtype]
-    kernel = _function(decoder, f"dequant_multi<{decoder}, {'true' if f16 else 'false'}>")
+    kernel = _function(decoder, "dequant", f"dequant_multi<{decoder}, {'true' if f16 else 'false'}>")
     table, n_tab = _device_table(qtype, device_id)
     n_jobs = len(src_ptrs)
     ptrs = cp.asarray(np.array([*src_ptrs, *dst_ptrs], dtype=np.uint64))  # [2 * n_jobs]
@@ -310,11 +318,11 @@ def _gemv_kernel(
     align = _decoder_align(qtype)
     assert all(p % align == 0 for p in ptrs), f"{qtype.name} weights need {align}-alignment"
     rows = rows or _rows_per_warp(n_out)
-    assert rows in (1, 2, 4), rows
+    assert rows in GEMV_ROWS, rows
     warps = (n_out + rows - 1) // rows
     grid = (warps + _THREADS // 32 - 1) // (_THREADS // 32)
     decoder = DECODERS[qtype]
-    return _function(decoder, f"gemv<{decoder}, {rows}, {n_batch}>"), grid
+    return _function(decoder, f"gemv{rows}", f"gemv<{decoder}, {rows}, {n_batch}>"), grid
 
 
 def gemv(

@@ -5,10 +5,11 @@ dequantize / fused GEMV kernels of the model's quant types (every batch size at 
 decode step stalls on a compile). Kernels of the model's other shapes (decode attention per KV
 kind, FA2 per head size) load later, inside the budget's margin.
 
-On a fresh machine each module is an NVRTC compile (about half a second to four seconds; the
-demo model needs a dozen); CuPy keeps the binaries on disk, so later processes only load them.
-The modules compile on a pool of threads (NVRTC runs outside the GIL), each thread on the
-caller's device, and `progress` hears each one finish."""
+On a fresh machine each module is an NVRTC compile (a fraction of a second to a few seconds;
+the demo model needs two dozen: each decoder's dequantize and GEMV instantiations are four
+modules); CuPy keeps the binaries on disk, so later processes only load them. The modules
+compile on a pool of threads (NVRTC runs outside the GIL), one per core up to MAX_WORKERS,
+each thread on the caller's device, and `progress` hears each one finish."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from engine.kernels import attention, decode, dequant, flash, fused, moe
 
 Progress = Callable[[int, int], None]  # (modules loaded, modules in all)
+MAX_WORKERS = 16
 
 
 # fp16 weights (dense ones the backend decodes, a float draft head) run through the F16
@@ -37,7 +39,8 @@ def compile_jobs(qtypes: Sequence[Q] = ()) -> list[Callable[[], None]]:
 def warm_up(qtypes: Sequence[Q] = (), progress: Progress | None = None,
             workers: int | None = None) -> None:
     """Run one small fp16 GEMM through `moe.gemm_nt`, then compile and load the shape-free
-    modules and the kernels of `qtypes` on `workers` threads (default: the cores, at most 8).
+    modules and the kernels of `qtypes` on `workers` threads (default: the cores, at most
+    MAX_WORKERS).
     Needs a current device; the first failure is raised once every job has ended."""
     import cupy
 
@@ -50,7 +53,7 @@ def warm_up(qtypes: Sequence[Q] = (), progress: Progress | None = None,
         with cupy.cuda.Device(device):  # a thread's current device is 0 until it sets one
             job()
 
-    n_workers = max(1, min(workers or os.cpu_count() or 1, 8, len(jobs)))
+    n_workers = max(1, min(workers or os.cpu_count() or 1, MAX_WORKERS, len(jobs)))
     if progress is not None:
         progress(0, len(jobs))
     with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="strata-nvrtc") as pool:
