@@ -283,7 +283,7 @@ def test_the_kernel_warm_up_is_shown_and_a_slow_one_says_why(monkeypatch) -> Non
         bus, lines = EventBus(), []
         events: list[Loading] = []
         bus.subscribe(lambda e: events.append(e) if isinstance(e, Loading) else None)
-        clock = iter([0.0, 100.0, 100.0, 100.0 + seconds, 100.0 + seconds])
+        clock = iter([100.0, 100.0, 100.0 + seconds, 100.0 + seconds])
         monkeypatch.setattr(runtime.time, "perf_counter", lambda: next(clock))
         progress = runtime.kernel_progress(Reporter(bus, lines.append))
         for done in range(3):

@@ -22,9 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from engine.kernels import attention, decode, dequant, flash, fused, moe
 
 Progress = Callable[[int, int], None]  # (modules loaded, modules in all)
-MAX_WORKERS = 16
-
-
+MAX_WORKERS = 16  # compile threads at most (the H200 machine has 16 cores)
 # fp16 weights (dense ones the backend decodes, a float draft head) run through the F16
 # GEMV whatever types the file holds (engine/backend/cuda_ops.py)
 ALWAYS_QTYPES = (Q.F16,)

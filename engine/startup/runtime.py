@@ -42,7 +42,7 @@ def kernel_progress(report: Reporter) -> Callable[[int, int], None]:
     """The CUDA warm-up's progress (engine/kernels/warmup.py) as `Loading` events, and once
     it took longer than SLOW_KERNELS_S (a first run on this machine compiles every module) a
     line saying how long, so neither the app nor the CLI sits through it silently."""
-    t0 = time.perf_counter()
+    t0 = 0.0  # set by the warm-up's first call, (0, total)
 
     def progress(done: int, total: int) -> None:
         nonlocal t0

@@ -271,8 +271,9 @@ def markdown(rows: list[Row], title: str) -> str:
     """The table; optional columns where some run has their data: the process's device peak
     (NVML on CUDA, the simulated device's own), on CUDA the prompt temporaries' peak and spill
     (MiB), the lower-bound ratio when a `Hardware` was given, the decode steps' expert-cache
-    hit share and the MiB their misses copied over the link per token, and with speculative decoding the share of steps that drafted (the drafting
-    policy runs plain steps when drafts do not pay). A peak past --vram-limit is marked `*`
+    hit share and the MiB their misses copied over the link per token, and with speculative
+    decoding the share of steps that drafted (the drafting policy runs plain steps when drafts
+    do not pay). A peak past --vram-limit is marked `*`
     and each such configuration gets a line under the table."""
     samples = [s for r in rows for s in r.samples]
     extra = [c for c in OPTIONAL_COLUMNS if any(c[3](s) for s in samples)]
@@ -386,6 +387,11 @@ def sampling_label(p: SamplingParams) -> str:
     return f"sampled (T {p.temperature}{filters}, seed {p.seed})"
 
 
+def _no_mtp(base: EngineOptions) -> EngineOptions:
+    """The automatic planner without the MTP block or drafts."""
+    return replace(base, serve=True, vram_elastic=True, mtp=False, spec=0, prefill="auto")
+
+
 def scenario(name: str, base: EngineOptions, n_tokens: int,
              sampled: SamplingParams = SAMPLED) -> tuple[str, list[Config]]:
     """The title and configurations of one named scenario; `sampled` is what the decode
@@ -409,11 +415,10 @@ def scenario(name: str, base: EngineOptions, n_tokens: int,
             Config("Repeat loan on", auto, repeat, warmup_tokens=64)]
     if name == "plain":  # the automatic planner without the MTP block: what --mtp is held to
         # (without it the loan has nothing to lend: the head loan needs --mtp --spec)
-        plain = replace(base, serve=True, vram_elastic=True, mtp=False, spec=0, prefill="auto")
-        return TITLES[name], [Config("No MTP, automatic planner", plain)]
+        return TITLES[name], [Config("No MTP, automatic planner", _no_mtp(base))]
     if name == "decode":  # sampled text is the honest decode workload: greedy text of a random-
         # weight file loops, and the adaptive expert cache learns the loop (docs/decode.md)
-        plain = replace(base, serve=True, vram_elastic=True, mtp=False, spec=0, prefill="auto")
+        plain = _no_mtp(base)
         decoders = [("no MTP", plain)]
         if base.mtp:
             spec = base.spec or 2
