@@ -69,7 +69,8 @@
 #   adec      the app's decode speed against `strata run` (docs/app-decode.md): demo 256 (RUNS_ADEC,
 #             default 3), random-demo 256 and 1,024 (5 runs)                 -> $OUT/adec.md
 #   train     the demo model (docs/demo-model.md): python -m training build, the WordNet .deb carried
-#             as .whl/wordnet-base.deb, TRAIN_MINUTES (default 5.5) of training; the GGUF comes
+#             as .whl/wordnet-base.deb, TRAIN_MINUTES (default 5.5) of training (TRAIN_FLAGS: more
+#             build flags, e.g. --compile; `python3 -m training pace` times the variants); the GGUF comes
 #             back in 15 MiB parts (a file from $OUT is at most 16 MiB: `cat demo.gguf.part.* >
 #             engine/assets/demo.gguf`, check demo.sha256), the loss log and build record too
 #                                                         -> $OUT/demo.gguf.part.*, $OUT/train/
@@ -215,7 +216,7 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           done ;;
     train) mkdir -p "$OUT/train" models
            python3 -m training build --wordnet .whl/wordnet-base.deb --out models/demo.gguf \
-             --minutes "${TRAIN_MINUTES:-5.5}" --seed 0 --log-dir "$OUT/train" 2>&1 | tail -40 \
+             --minutes "${TRAIN_MINUTES:-5.5}" --seed 0 --log-dir "$OUT/train" ${TRAIN_FLAGS:-} 2>&1 | tail -40 \
              | tee "$OUT/train/build.log"
            (cd models && sha256sum demo.gguf > "$OUT/demo.sha256" && split -b 15M demo.gguf \
              "$OUT/demo.gguf.part.") ;;

@@ -169,3 +169,35 @@ def test_the_pytorch_model_computes_what_the_engine_computes(tmp_path: Path) -> 
     out = block.forward(np.asarray(res.hidden)[:-1], np.asarray(tokens[1:]), 0,
                         block.new_kv(64), logits="all")
     assert np.abs(np.asarray(out.logits) - mtp_logits[0].numpy()).max() < 6e-3 * scale
+
+
+@pytest.mark.gpu
+def test_the_jagged_expert_gemms_compute_what_the_padded_batch_computes() -> None:
+    """The build's grouped GEMMs (offsets on the device) against the padded batch: the same
+    loss and the same gradients, so the faster path trains the same model."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for PyTorch")
+    from training.model import DemoModel, _grouped_mm
+    from training.train import SPEC, losses
+
+    if _grouped_mm() is None:
+        pytest.skip(f"torch {torch.__version__} has no grouped GEMM")
+    torch.manual_seed(0)
+    ids = torch.randint(0, SPEC.n_vocab, (2, 512), device="cuda")  # [B, T]
+    mask = torch.rand(2, 512, device="cuda") < 0.5
+    results = []
+    for grouped in (False, True):
+        torch.manual_seed(1)
+        m = DemoModel(SPEC, grouped=grouped).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            main, mtp, aux = losses(m, ids, mask)
+        (main + mtp + aux).backward()
+        grads = {n: p.grad.float().clone() for n, p in m.named_parameters()}
+        results.append(([main.item(), mtp.item(), aux.item()], grads))
+    (l0, g0), (l1, g1) = results
+    assert np.allclose(l0, l1, rtol=2e-3), (l0, l1)
+    for name in g0:
+        scale = float(g0[name].abs().max()) + 1e-12
+        err = float((g0[name] - g1[name]).abs().max())
+        assert err < 3e-2 * scale, (name, err, scale)

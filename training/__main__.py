@@ -4,6 +4,7 @@
     python -m training eval --model demo.gguf --wordnet wordnet-base.deb           # CPU
     python -m training corpus --wordnet wordnet-base.deb --seed 0    # the data step's statistics
     python -m training plot --log loss.jsonl --out docs/demo-loss.svg
+    python -m training pace --steps 30 --profile     # the training step's time, each variant (GPU)
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seq-tokens", type=int, default=4096)
     b.add_argument("--device", default="cuda")
     b.add_argument("--also-q8", type=Path, help="also export with Q8_0 experts here")
+    b.add_argument("--padded", action="store_true",
+                   help="experts as one padded batch (default: jagged grouped GEMMs)")
+    b.add_argument("--compile", action="store_true", help="torch.compile the loss")
+    pa = sub.add_parser("pace", help="the training step's time for each variant (GPU)")
+    pa.add_argument("--steps", type=int, default=30)
+    pa.add_argument("--batch", type=int, default=16)
+    pa.add_argument("--seq-tokens", type=int, default=4096)
+    pa.add_argument("--profile", action="store_true", help="also each variant's CUDA kernels")
     c = sub.add_parser("corpus", help="the data step alone: corpus statistics and its time")
     c.add_argument("--wordnet", type=Path, required=True)
     c.add_argument("--seed", type=int, default=0)
@@ -47,9 +56,14 @@ def main(argv: list[str] | None = None) -> int:
 
         also = {"Q8_0": a.also_q8} if a.also_q8 else None
         rec = build(a.wordnet, a.out, Recipe(seed=a.seed, steps=a.steps, minutes=a.minutes, batch=a.batch,
-                                                    seq_tokens=a.seq_tokens, device=a.device),
+                                                    seq_tokens=a.seq_tokens, device=a.device,
+                                                    grouped=not a.padded, compile=a.compile),
                     a.log_dir, also)
         print(json.dumps(rec, indent=1))
+    elif a.cmd == "pace":
+        from training.pace import main as pace
+
+        return pace(a.steps, a.batch, a.seq_tokens, a.profile)
     elif a.cmd == "corpus":
         from engine.synth.model import PRESETS
         from training import data, wordnet

@@ -23,6 +23,9 @@ HOLDOUT_PER_MILLE = 58  # of the rare lemmas: about 5% of all lemmas
 # Definitions are what a user asks most: each is phrased twice an epoch, four times for the
 # lemmas that occur in WordNet's sense-tagged text (~21k everyday words: dog, house, hello).
 DEFINE_COPIES, COMMON_DEFINE_COPIES = 2, 4
+# A kind question ("What is a cat?") is what a new user asks next, and run 4 (one phrasing an
+# epoch) got about half the everyday nouns right: twice an epoch.
+KIND_COPIES = 2
 MAX_SYNONYMS = 6
 # Kinds and synonyms are asked of everyday words (WordNet's sense-tagged text); for the ~100k
 # rare lemmas the training minutes go to their definitions. (With every kind of pair for every
@@ -106,7 +109,8 @@ def pairs_for(wn: WordNet, lemma: str, rng: random.Random) -> Iterator[Pair]:
         if chain:
             kinds = chain[0] + (f", itself a kind of {chain[1]}" if len(chain) > 1 else "")
             reply = f"{_article(lemma).capitalize()} {lemma} is a kind of {kinds}."
-            yield Pair(_ask(KIND, lemma, rng), reply, lemma, "kind")
+            for _ in range(KIND_COPIES):
+                yield Pair(_ask(KIND, lemma, rng), reply, lemma, "kind")
         words = synonyms(wn, lemma)
         reply = (f"Words like '{lemma}': {', '.join(words)}." if words else
                  f"WordNet gives no other word for '{lemma}'.")

@@ -3,8 +3,10 @@
 Same tensors as the GGUF (numpy order [out, in]), RMSNorm, per-head q/k RMSNorm, NEOX RoPE,
 grouped-query attention, softmax router with renormalised top-k, SwiGLU experts, and the
 nextn block of `engine/model/mtp.py` (cell p reads h[p] and t[p+1] and predicts t[p+2]).
-Experts run grouped: each token's top-k choices sorted by expert into one padded batch
-[E, C, d], three batched GEMMs, the outputs weighted and added back to their tokens.
+Experts run grouped: each token's top-k choices sorted by expert, then either three grouped
+GEMMs over the jagged rows (`torch.nn.functional.grouped_mm`, offsets on the device: no host
+read) or, where torch has none or on the CPU, one padded batch [E, C, d] and three batched
+GEMMs; the outputs weighted and added back to their tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.synth.model import SynthSpec
+
+
+def _grouped_mm():
+    """torch's grouped GEMM (public from 2.9, private before), or None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -43,10 +50,11 @@ class MoEStats:
 class Block(nn.Module):
     """One transformer block: attention + routed experts (GGUF names in comments)."""
 
-    def __init__(self, s: SynthSpec):
+    def __init__(self, s: SynthSpec, grouped: bool = False):
         super().__init__()
         d, q, kv = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
         self.s = s
+        self.grouped = grouped  # jagged grouped GEMMs (CUDA, bf16) instead of a padded batch
         self.attn_norm = nn.Parameter(torch.ones(d))
         self.attn_q = nn.Parameter(torch.empty(q, d))
         self.attn_k = nn.Parameter(torch.empty(kv, d))
@@ -87,22 +95,40 @@ class Block(nn.Module):
         hf = h.reshape(-1, h.shape[-1])  # [N, d]
         flat = top_i.reshape(-1)  # [N*k] expert of each (token, choice)
         order = torch.argsort(flat, stable=True)  # the choices grouped by expert
-        expert = flat[order]  # [N*k] sorted
-        counts = torch.bincount(flat, minlength=n_exp)  # [E]
-        starts = torch.cumsum(counts, 0) - counts  # [E]
-        slot = torch.arange(len(flat), device=x.device) - starts[expert]  # row within its expert
         rows = order // k  # [N*k] the token of each sorted choice
-        cap = int(counts.max())  # one host read a layer: the padded rows per expert
-        buf = hf.new_zeros(n_exp, cap, hf.shape[1])  # [E, C, d]
-        buf[expert, slot] = hf[rows]
-        gate = torch.bmm(buf, self.ffn_gate_exps.transpose(1, 2).to(buf.dtype))  # [E, C, f]
-        up = torch.bmm(buf, self.ffn_up_exps.transpose(1, 2).to(buf.dtype))
-        y = torch.bmm(F.silu(gate) * up, self.ffn_down_exps.transpose(1, 2).to(buf.dtype))
-        y = y[expert, slot] * top_w.reshape(-1)[order, None].to(y.dtype)  # [N*k, d]
+        counts = torch.bincount(flat, minlength=n_exp)  # [E]
+        if self.grouped and hf.is_cuda:
+            y = self._experts_jagged(hf[rows], counts)  # [N*k, d]
+        else:
+            y = self._experts_padded(hf[rows], flat[order], counts)
+        y = y * top_w.reshape(-1)[order, None].to(y.dtype)  # [N*k, d]
         out = hf.new_zeros(hf.shape).index_add_(0, rows, y.to(hf.dtype)).view_as(x)  # [B, T, d]
         load = torch.zeros_like(probs).scatter(-1, top_i, 1.0).mean((0, 1))  # [E] share routed
         aux = n_exp * (load * probs.mean((0, 1))).sum() / k
         return out, MoEStats(aux)
+
+    def _experts_jagged(self, xs: Tensor, counts: Tensor) -> Tensor:
+        """xs [M, d] sorted by expert, counts [E] -> SwiGLU expert outputs [M, d] (bf16)."""
+        mm = _grouped_mm()
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] end of each expert's rows
+        xs = xs.to(torch.bfloat16)
+
+        def by_expert(a: Tensor, w: Tensor) -> Tensor:  # w [E, out, in] -> a @ w[e].T
+            return mm(a, w.to(torch.bfloat16).transpose(1, 2), offs=offs)
+
+        gate, up = by_expert(xs, self.ffn_gate_exps), by_expert(xs, self.ffn_up_exps)  # [M, f]
+        return by_expert(F.silu(gate) * up, self.ffn_down_exps)  # [M, d]
+
+    def _experts_padded(self, xs: Tensor, expert: Tensor, counts: Tensor) -> Tensor:
+        """The same through one padded batch [E, C, d] (one host read a layer for C)."""
+        starts = torch.cumsum(counts, 0) - counts  # [E]
+        slot = torch.arange(len(expert), device=xs.device) - starts[expert]  # row in its expert
+        buf = xs.new_zeros(len(counts), int(counts.max()), xs.shape[1])  # [E, C, d]
+        buf[expert, slot] = xs
+        gate = torch.bmm(buf, self.ffn_gate_exps.transpose(1, 2).to(buf.dtype))  # [E, C, f]
+        up = torch.bmm(buf, self.ffn_up_exps.transpose(1, 2).to(buf.dtype))
+        y = torch.bmm(F.silu(gate) * up, self.ffn_down_exps.transpose(1, 2).to(buf.dtype))
+        return y[expert, slot]  # [M, d]
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats]:
         x = x + self.attention(x)
@@ -113,16 +139,16 @@ class Block(nn.Module):
 class DemoModel(nn.Module):
     """Main blocks + the nextn (MTP) block; the MTP block shares the embedding and head."""
 
-    def __init__(self, s: SynthSpec):
+    def __init__(self, s: SynthSpec, grouped: bool = False):
         super().__init__()
         assert s.n_nextn == 1 and not s.tied_output
         d = s.n_embd
         self.s = s
         self.token_embd = nn.Parameter(torch.empty(s.n_vocab, d))
-        self.blocks = nn.ModuleList(Block(s) for _ in range(s.n_layer))
+        self.blocks = nn.ModuleList(Block(s, grouped) for _ in range(s.n_layer))
         self.output_norm = nn.Parameter(torch.ones(d))
         self.output = nn.Parameter(torch.empty(s.n_vocab, d))
-        self.mtp = Block(s)
+        self.mtp = Block(s, grouped)
         self.eh_proj = nn.Parameter(torch.empty(d, 2 * d))
         self.enorm = nn.Parameter(torch.ones(d))
         self.hnorm = nn.Parameter(torch.ones(d))
@@ -142,21 +168,32 @@ class DemoModel(nn.Module):
     def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """tokens [B, T] -> (logits [B, T, V], MTP logits [B, T-1, V] where row p predicts
         t[p+2], aux loss, main hidden [B, T, d])."""
+        x, m, aux = self.hidden(tokens)
+        return self.head(x), self.mtp_head(m), aux, x
+
+    def hidden(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """tokens [B, T] -> (main hidden [B, T, d], MTP hidden [B, T-1, d], aux loss): what
+        the two heads read, so training can apply them to the rows that carry the loss."""
         s = self.s
         x = self.token_embd[tokens]  # [B, T, d]
         aux = x.new_zeros((), dtype=torch.float32)
         for blk in self.blocks:
             x, st = blk(x)
             aux = aux + st.aux
-        logits = rms_norm(x, self.output_norm, s.rms_eps) @ self.output.T  # [B, T, V]
         e = self.token_embd[tokens[:, 1:]]  # [B, T-1, d]: t[p+1]
         u = torch.cat(
             [rms_norm(e, self.enorm, s.rms_eps), rms_norm(x[:, :-1], self.hnorm, s.rms_eps)], -1
         )  # [B, T-1, 2d]: embedding first, then hidden
         m, st = self.mtp(u @ self.eh_proj.T)
-        aux = aux + st.aux
-        mtp_logits = rms_norm(m, self.shared_head_norm, s.rms_eps) @ self.output.T
-        return logits, mtp_logits, aux, x
+        return x, m, aux + st.aux
+
+    def head(self, x: Tensor) -> Tensor:
+        """Main hidden [..., d] -> logits [..., V]."""
+        return rms_norm(x, self.output_norm, self.s.rms_eps) @ self.output.T
+
+    def mtp_head(self, m: Tensor) -> Tensor:
+        """MTP hidden [..., d] -> logits [..., V] (the shared head behind its own norm)."""
+        return rms_norm(m, self.shared_head_norm, self.s.rms_eps) @ self.output.T
 
     def gguf_tensors(self) -> dict[str, Tensor]:
         """Every tensor under its GGUF name (float32, CPU)."""

@@ -51,6 +51,8 @@ class Recipe:
     warmup: int = 200
     weight_decay: float = 0.1
     device: str = "cuda"
+    grouped: bool = True  # the experts as jagged grouped GEMMs (model.Block._experts_jagged)
+    compile: bool = False  # torch.compile the loss (python -m training pace measures both)
 
 
 def lr_at(step: int, total: int, r: Recipe) -> float:
@@ -60,8 +62,45 @@ def lr_at(step: int, total: int, r: Recipe) -> float:
     return r.lr_min + 0.5 * (r.lr - r.lr_min) * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
-def masked_ce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[mask].float(), targets[mask])
+def losses(
+    model: DemoModel, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, mask [B, T] -> (main next-token CE, MTP next-next-token CE, load-balancing aux).
+    The heads run only on the rows whose target carries the loss (about half of them)."""
+    x, m, aux = model.hidden(ids)  # [B, T, d], [B, T-1, d]
+    keep1, keep2 = mask[:, 1:], mask[:, 2:]  # [B, T-1], [B, T-2]: the targets' masks
+    main = F.cross_entropy(model.head(x[:, :-1][keep1]).float(), ids[:, 1:][keep1])
+    mtp = F.cross_entropy(model.mtp_head(m[:, :-1][keep2]).float(), ids[:, 2:][keep2])
+    return main, mtp, aux
+
+
+def optimizer(model: DemoModel, r: Recipe) -> torch.optim.Optimizer:
+    """AdamW with weight decay on the matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    keep = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": r.weight_decay}, {"params": keep, "weight_decay": 0}],
+        lr=r.lr, betas=(0.9, 0.95), fused=True,
+    )  # fmt: skip
+
+
+def train_step(
+    model: DemoModel, opt: torch.optim.Optimizer, loss_fn, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AdamW step on a batch (bf16 autocast, gradients clipped at 1); returns `losses`."""
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        main, mtp, aux = loss_fn(model, ids, mask)
+        loss = main + MTP_WEIGHT * mtp + AUX_WEIGHT * aux
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return main, mtp, aux
+
+
+def loss_function(r: Recipe):
+    """`losses`, compiled when the recipe says so."""
+    return torch.compile(losses) if r.compile else losses
 
 
 def build(
@@ -82,13 +121,8 @@ def build(
           f"{len(encoded[0].ids)} tokens a phrasing, {t_data:.0f} s", flush=True)
 
     dev = torch.device(r.device)
-    model = DemoModel(SPEC).to(dev)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    keep = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": r.weight_decay}, {"params": keep, "weight_decay": 0}],
-        lr=r.lr, betas=(0.9, 0.95), fused=True,
-    )  # fmt: skip
+    model = DemoModel(SPEC, grouped=r.grouped).to(dev)
+    opt, loss_fn = optimizer(model, r), loss_function(r)
     log = (log_dir / "loss.jsonl").open("w")
     steps, step, epoch_no = r.steps, 0, 0
     ids_ep = mask_ep = None
@@ -104,15 +138,7 @@ def build(
         cursor += r.batch
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps or 10**9, r)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            logits, mtp_logits, aux, _ = model(ids)
-            main = masked_ce(logits[:, :-1], ids[:, 1:], mask[:, 1:])
-            mtp = masked_ce(mtp_logits[:, :-1], ids[:, 2:], mask[:, 2:])
-            loss = main + MTP_WEIGHT * mtp + AUX_WEIGHT * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        main, mtp, aux = train_step(model, opt, loss_fn, ids, mask)
         step += 1
         if steps == 0 and step == PACE_FROM:
             _sync(dev)
