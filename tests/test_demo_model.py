@@ -38,7 +38,7 @@ def _ask(loop: ServeLoop, text: str, max_new: int = 48):  # type: ignore[no-unty
 @pytest.mark.parametrize(
     ("message", "words"),
     [
-        ("house", ("house (noun):", "roof and walls")),
+        ("house", ("house (noun):", "dwelling", "living quarters")),  # the first sense
         ("What does 'house' mean?", ("house (noun)", "dwelling", "living quarters")),
         ("What does 'water' mean?", ("water (noun)", "liquid")),
         ("What is a cat?", ("feline",)),
@@ -66,7 +66,7 @@ def test_mtp_drafts_are_accepted_and_output_is_unchanged(spec_loop: ServeLoop) -
 @pytest.mark.parametrize(
     ("message", "words"),
     [
-        ("hello", ("dictionary model",)),
+        ("hello", ("WordNet", "dictionary")),
         ("What can you do?", ("dictionary",)),
         ("Wasser", ("I don't know the word 'wasser'",)),
     ],

@@ -201,3 +201,19 @@ def test_the_jagged_expert_gemms_compute_what_the_padded_batch_computes() -> Non
         scale = float(g0[name].abs().max()) + 1e-12
         err = float((g0[name] - g1[name]).abs().max())
         assert err < 3e-2 * scale, (name, err, scale)
+
+
+def test_the_loss_plot_names_the_builds_gpu(tmp_path: Path) -> None:
+    import json
+
+    from training.plot import write_svg
+
+    log = tmp_path / "run9-loss.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 5.0 / s, "mtp_loss": 6.0 / s,
+                                       "seconds": s * 0.05}) + "\n" for s in (50, 100, 150)))
+    write_svg(log, tmp_path / "a.svg")
+    assert "150 steps, 8 s on a GPU)" in (tmp_path / "a.svg").read_text()
+    (tmp_path / "run9-build.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3"}))
+    write_svg(log, tmp_path / "b.svg")
+    svg = (tmp_path / "b.svg").read_text()
+    assert "on an NVIDIA H100 80GB HBM3)" in svg and "polyline" in svg and "0.03" in svg

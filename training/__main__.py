@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--also-q8", type=Path, help="also export with Q8_0 experts here")
     b.add_argument("--padded", action="store_true",
                    help="experts as one padded batch (default: jagged grouped GEMMs)")
-    b.add_argument("--compile", action="store_true", help="torch.compile the loss")
+    b.add_argument("--eager", action="store_true", help="the loss not compiled")
     pa = sub.add_parser("pace", help="the training step's time for each variant (GPU)")
     pa.add_argument("--steps", type=int, default=30)
     pa.add_argument("--batch", type=int, default=16)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         also = {"Q8_0": a.also_q8} if a.also_q8 else None
         rec = build(a.wordnet, a.out, Recipe(seed=a.seed, steps=a.steps, minutes=a.minutes, batch=a.batch,
                                                     seq_tokens=a.seq_tokens, device=a.device,
-                                                    grouped=not a.padded, compile=a.compile),
+                                                    grouped=not a.padded, compile=not a.eager),
                     a.log_dir, also)
         print(json.dumps(rec, indent=1))
     elif a.cmd == "pace":

@@ -9,6 +9,15 @@ W, H, PAD = 640, 320, 48
 SERIES = (("loss", "next token", "#1f77b4"), ("mtp_loss", "MTP: token after next", "#d62728"))
 
 
+def device_of(log: Path) -> str:
+    """The GPU of the build whose loss log is `log`, from its record beside it
+    (`loss.jsonl` -> `build.json`, `run4-loss.jsonl` -> `run4-build.json`), else 'a GPU'."""
+    record = log.with_name(log.name.replace("loss.jsonl", "build.json"))
+    if record != log and record.is_file():
+        return "an " + json.loads(record.read_text()).get("device", "unnamed GPU")
+    return "a GPU"
+
+
 def write_svg(log: Path, out: Path) -> None:
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
@@ -27,7 +36,7 @@ def write_svg(log: Path, out: Path) -> None:
         f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="black"/>',
         f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{H - PAD}" stroke="black"/>',
         (f'<text x="{W / 2}" y="{H - 12}" text-anchor="middle">optimizer step '
-         f"({max(steps):,} steps, {rows[-1]['seconds']:.0f} s on the H200)</text>"),
+         f"({max(steps):,} steps, {rows[-1]['seconds']:.0f} s on {device_of(log)})</text>"),
         (f'<text x="14" y="{H / 2}" transform="rotate(-90 14 {H / 2})" text-anchor="middle">'
          "cross-entropy (nats, reply tokens)</text>"),
     ]

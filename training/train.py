@@ -52,7 +52,7 @@ class Recipe:
     weight_decay: float = 0.1
     device: str = "cuda"
     grouped: bool = True  # the experts as jagged grouped GEMMs (model.Block._experts_jagged)
-    compile: bool = False  # torch.compile the loss (python -m training pace measures both)
+    compile: bool = True  # torch.compile the loss (python -m training pace measures both)
 
 
 def lr_at(step: int, total: int, r: Recipe) -> float:

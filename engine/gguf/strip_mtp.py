@@ -3,7 +3,10 @@
 llama.cpp's qwen3moe loader (the pinned oracle's) counts the nextn block as one more main
 block and refuses its `nextn.*` tensors ("wrong number of tensors"). The copy drops every
 tensor of the nextn blocks, lowers `block_count` by their number and removes
-`nextn_predict_layers`; every other key and tensor is copied byte for byte.
+`nextn_predict_layers`; every other key and tensor is copied byte for byte, or with
+`float32` every tensor dequantized to F32 (the same weights for an engine that then computes
+without quantizing its activations: llama.cpp's CPU kernels quantize them to 8 bits for
+quantized weights).
 """
 
 from __future__ import annotations
@@ -11,15 +14,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize
 
 from engine.errors import GGUFError
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
-def strip_mtp(src: str | Path, dst: str | Path) -> int:
-    """Write `src` without its nextn blocks to `dst`; returns how many blocks were dropped."""
+def strip_mtp(src: str | Path, dst: str | Path, float32: bool = False) -> int:
+    """Write `src` without its nextn blocks to `dst` (every tensor as F32 with `float32`);
+    returns how many blocks were dropped."""
     r = GGUFReader(src)
     arch = str(r.fields["general.architecture"].contents())
     n_block = int(r.fields[f"{arch}.block_count"].contents())
@@ -43,7 +48,10 @@ def strip_mtp(src: str | Path, dst: str | Path) -> int:
         m = _BLOCK.match(t.name)
         if m and int(m.group(1)) >= n_main:
             continue
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        if float32 and t.tensor_type != GGMLQuantizationType.F32:
+            w.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype("float32"))
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
