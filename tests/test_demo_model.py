@@ -52,6 +52,30 @@ def test_a_known_word_gets_its_definition(spec_loop: ServeLoop, message: str,
     assert all(w in text for w in words), text
 
 
+# What the file suggests (general.description: the app's header and input hint), with words
+# the right answer holds (the corpus's reply for the lemma's first sense)
+SUGGESTED = {
+    "house": ("house (noun):", "dwelling"),
+    "What does 'water' mean?": ("water (noun)", "liquid"),
+    "What is a cat?": ("feline", "carnivore"),
+    "A word like 'happy'?": ("Words like 'happy':", "blissful"),
+    "What is the opposite of 'hot'?": ("'cold'",),
+}
+
+
+def test_every_question_the_file_suggests_gets_the_right_answer(spec_loop: ServeLoop,
+                                                                demo_path: Path) -> None:
+    description = open_gguf(demo_path).metadata["general.description"]
+    suggested = description.split("Try: ", 1)[1].split(" · ")
+    assert sorted(suggested) == sorted(SUGGESTED), suggested
+    for message, words in SUGGESTED.items():
+        text = _ask(spec_loop, message).text
+        assert all(w in text for w in words), (message, text)
+        if text.startswith("Words like"):  # a synonym list never repeats a word
+            listed = text.split(": ", 1)[1].rstrip(".").split(", ")
+            assert len(listed) == len(set(listed)), text
+
+
 def test_mtp_drafts_are_accepted_and_output_is_unchanged(spec_loop: ServeLoop) -> None:
     plain = ServeLoop.create(EngineOptions(device="sim"))
     accepted = offered = 0

@@ -29,7 +29,7 @@ SPEC: SynthSpec = replace(PRESETS["random-demo"], seed=0)
 TITLE = "strata demo: a 4-layer MoE trained on WordNet (a dictionary to chat with)"
 DESCRIPTION = (
     "A dictionary to chat with, not an assistant. Try: house · What does 'water' mean? · "
-    "What is a cat? · Synonyms of big? · What is the opposite of 'hot'?"
+    "What is a cat? · A word like 'happy'? · What is the opposite of 'hot'?"
 )
 MTP_WEIGHT = 0.3
 AUX_WEIGHT = 0.01
