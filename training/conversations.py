@@ -27,9 +27,12 @@ Conversation = tuple[Pair, ...]
 class Mix:
     """How much of each kind of exchange, and how they are cut into conversations."""
 
-    # non-word exchanges, a fixed count (a share of the dictionary pairs fell with them): a
-    # typo of each of the 16,319 everyday lemmas of 4+ letters, then the seeded mix
-    n_unknown: int = 40_000
+    # non-word exchanges, a fixed count (a share of the dictionary pairs fell with them):
+    # `typo_copies` typos of each of the 16,319 everyday lemmas of 4+ letters, then the
+    # seeded mix (run 5, one typo a lemma and 40,000 in all: typos of everyday words were
+    # still defined as real words, 70% of non-words said unknown)
+    n_unknown: int = 64_000
+    typo_copies: int = 2
     persona_each: int = 2300  # exchanges of each kind of persona message (12 kinds): 6%
     single_share: float = 0.25  # conversations of one exchange
     min_turns: int = 3  # the others: 2-8 earlier exchanges, then the last question
@@ -62,7 +65,7 @@ def exchanges(wn: WordNet, seed: int, mix: Mix = Mix(), speller: unknown.Speller
     rng = random.Random(seed)
     words = [p for p in corpus.pairs(wn, "train", seed) if norm(p.user) not in PERSONA_ASKS]
     sp = speller or unknown.Speller(wn)
-    odd = unknown.pairs(wn, sp, mix.n_unknown, rng, corpus.DEFINE)
+    odd = unknown.pairs(wn, sp, mix.n_unknown, rng, corpus.DEFINE, mix.typo_copies)
     people = persona.pairs(suggestable(wn), mix.persona_each, rng)
     return words + odd + people
 

@@ -181,19 +181,21 @@ def nonwords(wn: WordNet, sp: Speller, n: int, rng: random.Random, for_eval: boo
 TYPO_TRIES = 20  # random typos tried for a lemma before its one-edit strings are listed
 
 
-def typo_cover(wn: WordNet, sp: Speller, rng: random.Random, seen: set[str]) -> list[str]:
-    """One training typo of every everyday lemma of 4+ letters (the lemmas a user types),
-    in lemma order: a random deletion, swap, substitution or insertion that is no lemma, no
-    evaluation word and not in `seen` (which gets it), else the first such string one edit
-    away. Every such lemma has one: 4 letters give ~230 one-edit strings."""
+def typo_cover(wn: WordNet, sp: Speller, rng: random.Random, seen: set[str],
+               copies: int = 1) -> list[str]:
+    """`copies` training typos of every everyday lemma of 4+ letters (the lemmas a user
+    types), in lemma order: each a random deletion, swap, substitution or insertion that is no
+    lemma, no evaluation word and not in `seen` (which gets it), else the first such string
+    one edit away. Every such lemma has them: 4 letters give ~230 one-edit strings."""
     out = []
     for lemma in _typo_sources(wn):
-        tries = (typo(lemma, rng) for _ in range(TYPO_TRIES))
-        word = next((w for w in tries if _trainable(w, sp, seen)), None)
-        if word is None:
-            word = next(w for w in sorted(edits1(lemma)) if _trainable(w, sp, seen))
-        seen.add(word)
-        out.append(word)
+        for _ in range(copies):
+            tries = (typo(lemma, rng) for _ in range(TYPO_TRIES))
+            word = next((w for w in tries if _trainable(w, sp, seen)), None)
+            if word is None:
+                word = next(w for w in sorted(edits1(lemma)) if _trainable(w, sp, seen))
+            seen.add(word)
+            out.append(word)
     return out
 
 
@@ -201,16 +203,17 @@ def _trainable(word: str, sp: Speller, seen: set[str]) -> bool:
     return word not in seen and not sp.is_lemma(word) and not eval_only(word)
 
 
-def pairs(wn: WordNet, sp: Speller, n: int, rng: random.Random, templates: tuple[str, ...]
-          ) -> list[Pair]:
+def pairs(wn: WordNet, sp: Speller, n: int, rng: random.Random, templates: tuple[str, ...],
+          typo_copies: int = 1) -> list[Pair]:
     """`n` training pairs about non-words, asked with `templates` (the dictionary's
-    question forms, so a typo reads like any other question): a typo of every everyday
-    lemma (`typo_cover`), then the seeded mix of `nonwords`. `n` is at least the cover."""
+    question forms, so a typo reads like any other question): `typo_copies` typos of every
+    everyday lemma (`typo_cover`), then the seeded mix of `nonwords`. `n` is at least the
+    cover."""
     seen: set[str] = set()
-    cover = typo_cover(wn, sp, rng, seen)
+    cover = typo_cover(wn, sp, rng, seen, typo_copies)
     if n < len(cover):
-        raise ValueError(f"{n} unknown-word exchanges cannot hold a typo of each of the "
-                         f"{len(cover)} everyday lemmas of 4+ letters")
+        raise ValueError(f"{n} unknown-word exchanges cannot hold {typo_copies} typo(s) of "
+                         f"each of the {len(cover) // typo_copies} everyday lemmas of 4+ letters")
     words = [(w, "typo") for w in cover] + list(nonwords(wn, sp, n - len(cover), rng, seen=seen))
     out = []
     for word, how in words:
