@@ -217,3 +217,13 @@ def test_the_loss_plot_names_the_builds_gpu(tmp_path: Path) -> None:
     write_svg(log, tmp_path / "b.svg")
     svg = (tmp_path / "b.svg").read_text()
     assert "on an NVIDIA H100 80GB HBM3)" in svg and "polyline" in svg and "0.03" in svg
+
+
+def test_pace_says_it_needs_a_gpu_where_there_is_none(capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the gpu-marked test times the real step")
+    from training.__main__ import main
+
+    assert main(["pace", "--steps", "2"]) == 1
+    assert "no CUDA device" in capsys.readouterr().out
