@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -74,6 +74,11 @@ def losses(
     return main, mtp, aux
 
 
+LossFn = Callable[
+    [DemoModel, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]  # `losses` or its compiled form
+
+
 def optimizer(model: DemoModel, r: Recipe) -> torch.optim.Optimizer:
     """AdamW with weight decay on the matrices only."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -85,7 +90,8 @@ def optimizer(model: DemoModel, r: Recipe) -> torch.optim.Optimizer:
 
 
 def train_step(
-    model: DemoModel, opt: torch.optim.Optimizer, loss_fn, ids: torch.Tensor, mask: torch.Tensor
+    model: DemoModel, opt: torch.optim.Optimizer, loss_fn: LossFn, ids: torch.Tensor,
+    mask: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One AdamW step on a batch (bf16 autocast, gradients clipped at 1); returns `losses`."""
     with torch.autocast(ids.device.type, dtype=torch.bfloat16):
@@ -98,7 +104,7 @@ def train_step(
     return main, mtp, aux
 
 
-def loss_function(r: Recipe):
+def loss_function(r: Recipe) -> LossFn:
     """`losses`, compiled when the recipe says so."""
     return torch.compile(losses) if r.compile else losses
 
