@@ -178,10 +178,10 @@ def test_the_jagged_expert_gemms_compute_what_the_padded_batch_computes() -> Non
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device for PyTorch")
-    from training.model import DemoModel, _grouped_mm
+    from training.model import GROUPED_MM, DemoModel
     from training.train import SPEC, losses
 
-    if _grouped_mm() is None:
+    if GROUPED_MM is None:
         pytest.skip(f"torch {torch.__version__} has no grouped GEMM")
     torch.manual_seed(0)
     ids = torch.randint(0, SPEC.n_vocab, (2, 512), device="cuda")  # [B, T]

@@ -21,9 +21,8 @@ from torch import Tensor, nn
 from engine.synth.model import SynthSpec
 
 
-def _grouped_mm():
-    """torch's grouped GEMM (public from 2.9, private before), or None."""
-    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# torch's grouped GEMM (public from 2.9, private before), or None
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -97,7 +96,7 @@ class Block(nn.Module):
         order = torch.argsort(flat, stable=True)  # the choices grouped by expert
         rows = order // k  # [N*k] the token of each sorted choice
         counts = torch.bincount(flat, minlength=n_exp)  # [E]
-        if self.grouped and hf.is_cuda:
+        if self.grouped and hf.is_cuda and GROUPED_MM is not None:
             y = self._experts_jagged(hf[rows], counts)  # [N*k, d]
         else:
             y = self._experts_padded(hf[rows], flat[order], counts)
@@ -109,12 +108,11 @@ class Block(nn.Module):
 
     def _experts_jagged(self, xs: Tensor, counts: Tensor) -> Tensor:
         """xs [M, d] sorted by expert, counts [E] -> SwiGLU expert outputs [M, d] (bf16)."""
-        mm = _grouped_mm()
         offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] end of each expert's rows
         xs = xs.to(torch.bfloat16)
 
         def by_expert(a: Tensor, w: Tensor) -> Tensor:  # w [E, out, in] -> a @ w[e].T
-            return mm(a, w.to(torch.bfloat16).transpose(1, 2), offs=offs)
+            return GROUPED_MM(a, w.to(torch.bfloat16).transpose(1, 2), offs=offs)
 
         gate, up = by_expert(xs, self.ffn_gate_exps), by_expert(xs, self.ffn_up_exps)  # [M, f]
         return by_expert(F.silu(gate) * up, self.ffn_down_exps)  # [M, d]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -22,22 +23,33 @@ from training.train import SPEC, Recipe, loss_function, optimizer, train_step
 WARMUP = 8  # steps before timing: compilation, cuBLAS heuristics, the allocator's pools
 
 
-def time_variant(r: Recipe, steps: int, seed: int = 0) -> list[float]:
-    """Seconds of each of `steps` timed steps of recipe `r` (its `grouped` and `compile`)."""
+def _warm_step(r: Recipe, seed: int = 0) -> Callable[[], None]:
+    """One training step of recipe `r` (its `grouped` and `compile`) on fixed random tokens
+    (the build's shapes, half the targets carrying the loss), after WARMUP such steps."""
     torch.manual_seed(seed)
     dev = torch.device(r.device)
     model = DemoModel(SPEC, grouped=r.grouped).to(dev)
     opt, loss_fn = optimizer(model, r), loss_function(r)
     ids = torch.randint(0, SPEC.n_vocab, (r.batch, r.seq_tokens), device=dev)  # [B, T]
     mask = torch.rand(r.batch, r.seq_tokens, device=dev) < 0.5  # [B, T]
-    out = []
-    for i in range(WARMUP + steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
+
+    def step() -> None:
         train_step(model, opt, loss_fn, ids, mask)
+
+    for _ in range(WARMUP):
+        step()
+    torch.cuda.synchronize()
+    return step
+
+
+def time_variant(r: Recipe, steps: int, seed: int = 0) -> list[float]:
+    """Seconds of each of `steps` timed steps of recipe `r`."""
+    step, out = _warm_step(r, seed), []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
         torch.cuda.synchronize()
-        if i >= WARMUP:
-            out.append(time.perf_counter() - t)
+        out.append(time.perf_counter() - t)
     return out
 
 
@@ -45,17 +57,9 @@ def kernels(r: Recipe, top: int = 20) -> str:
     """The CUDA kernels of one step (after a warm-up), by total GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    dev = torch.device(r.device)
-    model = DemoModel(SPEC, grouped=r.grouped).to(dev)
-    opt, loss_fn = optimizer(model, r), loss_function(r)
-    ids = torch.randint(0, SPEC.n_vocab, (r.batch, r.seq_tokens), device=dev)
-    mask = torch.rand(r.batch, r.seq_tokens, device=dev) < 0.5
-    for _ in range(WARMUP):
-        train_step(model, opt, loss_fn, ids, mask)
-    torch.cuda.synchronize()
+    step = _warm_step(r)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        train_step(model, opt, loss_fn, ids, mask)
+        step()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
 
