@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 
 import pytest
 
@@ -241,3 +242,55 @@ def test_sandbox_blocks_mutation_and_private_attributes() -> None:
 def test_runtime_type_error() -> None:
     message = one_line_error("{{ messages[0].content + 1 }}")
     assert message.startswith("chat template failed (TypeError")
+
+
+# --- real templates: llama.cpp's tree (models/templates/, llama-cpp-python 0.3.36's sdist) ----
+
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+REAL_TEMPLATES = ["GLM-4.6.jinja", "GLM-4.7-Flash.jinja", "Qwen-Qwen3-0.6B.jinja"]
+TOOLS = [{"type": "function", "function": {"name": "météo", "description": "weather",
+                                           "parameters": {"city": "str"}}}]
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Zürich?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "météo", "arguments": {"city": "Zürich"}}}]},
+    {"role": "tool", "content": "12°C, clear"},
+]
+
+
+def plain_jinja(template: str, messages: list, **context: object) -> str:
+    """The template through plain Jinja2 with HuggingFace's settings (the reference)."""
+    import json
+
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: \
+        json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = lambda m: (_ for _ in ()).throw(jinja2.TemplateError(m))
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                            bos_token="", eos_token="", **context)
+
+
+@pytest.mark.parametrize("name", REAL_TEMPLATES)
+def test_real_templates_render_as_plain_jinja_does(name: str) -> None:
+    """GLM-4.6, GLM-4.7-Flash and Qwen3 through our sandboxed renderer: the same text as plain
+    Jinja2 for a conversation with reasoning, thinking off, tools and a tool call and result."""
+    template = (TEMPLATES / name).read_text(encoding="utf-8")
+    cases = [(CONVERSATION, {}), (CONVERSATION[1:2], {"enable_thinking": False}),
+             (TOOL_TURNS, {"tools": TOOLS})]
+    for messages, context in cases:
+        assert render_chat(template, messages, **context) == plain_jinja(template, messages, **context)
+
+
+def test_glm_template_renders_glms_turns() -> None:
+    template = (TEMPLATES / "GLM-4.6.jinja").read_text(encoding="utf-8")
+    assert render_chat(template, CONVERSATION) == (
+        "[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>\nHello!<|assistant|>\n"
+        "<think></think>\nHi! How can I help?<|user|>\nTell me a joke.<|assistant|>"
+    )
+    assert render_chat(template, CONVERSATION[1:2], enable_thinking=False).endswith(
+        "Hello!/nothink<|assistant|>\n<think></think>")

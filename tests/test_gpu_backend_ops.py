@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from engine.backend import SimBackend
-from engine.backend.base import CopyCounts
+from engine.backend.base import CopyCounts, Routing
 from engine.gguf.quant import ExpertLayout, row_bytes
 from engine.kv import KVCache
 from engine.memory.sizes import MiB
@@ -64,8 +64,8 @@ def test_norm_rope_and_route(cp, cuda, sim) -> None:  # type: ignore[no-untyped-
     assert np.abs(rotated - sim.rope(x, 1000, 1e6)).max() < 1e-5 * 1001**0.5 * 3
     logits = RNG.standard_normal((6, 16)).astype(np.float32)
     logits[:, 5] = logits[:, 3]  # a tie in every row: the lower index comes first
-    ids, wts, margin = (cuda.download(a) for a in cuda.route(cp.asarray(logits), 4))
-    ids_r, wts_r, margin_r = sim.route(logits, 4)
+    ids, wts, margin = (cuda.download(a) for a in cuda.route(cp.asarray(logits), Routing(4)))
+    ids_r, wts_r, margin_r = sim.route(logits, Routing(4))
     assert np.array_equal(ids, ids_r) and np.abs(wts - wts_r).max() < 1e-6
     assert np.abs(margin - margin_r).max() < 1e-6
 

@@ -13,6 +13,7 @@ import pytest
 
 from engine.backend import SimBackend
 from engine.backend.array_ops import kv_encode, rms_norm, rope_neox
+from engine.backend.base import Routing
 from engine.kernels.fused import kernel_source
 from engine.kv import KVCache
 from engine.memory.sizes import MiB
@@ -61,6 +62,22 @@ def test_rope_in_place(cp, pos0: int) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pos0", [0, 1000])
+def test_partial_rope_rotates_the_first_dims_only(cp, pos0: int) -> None:  # type: ignore[no-untyped-def]
+    """GLM's partial RoPE: 64 of a 128-dim head rotated (frequencies over 64), 64 untouched;
+    the token graph's device position too."""
+    from engine.kernels.fused import rope_neox_
+
+    x = RNG.standard_normal((7, 4, 128)).astype(np.float32)
+    ref = rope_neox(np, x, np.arange(pos0, pos0 + 7), 1e6, 64)
+    out = cp.asnumpy(rope_neox_(cp.asarray(x), pos0, 1e6, n_rot=64))
+    assert np.array_equal(out[..., 64:], x[..., 64:])
+    assert np.abs(out - ref).max() < 1e-5 * (1 + pos0) ** 0.5
+    at = cp.asnumpy(rope_neox_(cp.asarray(x), 0, 1e6, pos=cp.asarray([pos0], dtype=cp.int32), n_rot=64))
+    assert np.array_equal(at, out)
+
+
+@pytest.mark.gpu
 def test_kv_q4_codec_matches_the_numpy_codec_exactly(cp, cuda) -> None:  # type: ignore[no-untyped-def]
     x = RNG.standard_normal((9, 4, 128)).astype(np.float32)
     x[0, 0, :32] = 0.0  # an all-zero block: scale 0
@@ -99,11 +116,28 @@ def test_route_topk(cp, cuda, n_expert: int, k: int) -> None:  # type: ignore[no
     h = RNG.standard_normal((6, d)).astype(np.float32)
     router = RNG.standard_normal((n_expert, d)).astype(np.float32)
     router[3] = router[5]  # a tie in every row: the lower index comes first
-    ids_r, w_r, m_r = sim.route(sim.linear(h, router), k)
+    ids_r, w_r, m_r = sim.route(sim.linear(h, router), Routing(k))
     logits = cuda.linear(cp.asarray(h), cp.asarray(router))  # [6, E]
-    ids, w, m = (cp.asnumpy(a) for a in cuda.route(logits, k))
+    ids, w, m = (cp.asnumpy(a) for a in cuda.route(logits, Routing(k)))
     assert ids.dtype == np.int64 and np.array_equal(ids, ids_r)
     assert np.abs(w - w_r).max() < 1e-6 and np.abs(m - m_r).max() < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_expert,k,norm,scale", [(128, 8, True, 2.5), (160, 8, True, 1.0),
+                                                   (8, 2, False, 1.0), (8, 8, True, 1.5)])
+def test_sigmoid_route_with_a_selection_bias(cp, cuda, n_expert: int, k: int, norm: bool,
+                                             scale: float) -> None:  # type: ignore[no-untyped-def]
+    """glm4moe's routing: the top-k on sigmoid + bias, the weights the sigmoid itself."""
+    sim = SimBackend(1 * MiB)
+    logits = RNG.standard_normal((6, n_expert)).astype(np.float32)
+    bias = (RNG.standard_normal(n_expert) * 0.2).astype(np.float32)
+    rule = Routing(k, sigmoid=True, norm=norm, scale=scale)
+    ids_r, w_r, m_r = sim.route(logits, rule, bias)
+    ids, w, m = (cp.asnumpy(a) for a in cuda.route(cp.asarray(logits), rule, cp.asarray(bias)))
+    assert np.array_equal(ids, ids_r)
+    assert np.abs(w - w_r).max() < 1e-6 * scale and np.abs(m - m_r).max() < 1e-6
+    assert not np.array_equal(ids_r, sim.route(logits, rule)[0])  # the bias changes the choice
 
 
 @pytest.mark.gpu

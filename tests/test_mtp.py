@@ -55,9 +55,7 @@ def test_block_forward_matches_a_hand_computed_first_cell(model: Model) -> None:
     heads = np.repeat(v, hp.n_head // hp.n_head_kv, axis=0)  # softmax over one key is 1
     x = x + heads.reshape(1, -1) @ wo.T
     be = model.transformer.backend
-    ffn, _, _ = moe_block(
-        be, hp, block.block.ffn_norm, block.block.router, x, 0, DirectExperts(model.mtp_experts, be)
-    )
+    ffn, _, _ = moe_block(be, hp, block.block, x, 0, DirectExperts(model.mtp_experts, be))
     x = x + ffn
     np.testing.assert_allclose(out.hidden, x, atol=1e-4, rtol=1e-4)
     want = rms_norm(np, x, block.shared_head_norm, eps) @ model.transformer.head.T

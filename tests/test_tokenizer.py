@@ -40,10 +40,12 @@ TEXTS = [
 ]
 
 
-def write_vocab_gguf(path: Path, spec: VocabSpec, extra: dict[str, Any] | None = None) -> Path:
-    """A GGUF file holding `spec` (plus `extra` string keys) and one dummy F32 tensor."""
+def write_vocab_gguf(path: Path, spec: VocabSpec, extra: dict[str, Any] | None = None,
+                     pre: str = "qwen2") -> Path:
+    """A GGUF file holding `spec` (plus `extra` string keys, its pre-tokenizer `pre`) and one
+    dummy F32 tensor."""
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    write_vocab(writer, spec)
+    write_vocab(writer, spec, pre=pre)
     for key, value in (extra or {}).items():
         writer.add_string(key, value)
     writer.add_tensor("dummy", np.zeros(1, dtype=np.float32))
@@ -239,7 +241,7 @@ def base_meta(spec: VocabSpec) -> dict[str, Any]:
         ({"tokenizer.ggml.model": None}, "'tokenizer.ggml.model' is missing"),
         ({"tokenizer.ggml.tokens": None}, "'tokenizer.ggml.tokens' is missing"),
         ({"tokenizer.ggml.merges": None}, "'tokenizer.ggml.merges' is missing"),
-        ({"tokenizer.ggml.pre": "llama-bpe"}, "tokenizer.ggml.pre = 'llama-bpe' is not supported"),
+        ({"tokenizer.ggml.pre": "deepseek-llm"}, "tokenizer.ggml.pre = 'deepseek-llm' is not supported"),
         ({"tokenizer.ggml.eos_token_id": 10**6}, "eos_token_id = 1000000 is outside"),
         ({"tokenizer.ggml.token_type": [1, 1]}, "token_type has 2 entries"),
         ({"tokenizer.ggml.merges": ["Ġ"]}, "merges[0] = 'Ġ' is not two tokens"),
@@ -325,3 +327,41 @@ def test_llama_cpp_tokenizes_the_same(tok: Tokenizer, gguf_path: Path) -> None:
     for special in (True, False):
         ours_bytes = b"".join(tok.token_bytes(i, skip_special=not special) for i in ids)
         assert llm.detokenize(ids, special=special) == ours_bytes
+
+
+# llama.cpp's own tokenizer test strings (models/ggml-vocab-*.gguf.inp in its tree, the same for
+# every vocabulary there), one string per `__ggml_vocab_test__` separator.
+LLAMA_TEST_STRINGS = (Path(__file__).parent / "data" / "ggml-vocab-test.inp").read_text(
+    encoding="utf-8").split("\n__ggml_vocab_test__\n")
+
+
+def with_digit_and_unmerged_tokens(spec: VocabSpec) -> VocabSpec:
+    """`spec` plus digit tokens "12", "123", "45", "456" with their merges (where a split into
+    single digits and one into runs of three tokenize apart) and "qzq" with none (only a
+    pre-tokenizer that skips the merges for whole-token pieces finds it)."""
+    extra = ["12", "123", "45", "456", "qzq"]
+    return VocabSpec(
+        tokens=spec.tokens + extra, token_types=spec.token_types + [int(TokenType.NORMAL)] * 5,
+        merges=spec.merges + ["1 2", "12 3", "4 5", "45 6"], bos_id=spec.bos_id,
+        eos_id=spec.eos_id, pad_id=spec.pad_id, chat_template=spec.chat_template, words=spec.words,
+    )
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "glm4", "llama-bpe"])
+def test_each_pre_tokenizer_splits_as_llama_cpp(spec: VocabSpec, tmp_path: Path, pre: str) -> None:
+    """qwen2 (Qwen3), glm4 (GLM-4.5: Llama 3's split, digits in threes) and llama-bpe (Llama 3:
+    that split, and a piece that is a whole token skips the merges) on the same vocabulary:
+    ours and llama.cpp's ids agree on llama.cpp's own test strings, digit runs and a token no
+    merge makes."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = write_vocab_gguf(tmp_path / f"{pre}.gguf", with_digit_and_unmerged_tokens(spec), pre=pre)
+    tok = Tokenizer.from_metadata(open_gguf(path).metadata)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    texts = [*LLAMA_TEST_STRINGS, "1234567 89 0.12345", "x 3333333 y", "qzq qzq"]
+    assert len(texts) > 40
+    for text in texts:
+        theirs = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+        assert tok.encode(text, special=False) == theirs, (pre, text)
+    pieces = lambda text: [tok.token_text(i) for i in tok.encode(text)]
+    assert pieces("1234567") == (list("1234567") if pre == "qwen2" else ["123", "456", "7"])
+    assert pieces("qzq") == (["qzq"] if pre == "llama-bpe" else ["q", "z", "q"])

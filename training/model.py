@@ -203,7 +203,7 @@ class DemoModel(nn.Module):
             names.OUTPUT: self.output,
         }
         for i, blk in enumerate([*self.blocks, self.mtp]):
-            for kind in names.BLOCK:
+            for kind in names.QWEN3MOE_BLOCK:
                 out[names.block(kind, i)] = getattr(blk, kind)
         i = self.s.n_layer
         for kind in ("eh_proj", "enorm", "hnorm", "shared_head_norm"):

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine.backend.base import DeviceArray, DevicePosition, ExpertProvider, Position
+from engine.backend.base import DeviceArray, DevicePosition, ExpertProvider, Position, Routing
 from engine.gguf.quant import QuantMatrix, QuantStack, dequantize_bytes
 
 QUERY_BLOCK = 512  # queries per score block at most (`causal_gqa`)
@@ -49,11 +49,15 @@ def softmax(xp: ModuleType, x: Any, axis: int = -1) -> Any:
     return e / xp.sum(e, axis=axis, keepdims=True)
 
 
-def rope_neox(xp: ModuleType, x: Any, positions: Any, base: float) -> Any:
-    """NEOX-style rotary embedding (rotate halves), as llama.cpp's qwen3moe graph uses.
+def rope_neox(xp: ModuleType, x: Any, positions: Any, base: float, n_rot: int = 0) -> Any:
+    """NEOX-style rotary embedding (rotate halves), as llama.cpp's qwen3moe and glm4moe graphs
+    use; `n_rot`: only the first n_rot dims, the rest pass through (partial RoPE).
 
     x: [T, H, D]; positions: [T] int.
     """
+    if n_rot and n_rot < x.shape[-1]:
+        return xp.concatenate([rope_neox(xp, x[..., :n_rot], positions, base), x[..., n_rot:]],
+                              axis=-1)
     d = x.shape[-1]
     half = d // 2
     inv_freq = base ** (-xp.arange(0, half, dtype=xp.float32) * 2.0 / d)  # [D/2]
@@ -93,22 +97,30 @@ def causal_gqa(xp: ModuleType, q: Any, k: Any, v: Any, pos0: int) -> Any:
     return out.transpose(2, 0, 1, 3).reshape(t, n_head, d)  # [T, H, D]
 
 
-def route_topk(xp: ModuleType, logits: Any, k: int) -> tuple[Any, Any, Any]:
-    """Router logits [T, E] -> (ids [T, k] int, weights [T, k] renormalised to sum 1,
-    margin [T]).
+def route_topk(xp: ModuleType, logits: Any, routing: Routing, bias: Any = None
+               ) -> tuple[Any, Any, Any]:
+    """Router logits [T, E] -> (ids [T, k] int, weights [T, k], margin [T]) (see `Routing`).
 
-    `margin` is the probability gap between the k-th and (k+1)-th expert: how far the
-    routing decision is from a tie (a perturbation larger than it can change the top-k).
+    `margin` is the gap between the k-th and (k+1)-th choice score (the probability, plus
+    `bias` under sigmoid routing): how far the routing decision is from a tie (a
+    perturbation larger than it can change the top-k).
     """
-    probs = softmax(xp, logits)  # [T, E]
-    order = xp.argsort(-probs, axis=-1, kind="stable")  # [T, E]; ties: lower index first
+    k = routing.k
+    probs = 1.0 / (1.0 + xp.exp(-logits)) if routing.sigmoid else softmax(xp, logits)  # [T, E]
+    choice = probs if bias is None else probs + bias  # [T, E]
+    order = xp.argsort(-choice, axis=-1, kind="stable")  # [T, E]; ties: lower index first
     ids = order[:, :k]  # [T, k]
     w = xp.take_along_axis(probs, ids, axis=-1)  # [T, k]
     if k < logits.shape[-1]:
-        margin = w[:, -1] - xp.take_along_axis(probs, order[:, k : k + 1], axis=-1)[:, 0]
+        top = xp.take_along_axis(choice, order[:, k - 1 : k + 1], axis=-1)  # [T, 2]
+        margin = top[:, 0] - top[:, 1]
     else:
         margin = xp.ones(logits.shape[0], dtype=probs.dtype)
-    return ids, w / xp.sum(w, axis=-1, keepdims=True), margin
+    if routing.norm:
+        w = w / xp.sum(w, axis=-1, keepdims=True)
+    if routing.scale != 1.0:
+        w = w * routing.scale
+    return ids, w, margin
 
 
 def kv_encode(xp: ModuleType, kind: str, x: Any) -> tuple[Any, Any]:
@@ -175,11 +187,11 @@ class ArrayOps(ABC):
             return int(self.download(pos.array)[0])
         return pos
 
-    def rope(self, x: Any, pos: Position, base: float) -> Any:
-        """x [T, H, D] rotated (NEOX) at positions pos..pos+T-1; x itself may be rotated in
-        place (callers pass a fresh array)."""
+    def rope(self, x: Any, pos: Position, base: float, n_rot: int = 0) -> Any:
+        """x [T, H, D] rotated (NEOX) at positions pos..pos+T-1 (the first `n_rot` dims of a
+        head, 0: all); x itself may be rotated in place (callers pass a fresh array)."""
         pos0 = self.host_position(pos)
-        return rope_neox(self.xp, x, self.xp.arange(pos0, pos0 + x.shape[0]), base)
+        return rope_neox(self.xp, x, self.xp.arange(pos0, pos0 + x.shape[0]), base, n_rot)
 
     def attention(self, q: Any, k: Any, v: Any, pos0: int) -> Any:
         """Causal grouped-query attention: q [T, H, D] at positions pos0.., k, v [S, Hkv, D]
@@ -198,9 +210,9 @@ class ArrayOps(ABC):
                         for data, scale in ((cells.k, cells.k_scale), (cells.v, cells.v_scale)))
         return self.attention(q, k_all, v_all, pos0)
 
-    def route(self, logits: Any, k: int) -> tuple[Any, Any, Any]:
-        """Router logits [T, E] -> (ids [T, k], weights [T, k] summing to 1, margin [T])."""
-        return route_topk(self.xp, logits, k)
+    def route(self, logits: Any, routing: Routing, bias: Any = None) -> tuple[Any, Any, Any]:
+        """Router logits [T, E] -> (ids [T, k], weights [T, k], margin [T]) (`route_topk`)."""
+        return route_topk(self.xp, logits, routing, bias)
 
     def expert_counts(self, ids: Any, n_expert: int) -> np.ndarray:
         """Routed ids [T, k] -> host int [E]: rows per expert."""

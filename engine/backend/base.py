@@ -35,6 +35,19 @@ DeviceArray = Any
 
 
 @dataclass(frozen=True)
+class Routing:
+    """How router logits [T, E] become each row's top-k experts and their weights: qwen3moe's
+    softmax (the default), or glm4moe's sigmoid with the top-k chosen on the probabilities plus
+    a per-expert bias while the weights are the probabilities themselves; then renormalised to
+    sum 1 (`norm`) and multiplied by `scale`."""
+
+    k: int
+    sigmoid: bool = False
+    norm: bool = True
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class KVCells:
     """Every cell of one layer's KV cache as views, what `attention_at` reads and writes in
     place (the CUDA kernels take it as it is).
@@ -365,8 +378,9 @@ class Backend(Protocol):
         """RMSNorm over the last axis of x [.., n] with weight [n]; float32 out."""
         ...
 
-    def rope(self, x: DeviceArray, pos: Position, base: float) -> DeviceArray:
-        """x [T, H, D] rotated (NEOX) at positions pos..; may rotate x in place."""
+    def rope(self, x: DeviceArray, pos: Position, base: float, n_rot: int = 0) -> DeviceArray:
+        """x [T, H, D] rotated (NEOX) at positions pos..; may rotate x in place. `n_rot`: only
+        the first n_rot dims of a head (partial RoPE, frequencies over n_rot), 0: all D."""
         ...
 
     def attention(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, pos0: int) -> DeviceArray:
@@ -380,8 +394,11 @@ class Backend(Protocol):
         0..pos+T -> float32 [T, H, D]."""
         ...
 
-    def route(self, logits: DeviceArray, k: int) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
-        """Router logits [T, E] -> (ids [T, k], weights [T, k] summing to 1, margin [T])."""
+    def route(self, logits: DeviceArray, routing: Routing, bias: DeviceArray | None = None
+              ) -> tuple[DeviceArray, DeviceArray, DeviceArray]:
+        """Router logits [T, E] -> (ids [T, k], weights [T, k], margin [T]) as `routing` says;
+        `bias` [E] (sigmoid routing): added to the probabilities for the choice only. `margin`:
+        the k-th minus the (k+1)-th choice score, how far the top-k is from a tie."""
         ...
 
     def expert_counts(self, ids: DeviceArray, n_expert: int) -> np.ndarray:

@@ -28,7 +28,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.backend.array_ops import ArrayOps
-from engine.backend.base import DevicePosition, ExpertProvider, Position
+from engine.backend.base import DevicePosition, ExpertProvider, Position, Routing
 from engine.config import DECODE_ROWS
 from engine.gguf.quant import ExpertLayout, QuantMatrix, QuantStack
 from engine.kernels import fused
@@ -81,11 +81,11 @@ class CudaOps(ArrayOps):
             return fused.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
-    def rope(self, x: Any, pos: Position, base: float) -> Any:
+    def rope(self, x: Any, pos: Position, base: float, n_rot: int = 0) -> Any:
         x = cupy.ascontiguousarray(x, dtype=cupy.float32)
         if isinstance(pos, DevicePosition):  # the kernel adds the device value
-            return fused.rope_neox_(x, 0, base, pos=pos.array)
-        return fused.rope_neox_(x, pos, base)
+            return fused.rope_neox_(x, 0, base, pos=pos.array, n_rot=n_rot)
+        return fused.rope_neox_(x, pos, base, n_rot=n_rot)
 
     def attention(self, q: Any, k: Any, v: Any, pos0: int) -> Any:
         if q.shape[0] > 1:  # a prompt chunk: tensor-core kernels
@@ -103,8 +103,8 @@ class CudaOps(ArrayOps):
         ml, acc = cupy.empty(ml_shape, dtype=cupy.float32), cupy.empty(acc_shape, dtype=cupy.float32)
         return attention_over_cells(q, cells, pos.array, ml, acc)  # [T, H, D]
 
-    def route(self, logits: Any, k: int) -> tuple[Any, Any, Any]:
-        return fused.route_topk(logits, k)
+    def route(self, logits: Any, routing: Routing, bias: Any = None) -> tuple[Any, Any, Any]:
+        return fused.route_topk(logits, routing, bias)
 
     def expert_counts(self, ids: Any, n_expert: int) -> np.ndarray:
         return self.download(fused.count_ids(ids, n_expert))

@@ -1,4 +1,4 @@
-"""`strata make-model`: write a deterministic synthetic qwen3moe GGUF."""
+"""`strata make-model`: write a deterministic synthetic qwen3moe or glm4moe GGUF."""
 
 from __future__ import annotations
 
@@ -28,11 +28,15 @@ SHAPE_FLAGS = {
     "mtp": "n_nextn",
     "ctx": "n_ctx",
     "seed": "seed",
+    # glm4moe presets (tiny-glm, glm4.5-air): their dense and shared FFNs
+    "dense_layers": "n_dense_lead",
+    "dense_ff": "n_ff",
+    "shared_experts": "n_expert_shared",
 }
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("make-model", help="write a synthetic qwen3moe GGUF")
+    p = sub.add_parser("make-model", help="write a synthetic qwen3moe or glm4moe GGUF (--preset)")
     p.add_argument("out", help="output .gguf path")
     p.add_argument("--preset", choices=sorted(PRESETS), default="random-demo")
     for flag in SHAPE_FLAGS:

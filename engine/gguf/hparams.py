@@ -1,4 +1,12 @@
-"""Hyper-parameters of a qwen3moe model, read from GGUF metadata and checked against tensors.
+"""Hyper-parameters of a qwen3moe or glm4moe model, read from GGUF metadata and checked
+against tensors.
+
+glm4moe (GLM-4.5 / 4.5-Air / 4.6 / 4.7) is qwen3moe's block with: q/k/v biases, q/k norms only
+in some files, partial RoPE (`rope.dimension_count` of a head's dims), dense leading blocks
+(`leading_dense_block_count`, FFN `feed_forward_length`), sigmoid routing whose top-k is chosen
+on the probabilities plus a per-expert bias (`exp_probs_b`) and whose weights are normalised
+(`expert_weights_norm`) and scaled (`expert_weights_scale`), and a shared expert
+(`expert_shared_count` x `expert_feed_forward_length` rows) beside the routed ones.
 
 Every number is checked for its type, against a sane limit and against the tensors present
 before anything is built from it: a hostile `block_count` of 4,000,000,000 is one line of
@@ -27,9 +35,15 @@ HPARAM_LIMITS: dict[str, tuple[int, int]] = {
     "expert_count": (1, 4096),  # Kimi-K2: 384, Qwen3-Next: 512
     "expert_used_count": (1, 4096),
     "expert_feed_forward_length": (1, 1 << 18),  # even a dense FFN: 53,248 (405B)
+    "feed_forward_length": (1, 1 << 18),  # glm4moe's dense leading blocks (Air: 10,944)
+    "leading_dense_block_count": (0, 1024),  # GLM-4.5: 3, Air: 1, DeepSeek-V3: 3
+    "expert_shared_count": (0, 64),  # GLM-4.5: 1, DeepSeek-V2-Lite: 2
+    "expert_gating_func": (0, 3),  # llama.cpp's: 0 none (the architecture's), 1 softmax, 2 sigmoid
+    "rope.dimension_count": (2, 4096),  # GLM-4.5: 64 of a 128-dim head
     "context_length": (1, 1 << 24),  # Llama 4 Scout: 10,485,760
 }
 MAX_VOCAB = 1 << 22  # rows of token_embd; Gemma 3 has 262,144
+GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 
 
 @dataclass(frozen=True)
@@ -50,10 +64,60 @@ class HParams:
     rms_eps: float
     rope_base: float
     has_output: bool  # a native output head (else tied to token_embd)
+    arch: str = names.ARCH_QWEN3MOE
+    n_rot: int = 0  # dims of a head RoPE rotates (the first ones, NEOX pairs); 0: all of them
+    n_dense_lead: int = 0  # leading blocks with a dense FFN instead of experts
+    n_ff: int = 0  # rows of those blocks' dense FFN
+    n_expert_shared: int = 0  # shared experts beside the routed ones, as one FFN
+    gating: str = "softmax"  # router probabilities: "softmax" or "sigmoid"
+    weights_norm: bool = True  # the top-k weights renormalised to sum 1
+    weights_scale: float = 1.0  # then multiplied by this
+    qk_norm: bool = True  # per-head RMSNorm of q and k before RoPE
+    qkv_bias: bool = False  # q, k and v projections with a bias
+    selection_bias: bool = False  # a per-expert bias on the probabilities for the top-k
 
     @property
     def q_dim(self) -> int:
         return self.n_head * self.head_dim
+
+    @property
+    def rot_dims(self) -> int:
+        """Dims of a head RoPE rotates: all, or the first `n_rot` (partial RoPE)."""
+        return self.n_rot or self.head_dim
+
+    @property
+    def n_moe_layer(self) -> int:
+        """Main blocks with routed experts: all but the dense leading ones. The expert cache,
+        profiles and routes count these, 0-based (`moe_index`)."""
+        return self.n_layer - self.n_dense_lead
+
+    @property
+    def n_ff_shexp(self) -> int:
+        """Rows of the shared expert (0 without one)."""
+        return self.n_ff_exp * self.n_expert_shared
+
+    def is_moe(self, i: int) -> bool:
+        """Whether block `i` (the nextn block too) routes to experts."""
+        return i >= self.n_dense_lead
+
+    def moe_index(self, i: int) -> int:
+        """Block `i`'s index among the MoE blocks (the expert cache's layer)."""
+        return i - self.n_dense_lead
+
+    def resident_ffn(self) -> str:
+        """What runs beside the routed experts as resident weights, for a summary line:
+        ' + 1 dense layer, 1 shared expert', or '' (qwen3moe)."""
+        parts = []
+        if self.n_dense_lead:
+            parts.append(f"{self.n_dense_lead} dense layer{'s' if self.n_dense_lead > 1 else ''}")
+        if self.n_expert_shared:
+            parts.append(f"{self.n_expert_shared} shared expert{'s' if self.n_expert_shared > 1 else ''}")
+        return " + " + ", ".join(parts) + " (resident)" if parts else ""
+
+    @property
+    def ffn_norm(self) -> str:
+        """The tensor kind of the norm before a block's FFN."""
+        return names.FFN_NORM[self.arch]
 
     @property
     def kv_dim(self) -> int:
@@ -79,6 +143,7 @@ def read_hparams(mf: ModelFile) -> HParams:
             "supported (need at least one main block and at most one MTP block)"
         )
     _check_blocks(mf, n_block)
+    arch = _arch_hparams(mf, head_dim, n_layer)
     hp = HParams(
         n_vocab=_vocab_rows(mf),
         n_embd=n_embd,
@@ -94,6 +159,7 @@ def read_hparams(mf: ModelFile) -> HParams:
         rms_eps=_float(mf, "attention.layer_norm_rms_epsilon", 1e-6, below=1.0),
         rope_base=_float(mf, "rope.freq_base", 10000.0),
         has_output=names.OUTPUT in mf.tensors,
+        **arch,
     )
     if not 0 < hp.n_expert_used <= hp.n_expert:
         raise ModelError(
@@ -107,6 +173,48 @@ def read_hparams(mf: ModelFile) -> HParams:
         raise ModelError(f"{mf.path.name}: key_length {head_dim} must be even for NEOX RoPE")
     check_tensors(mf, hp)
     return hp
+
+
+def _arch_hparams(mf: ModelFile, head_dim: int, n_layer: int) -> dict:
+    """The fields one architecture reads beyond qwen3moe's (as llama.cpp reads them)."""
+    n_rot = _int(mf, "rope.dimension_count", head_dim)
+    if n_rot > head_dim or n_rot % 2:
+        raise GGUFError(
+            f"{mf.path.name}: metadata key '{mf.arch}.rope.dimension_count' = {n_rot} must be even "
+            f"and at most the head's {head_dim} dims; the file is corrupt"
+        )
+    out: dict = {"arch": mf.arch, "n_rot": 0 if n_rot == head_dim else n_rot}
+    if mf.arch != names.ARCH_GLM4MOE:
+        return out
+    n_dense = _int(mf, "leading_dense_block_count", 0)
+    if n_dense >= n_layer:
+        raise ModelError(
+            f"{mf.path.name}: leading_dense_block_count {n_dense} leaves none of the {n_layer} "
+            "main blocks with experts; strata runs mixture-of-experts models"
+        )
+    gating = _int(mf, "expert_gating_func", 2)  # glm4moe: none means sigmoid
+    out.update(
+        n_dense_lead=n_dense,
+        n_ff=_int(mf, "feed_forward_length") if n_dense else 0,
+        n_expert_shared=_int(mf, "expert_shared_count", 0),
+        gating=GATING.get(gating, "sigmoid"),
+        weights_norm=_bool(mf, "expert_weights_norm", False),
+        weights_scale=_float(mf, "expert_weights_scale", 1.0, below=1e6),
+        qk_norm=names.block("attn_q_norm", 0) in mf.tensors,
+        qkv_bias=True,
+        selection_bias=True,
+    )
+    return out
+
+
+def _bool(mf: ModelFile, name: str, default: bool) -> bool:
+    value = mf.key(name, default)
+    if type(value) is not bool:
+        raise GGUFError(
+            f"{mf.path.name}: metadata key '{mf.arch}.{name}' = {show_value(value)} is not a "
+            "boolean; the file is corrupt"
+        )
+    return value
 
 
 def _int(mf: ModelFile, name: str, default: int | None = None) -> int:
@@ -182,31 +290,45 @@ def _vocab_rows(mf: ModelFile) -> int:
     return embd.shape[0]
 
 
+def block_shapes(hp: HParams, i: int) -> dict[str, tuple[int, ...]]:
+    """Tensor kind -> numpy-order shape of every tensor block `i` needs (the nextn block's
+    own `nextn.*` tensors apart)."""
+    d, q, kv, e, f, hd = hp.n_embd, hp.q_dim, hp.kv_dim, hp.n_expert, hp.n_ff_exp, hp.head_dim
+    out: dict[str, tuple[int, ...]] = {
+        "attn_norm": (d,),
+        "attn_q": (q, d),
+        "attn_k": (kv, d),
+        "attn_v": (kv, d),
+        "attn_output": (d, q),
+    }
+    if hp.qkv_bias:
+        out.update(attn_q_bias=(q,), attn_k_bias=(kv,), attn_v_bias=(kv,))
+    if hp.qk_norm:
+        out.update(attn_q_norm=(hd,), attn_k_norm=(hd,))
+    out[hp.ffn_norm] = (d,)
+    if not hp.is_moe(i):
+        return {**out, "ffn_gate": (hp.n_ff, d), "ffn_up": (hp.n_ff, d), "ffn_down": (d, hp.n_ff)}
+    out.update(ffn_gate_inp=(e, d), ffn_gate_exps=(e, f, d), ffn_up_exps=(e, f, d),
+               ffn_down_exps=(e, d, f))
+    if hp.selection_bias:
+        out["exp_probs_b"] = (e,)
+    if hp.n_expert_shared:
+        fs = hp.n_ff_shexp
+        out.update(ffn_gate_shexp=(fs, d), ffn_up_shexp=(fs, d), ffn_down_shexp=(d, fs))
+    return out
+
+
 def expected_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, with its numpy-order shape."""
-    d, q, kv, e, f = hp.n_embd, hp.q_dim, hp.kv_dim, hp.n_expert, hp.n_ff_exp
+    d = hp.n_embd
     shapes: dict[str, tuple[int, ...]] = {
         names.TOKEN_EMBD: (hp.n_vocab, d),
         names.OUTPUT_NORM: (d,),
     }
     if hp.has_output:
         shapes[names.OUTPUT] = (hp.n_vocab, d)
-    per_block = {
-        "attn_norm": (d,),
-        "attn_q": (q, d),
-        "attn_k": (kv, d),
-        "attn_v": (kv, d),
-        "attn_output": (d, q),
-        "attn_q_norm": (hp.head_dim,),
-        "attn_k_norm": (hp.head_dim,),
-        "ffn_norm": (d,),
-        "ffn_gate_inp": (e, d),
-        "ffn_gate_exps": (e, f, d),
-        "ffn_up_exps": (e, f, d),
-        "ffn_down_exps": (e, d, f),
-    }
     for i in range(hp.n_layer + hp.n_nextn):
-        for kind, shape in per_block.items():
+        for kind, shape in block_shapes(hp, i).items():
             shapes[names.block(kind, i)] = shape
     for i in range(hp.n_layer, hp.n_layer + hp.n_nextn):
         shapes[names.nextn("eh_proj", i)] = (d, 2 * d)

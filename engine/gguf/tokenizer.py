@@ -39,9 +39,22 @@ QWEN2_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-# `tokenizer.ggml.pre` -> split regex. llama.cpp's own "default" adds digit-grouping passes;
-# we read it as plain GPT-2, which is what the converter means when it writes "default".
-PRE_REGEX = {"qwen2": QWEN2_REGEX, "gpt2": GPT2_REGEX, "default": GPT2_REGEX}
+# Llama 3's, which GLM-4 (glm4moe) shares: qwen2's with digits in runs of up to three.
+LLAMA3_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# `tokenizer.ggml.pre` -> split regex, as llama.cpp's llama-vocab.cpp maps the names. llama.cpp's
+# own "default" adds digit-grouping passes; we read it as plain GPT-2, which is what the
+# converter means when it writes "default".
+PRE_REGEX = {
+    "qwen2": QWEN2_REGEX, "gpt2": GPT2_REGEX, "default": GPT2_REGEX,
+    "glm4": LLAMA3_REGEX, "chatglm-bpe": LLAMA3_REGEX,
+    "llama3": LLAMA3_REGEX, "llama-v3": LLAMA3_REGEX, "llama-bpe": LLAMA3_REGEX,
+}
+# Pre-tokenizers whose pieces that are whole tokens skip the merges (llama.cpp's
+# `ignore_merges`, the `tokenizers` BPE's option of the same name).
+IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe"})
 
 # Text of end-of-generation tokens recognised by name, as llama.cpp does.
 EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
@@ -195,7 +208,8 @@ class Tokenizer:
                     f"{KEY_TOKENS}; re-export the model"
                 )
             pairs.append((left, right))
-        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                         ignore_merges=self.pre in IGNORE_MERGES)
         hf = HFTokenizer(bpe)
         hf.pre_tokenizer = make_pre_tokenizer(self.pre)
         hf.decoder = decoders.ByteLevel()

@@ -48,7 +48,9 @@ __global__ void rms_norm_rows(const float* __restrict__ x, const W* __restrict__
 extern "C" __global__ void rope_neox_inplace(float* __restrict__ x,
                                              const float* __restrict__ inv_freq, long long n_pairs,
                                              int n_head, int half, long long pos0,
-                                             const int* __restrict__ pos) {
+                                             const int* __restrict__ pos, int head_dim) {
+  // `half` pairs (i, i + half) of each head's first 2 * half dims (partial RoPE where that is
+  // less than head_dim: the rest pass through)
   const long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (k >= n_pairs) return;
   if (pos) pos0 += pos[0];
@@ -57,7 +59,7 @@ extern "C" __global__ void rope_neox_inplace(float* __restrict__ x,
   const long long t = th / n_head;
   const float ang = __fmul_rn((float)(pos0 + t), inv_freq[i]);
   const float c = cosf(ang), s = sinf(ang);
-  float* row = x + th * (2 * half);
+  float* row = x + th * head_dim;
   const float x1 = row[i], x2 = row[i + half];
   row[i] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
   row[i + half] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
@@ -134,41 +136,55 @@ extern "C" __global__ void count_ids(const long long* __restrict__ ids, int n, i
 // Router: probs = softmax(logits[t, :E]); the k largest (ties: lower index first) -> ids[t, :k]
 // (int64), their probabilities renormalised to sum 1 -> w[t, :k], and the margin
 // p(k-th) - p((k+1)-th) -> margin[t] (1 when k == E). One block per token, E <= 1024.
+// One block per row. Choice scores: softmax probabilities, or (sigmoid) each expert's sigmoid
+// plus bias[e] where a bias is given; the top-k by choice score (ties: lower index first), the
+// weights the probabilities of the chosen (not the biased scores), renormalised to sum 1 when
+// `norm`, times `scale`; the margin is the k-th minus the (k+1)-th choice score.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, long long* __restrict__ ids,
                                       float* __restrict__ w, float* __restrict__ margin,
-                                      int n_expert, int k) {
+                                      int n_expert, int k, const float* __restrict__ bias,
+                                      int sigmoid, int norm, float scale) {
   __shared__ float p[1024];
   __shared__ float best_v[32];
   __shared__ int best_i[32];
   __shared__ float shared[32];
   __shared__ float chosen[33];
+  __shared__ float prob[32];
+  const float neg_inf = -__int_as_float(0x7f800000);
   const long long t = blockIdx.x;
   const float* row = logits + t * n_expert;
-  float mx = -__int_as_float(0x7f800000);
-  for (int e = threadIdx.x; e < n_expert; e += blockDim.x) mx = fmaxf(mx, row[e]);
-  // block max through the same shared scratch
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = mx;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < (blockDim.x >> 5) ? shared[threadIdx.x] : -__int_as_float(0x7f800000);
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (threadIdx.x == 0) shared[0] = v;
+  if (sigmoid) {
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+      const float s = 1.0f / (1.0f + expf(-row[e]));
+      p[e] = bias ? s + bias[e] : s;
+    }
+  } else {
+    float mx = neg_inf;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) mx = fmaxf(mx, row[e]);
+    // block max through the same shared scratch
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      float v = threadIdx.x < (blockDim.x >> 5) ? shared[threadIdx.x] : neg_inf;
+      for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+      if (threadIdx.x == 0) shared[0] = v;
+    }
+    __syncthreads();
+    mx = shared[0];
+    __syncthreads();
+    float sum = 0.0f;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+      p[e] = expf(row[e] - mx);
+      sum += p[e];
+    }
+    sum = block_sum(sum, shared);
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) p[e] = p[e] / sum;
   }
-  __syncthreads();
-  mx = shared[0];
-  __syncthreads();
-  float sum = 0.0f;
-  for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-    p[e] = expf(row[e] - mx);
-    sum += p[e];
-  }
-  sum = block_sum(sum, shared);
-  for (int e = threadIdx.x; e < n_expert; e += blockDim.x) p[e] = p[e] / sum;
   __syncthreads();
   const int rounds = k < n_expert ? k + 1 : k;
   for (int r = 0; r < rounds; ++r) {
-    float v = -1.0f;
+    float v = neg_inf;
     int vi = n_expert;
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x)
       if (p[e] > v || (p[e] == v && e < vi)) { v = p[e]; vi = e; }
@@ -185,15 +201,17 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, long lon
       chosen[r] = v;
       if (r < k) {
         ids[t * k + r] = vi;
-        p[vi] = -2.0f;  // taken
+        // the weight: the probability itself (the chosen score less its bias)
+        prob[r] = (sigmoid && bias) ? 1.0f / (1.0f + expf(-row[vi])) : v;
+        p[vi] = neg_inf;  // taken
       }
     }
     __syncthreads();
   }
   if (threadIdx.x == 0) {
     float total = 0.0f;
-    for (int r = 0; r < k; ++r) total += chosen[r];
-    for (int r = 0; r < k; ++r) w[t * k + r] = chosen[r] / total;
+    for (int r = 0; r < k; ++r) total += prob[r];
+    for (int r = 0; r < k; ++r) w[t * k + r] = (norm ? prob[r] / total : prob[r]) * scale;
     margin[t] = k < n_expert ? chosen[k - 1] - chosen[k] : 1.0f;
   }
 }

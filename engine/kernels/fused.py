@@ -7,7 +7,8 @@ and CuPy's per-launch cost (~10-20 us of Python and driver time each) is the ste
 - `kv_q4_encode(x [T, H, D]) -> (packed [T, H, D/2] uint8, scale [T, H, D/32] fp16)` and
   `kv_q4_decode(packed, scale, f16=False) -> float32 (or float16) [n, H, D]`: the q4_0 KV
   codec;
-- `route_topk(logits [T, E], k) -> (ids [T, k] int64, w [T, k], margin [T])`: softmax, top-k
+- `route_topk(logits [T, E], routing, bias) -> (ids [T, k] int64, w [T, k], margin [T])`: softmax
+  or sigmoid (+ a selection bias), top-k
   (ties: lower index first, as a stable argsort), renormalised weights and the tie margin;
 - `count_ids(ids int64, n) -> int32 [n]`: rows per expert (`bincount`), one launch of any size.
 
@@ -89,17 +90,19 @@ def _inv_freq(d: int, base: float, device_id: int) -> Any:
         return cupy.asarray(host.astype(np.float32))
 
 
-def rope_neox_(x: Any, pos0: int, base: float, pos: Any = None) -> Any:
+def rope_neox_(x: Any, pos0: int, base: float, pos: Any = None, n_rot: int = 0) -> Any:
     """Rotate x [T, H, D] (float32, contiguous) in place; query t at position pos0 + t, plus
-    pos[0] when `pos` (int32 device array) is given: the token graph's step position."""
+    pos[0] when `pos` (int32 device array) is given: the token graph's step position. `n_rot`:
+    only a head's first n_rot dims (partial RoPE, frequencies over n_rot), 0: all D."""
     t, h, d = x.shape
-    assert x.flags.c_contiguous and x.dtype == np.float32 and d % 2 == 0, (x.shape, x.dtype)
-    n_pairs = t * h * (d // 2)
+    rot = n_rot or d
+    assert x.flags.c_contiguous and x.dtype == np.float32 and rot % 2 == 0 and rot <= d, (x.shape, rot)
+    n_pairs = t * h * (rot // 2)
     if n_pairs:
-        inv = _inv_freq(d, float(base), x.device.id)
+        inv = _inv_freq(rot, float(base), x.device.id)
         _fn("rope_neox_inplace")(_blocks(n_pairs), (_THREADS,),
-                                 (x, inv, np.int64(n_pairs), np.int32(h), np.int32(d // 2), np.int64(pos0),
-                                  _ptr(pos)))
+                                 (x, inv, np.int64(n_pairs), np.int32(h), np.int32(rot // 2), np.int64(pos0),
+                                  _ptr(pos), np.int32(d)))
     return x
 
 
@@ -148,17 +151,24 @@ def count_ids(ids: Any, n: int) -> Any:
     return counts
 
 
-def route_topk(logits: Any, k: int) -> tuple[Any, Any, Any]:
-    """logits [T, E] float32 -> (ids [T, k] int64, weights [T, k] float32, margin [T])."""
+def route_topk(logits: Any, routing: Any, bias: Any = None) -> tuple[Any, Any, Any]:
+    """logits [T, E] float32 -> (ids [T, k] int64, weights [T, k] float32, margin [T]) as
+    `routing` (`engine.backend.base.Routing`) says; `bias` float32 [E] or None."""
     import cupy
 
     logits = cupy.ascontiguousarray(logits, dtype=cupy.float32)
     t, e = logits.shape
-    assert 0 < k <= e <= 1024, (k, e)
+    k = routing.k
+    assert 0 < k <= min(e, 32) and e <= 1024, (k, e)
+    if bias is not None:
+        bias = cupy.ascontiguousarray(bias, dtype=cupy.float32)
+        assert bias.shape == (e,), (bias.shape, e)
     ids = cupy.empty((t, k), dtype=cupy.int64)
     w = cupy.empty((t, k), dtype=cupy.float32)
     margin = cupy.empty(t, dtype=cupy.float32)
     if t:
         threads = min(_THREADS, max(32, -(-e // 32) * 32))
-        _fn("route_topk")((t,), (threads,), (logits, ids, w, margin, np.int32(e), np.int32(k)))
+        _fn("route_topk")((t,), (threads,), (logits, ids, w, margin, np.int32(e), np.int32(k),
+                                             _ptr(bias), np.int32(routing.sigmoid),
+                                             np.int32(routing.norm), np.float32(routing.scale)))
     return ids, w, margin

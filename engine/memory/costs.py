@@ -43,12 +43,12 @@ class Shapes:
     qtypes: tuple[GGMLQuantizationType, ...] = ()  # experts' (main, MTP) and the embedding's
     # (tensor name, its quant type in the file) of every tensor; none known: all decoded
     tensor_qtypes: tuple[tuple[str, GGMLQuantizationType], ...] = ()
-    layer_blob_bytes: tuple[int, ...] = ()  # [n_layer] each main layer's blob (empty: all alike)
+    layer_blob_bytes: tuple[int, ...] = ()  # [n_moe_layer] each main MoE layer's blob (empty: all alike)
 
     def blob_sizes(self) -> dict[int, list[int]]:
         """Blob bytes -> the main layers whose blobs have that size (one entry unless a
         quant mix gives layers different types)."""
-        return layers_by_value(self.layer_blob_bytes or (self.blob_bytes,) * self.hp.n_layer)
+        return layers_by_value(self.layer_blob_bytes or (self.blob_bytes,) * self.hp.n_moe_layer)
 
     @property
     def mean_blob_bytes(self) -> float:
@@ -99,32 +99,53 @@ class Shapes:
                    model.experts.layer_blob_bytes)
 
 
-def stacked_bytes(model: Shapes, tensors: tuple[str, ...], shape: tuple[int, int], wb: int,
+def stacked_bytes(model: Shapes, parts: tuple[tuple[str, int], ...], n_in: int, wb: int,
                   quant: bool) -> int:
-    """Device bytes of one linear weight [n_out, n_in] made of `tensors` stacked by rows
-    (`engine.model.weights.WeightLoader.matrix`): their quantized blocks when their types are
-    kept quantized (one array, or one a part where the types differ), else `wb` per element;
-    padded per array."""
-    kinds = {model.qtype(n) for n in tensors}
+    """Device bytes of one linear weight [sum of rows, n_in] made of `parts` (tensor name, its
+    rows) stacked by rows (`engine.model.weights.WeightLoader.matrix`): their quantized blocks
+    when their types are kept quantized (one array, or one a part where the types differ),
+    else `wb` per element; padded per array."""
+    kinds = {model.qtype(n) for n, _ in parts}
     if quant and len(kinds) > 1 and all(keeps_quantized(q) for q in kinds):  # a `QuantStack`
-        assert len(tensors) == 3, tensors  # only q, k and v are stacked
-        rows = (model.hp.q_dim, model.hp.kv_dim, model.hp.kv_dim)
-        return sum(padded(matrix_bytes(model.qtype(n), (r, shape[1]), wb, quant))
-                   for n, r in zip(tensors, rows))
+        return sum(padded(matrix_bytes(model.qtype(n), (r, n_in), wb, quant)) for n, r in parts)
     qtype = kinds.pop() if len(kinds) == 1 else GGMLQuantizationType.F32
-    return padded(matrix_bytes(qtype, shape, wb, quant))
+    return padded(matrix_bytes(qtype, (sum(r for _, r in parts), n_in), wb, quant))
+
+
+def ffn_dense_bytes(model: Shapes, i: int, suffix: str, n_ff: int, wb: int, quant: bool) -> int:
+    """A resident SwiGLU FFN of block `i` (a dense block's, suffix "", or the shared expert's,
+    "_shexp"): gate and up stacked, down."""
+    name = lambda kind: names.block(kind + suffix, i)
+    d = model.hp.n_embd
+    return (stacked_bytes(model, ((name("ffn_gate"), n_ff), (name("ffn_up"), n_ff)), d, wb, quant)
+            + stacked_bytes(model, ((name("ffn_down"), d),), n_ff, wb, quant))
 
 
 def block_dense_bytes(model: Shapes, i: int, wb: int, quant: bool = False) -> int:
-    """Block `i`'s attention (stacked q/k/v and output weights), norms and router, padded per
-    array."""
+    """Block `i`'s resident weights, padded per array (`engine.model.weights.load_block`):
+    attention (stacked q/k/v and output weights, the biases as one vector), norms, and the
+    router with its selection bias, the shared expert, or a dense block's FFN."""
     hp = model.hp
     d = hp.n_embd
-    vectors = [d, hp.head_dim, hp.head_dim, d, hp.n_expert * d]  # norms, router [E, d]
-    qkv = tuple(names.block(k, i) for k in ("attn_q", "attn_k", "attn_v"))
-    return (sum(padded(wb * n) for n in vectors)
-            + stacked_bytes(model, qkv, (hp.q_dim + 2 * hp.kv_dim, d), wb, quant)
-            + stacked_bytes(model, (names.block("attn_output", i),), (d, hp.q_dim), wb, quant))
+    vectors = [d, d]  # attention's and the FFN's norm
+    if hp.qk_norm:
+        vectors += [hp.head_dim, hp.head_dim]
+    if hp.qkv_bias:
+        vectors.append(hp.q_dim + 2 * hp.kv_dim)
+    if hp.is_moe(i):
+        vectors.append(hp.n_expert * d)  # the router [E, d]
+        if hp.selection_bias:
+            vectors.append(hp.n_expert)
+    qkv = tuple((names.block(k, i), r) for k, r in
+                (("attn_q", hp.q_dim), ("attn_k", hp.kv_dim), ("attn_v", hp.kv_dim)))
+    total = (sum(padded(wb * n) for n in vectors)
+             + stacked_bytes(model, qkv, d, wb, quant)
+             + stacked_bytes(model, ((names.block("attn_output", i), d),), hp.q_dim, wb, quant))
+    if not hp.is_moe(i):
+        total += ffn_dense_bytes(model, i, "", hp.n_ff, wb, quant)
+    elif hp.n_expert_shared:
+        total += ffn_dense_bytes(model, i, "_shexp", hp.n_ff_shexp, wb, quant)
+    return total
 
 
 def dense_bytes(model: Shapes, with_mtp: bool, wb: int = F32, quant: bool = False) -> int:
@@ -135,13 +156,13 @@ def dense_bytes(model: Shapes, with_mtp: bool, wb: int = F32, quant: bool = Fals
     if with_mtp:
         d, i = hp.n_embd, hp.n_layer
         total += block_dense_bytes(model, i, wb, quant) + 3 * padded(wb * d)  # + 3 norms
-        total += stacked_bytes(model, (names.nextn("eh_proj", i),), (d, 2 * d), wb, quant)
+        total += stacked_bytes(model, ((names.nextn("eh_proj", i), d),), 2 * d, wb, quant)
     return total
 
 
 def head_bytes(model: Shapes, wb: int = F32, quant: bool = False) -> int:
     hp = model.hp
-    return stacked_bytes(model, (names.native_head(hp.has_output),), (hp.n_vocab, hp.n_embd), wb, quant)
+    return stacked_bytes(model, ((names.native_head(hp.has_output), hp.n_vocab),), hp.n_embd, wb, quant)
 
 
 def draft_head_bytes(model: Shapes, draft_vocab: int, wb: int = F32, quant: bool = False) -> int:
@@ -155,7 +176,7 @@ def draft_head_bytes(model: Shapes, draft_vocab: int, wb: int = F32, quant: bool
         if n == hp.n_vocab:
             return 0
         own = names.native_head(hp.has_output)
-    return stacked_bytes(model, (own,), (n, hp.n_embd), wb, quant)
+    return stacked_bytes(model, ((own, n),), hp.n_embd, wb, quant)
 
 
 def mtp_expert_bytes(model: Shapes) -> int:
@@ -182,11 +203,18 @@ def mtp_kv_bytes(model: Shapes, n_ctx: int, kind: str) -> int:
 def act_bytes_per_token(model: Shapes) -> int:
     """Peak activations one prompt token needs in a layer, float32: residual and normed
     stream, q/k/v and attention output, router probabilities, and its k experts' gate, up and
-    down outputs, plus the MoE accumulator. Attention scores are computed in query blocks of
-    bounded size (flash-style on the GPU), so they do not grow with the chunk."""
+    down outputs, plus the MoE accumulator (and the shared expert's gate/up and output beside
+    them), or a dense block's gate/up and output where that is more. Attention scores are
+    computed in query blocks of bounded size (flash-style on the GPU), so they do not grow
+    with the chunk."""
     hp = model.hp
     d, k, f = hp.n_embd, hp.n_expert_used, hp.n_ff_exp
-    per_token = 3 * d + 2 * hp.q_dim + 2 * hp.kv_dim + hp.n_expert + k * (2 * f + d)
+    ffn = hp.n_expert + k * (2 * f + d)
+    if hp.n_expert_shared:
+        ffn += 3 * hp.n_ff_shexp + d  # gate/up [2F], the activation [F], the output
+    if hp.n_dense_lead:
+        ffn = max(ffn, 3 * hp.n_ff + d)
+    per_token = 3 * d + 2 * hp.q_dim + 2 * hp.kv_dim + ffn
     return F32 * per_token
 
 
@@ -202,16 +230,18 @@ def attention_flops(model: Shapes, n_tokens: int, pos0: int = 0) -> int:
 
 
 def moe_flops(model: Shapes, n_tokens: int) -> int:
-    """Multiply-add FLOPs of the MoE half of prefilling `n_tokens` through the main blocks:
-    the router and k SwiGLU experts (gate + up + down) per token."""
+    """Multiply-add FLOPs of the FFN half of prefilling `n_tokens` through the main blocks:
+    the router and k SwiGLU experts (gate + up + down) per token and MoE block, the shared
+    expert beside them, and the dense blocks' FFN."""
     hp = model.hp
     d, f, k = hp.n_embd, hp.n_ff_exp, hp.n_expert_used
-    return hp.n_layer * n_tokens * (2 * d * hp.n_expert + 6 * k * d * f)
+    per_moe = 2 * d * hp.n_expert + 6 * d * (k * f + hp.n_ff_shexp)
+    return n_tokens * (hp.n_moe_layer * per_moe + hp.n_dense_lead * 6 * d * hp.n_ff)
 
 
 def prefill_flops(model: Shapes, n_tokens: int, pos0: int = 0) -> int:
     """FLOPs of prefilling tokens pos0..pos0+n-1 through the main blocks: attention
-    (`attention_flops`) and MoE (`moe_flops`). The prompt computes no logits (the first
+    (`attention_flops`) and the FFNs (`moe_flops`). The prompt computes no logits (the first
     token's come after)."""
     return attention_flops(model, n_tokens, pos0) + moe_flops(model, n_tokens)
 
@@ -251,7 +281,7 @@ def model_costs(model: Shapes, options: EngineOptions, wb: int = F32,
         kv_bytes=kv_bytes(model, options.ctx, options.kv)
         + (mtp_kv_bytes(model, options.ctx, options.kv) if use_mtp else 0),
         expert_blob_bytes=model.blob_bytes,
-        n_layer=model.hp.n_layer,
+        n_layer=model.hp.n_moe_layer,  # the layers with routed experts
         n_expert=model.hp.n_expert,
         n_expert_used=model.hp.n_expert_used,
         act_bytes_per_token=act_bytes_per_token(model),

@@ -25,7 +25,7 @@ class ModelCosts:
     dense_bytes: int
     kv_bytes: int
     expert_blob_bytes: int
-    n_layer: int
+    n_layer: int  # blocks with routed experts (a dense leading block has none)
     n_expert: int
     n_expert_used: int
     act_bytes_per_token: int  # prompt-chunk activation bytes per token

@@ -1,4 +1,6 @@
-"""Grouped-query causal attention over a KV cache, with Qwen3's per-head q/k RMSNorm and NEOX RoPE."""
+"""Grouped-query causal attention over a KV cache: q/k/v projections (glm4moe's with biases),
+per-head q/k RMSNorm where the model has it (Qwen3, GLM-4.5), NEOX RoPE over all of a head's
+dims or its first `n_rot` (GLM's partial RoPE)."""
 
 from __future__ import annotations
 
@@ -19,23 +21,33 @@ class AttentionWeights:
     norm: Any  # [d]
     wqkv: Any  # [H*D + 2*Hkv*D, d]: q, k and v stacked by rows (array or QuantMatrix)
     wo: Any  # [d, H*D]
-    q_norm: Any  # [D]
-    k_norm: Any  # [D]
+    q_norm: Any  # [D], or None (a model without q/k norms)
+    k_norm: Any  # [D], or None
+    bias: Any = None  # [H*D + 2*Hkv*D]: q, k and v biases stacked, or None
 
 
-def project_qkv(be: Backend, hp: HParams, wqkv: Any, h: Any) -> tuple[Any, Any, Any]:
-    """h [T, d] -> q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], contiguous. A decode step's few
-    rows take the stacked weight in one launch; a prompt chunk takes one GEMM per projection
-    on its rows of the weight (no strided copy of a chunk-sized q)."""
+def project_qkv(be: Backend, hp: HParams, wqkv: Any, h: Any, bias: Any = None
+                ) -> tuple[Any, Any, Any]:
+    """h [T, d] -> q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], contiguous, plus `bias` (stacked
+    like the weight) where given. A decode step's few rows take the stacked weight in one
+    launch; a prompt chunk takes one GEMM per projection on its rows of the weight (no
+    strided copy of a chunk-sized q)."""
     t, q_dim, kv_dim = h.shape[0], hp.q_dim, hp.kv_dim
     cuts = ((0, q_dim, hp.n_head), (q_dim, q_dim + kv_dim, hp.n_head_kv),
             (q_dim + kv_dim, q_dim + 2 * kv_dim, hp.n_head_kv))
     if t <= DECODE_ROWS:
         qkv = be.linear(h, wqkv)  # [T, H*D + 2*Hkv*D]
+        if bias is not None:
+            qkv += bias
         return tuple(be.xp.ascontiguousarray(qkv[:, a:b]).reshape(t, n, hp.head_dim)  # type: ignore[return-value]
                      for a, b, n in cuts)
-    return tuple(be.linear(h, matrix_rows(wqkv, a, b)).reshape(t, n, hp.head_dim)  # type: ignore[return-value]
-                 for a, b, n in cuts)
+    out = []
+    for a, b, n in cuts:
+        y = be.linear(h, matrix_rows(wqkv, a, b))  # [T, b - a]
+        if bias is not None:
+            y += bias[a:b]
+        out.append(y.reshape(t, n, hp.head_dim))
+    return tuple(out)  # type: ignore[return-value]
 
 
 def attention_block(
@@ -51,9 +63,10 @@ def qkv_rows(be: Backend, hp: HParams, w: AttentionWeights, x: Any, pos: Positio
              ) -> tuple[Any, Any, Any]:
     """Rows x [T, d] -> q [T, H, D], k [T, Hkv, D] normed and rotated at pos.., v [T, Hkv, D]."""
     h = be.rms_norm(x, w.norm, hp.rms_eps)  # [T, d]
-    q, k, v = project_qkv(be, hp, w.wqkv, h)  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
-    q = be.rms_norm(q, w.q_norm, hp.rms_eps)
-    k = be.rms_norm(k, w.k_norm, hp.rms_eps)
-    q = be.rope(q, pos, hp.rope_base)  # q, k: fresh arrays from rms_norm
-    k = be.rope(k, pos, hp.rope_base)
+    q, k, v = project_qkv(be, hp, w.wqkv, h, w.bias)  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
+    if w.q_norm is not None:
+        q = be.rms_norm(q, w.q_norm, hp.rms_eps)
+        k = be.rms_norm(k, w.k_norm, hp.rms_eps)
+    q = be.rope(q, pos, hp.rope_base, hp.n_rot)  # q, k: fresh arrays (rms_norm's, or the
+    k = be.rope(k, pos, hp.rope_base, hp.n_rot)  # projection's own)
     return q, k, v

@@ -1,4 +1,5 @@
-"""Load a qwen3moe GGUF into a ready-to-run `Model`: hyper-parameters, weights, tokenizer."""
+"""Load a qwen3moe or glm4moe GGUF into a ready-to-run `Model`: hyper-parameters, weights,
+tokenizer."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class Model:
     hp: HParams
     tokenizer: Tokenizer
     transformer: Transformer | None  # None until `build` (weights decoded onto the device)
-    experts: FileExperts  # routed experts of the main blocks
+    experts: FileExperts  # routed experts of the main blocks with experts (`hp.n_moe_layer`)
     mtp_experts: FileExperts | None  # routed experts of the MTP block, if any
     dense_bytes: int
 
@@ -64,7 +65,7 @@ def load_model(path: str | Path, backend: Backend | None = None, build: bool = T
         hp=hp,
         tokenizer=tokenizer,
         transformer=None,
-        experts=FileExperts(mf, range(hp.n_layer)),
+        experts=FileExperts(mf, range(hp.n_dense_lead, hp.n_layer)),
         mtp_experts=FileExperts(mf, range(hp.n_layer, hp.n_layer + hp.n_nextn)) if hp.n_nextn else None,
         dense_bytes=dense_bytes(mf, hp),
     )

@@ -178,7 +178,7 @@ class MTPBlock:
         self.enorm = get("enorm")  # [d]
         self.hnorm = get("hnorm")  # [d]
         self.shared_head_norm = get("shared_head_norm")  # [d]
-        self.block: BlockWeights = load_block(mf, i, load)
+        self.block: BlockWeights = load_block(mf, hp, i, load)
         own_embd = mf.tensors.get(names.nextn("embed_tokens", i))
         self.embd = TokenEmbedding(
             own_embd if own_embd is not None else mf.tensor(names.TOKEN_EMBD)
@@ -207,7 +207,7 @@ class MTPBlock:
         )  # [T, 2d]: embedding first, then hidden
         x = be.linear(u, self.eh_proj)  # [T, d]
         x = x + attention_block(be, hp, self.block.attn, x, pos0, kv, 0)
-        ffn, _, _ = moe_block(be, hp, self.block.ffn_norm, self.block.router, x, 0, self.experts)
+        ffn, _, _ = moe_block(be, hp, self.block, x, 0, self.experts)
         x = x + ffn  # [T, d]
         kv.n_tokens = pos0 + len(ids)
         if logits == "none":

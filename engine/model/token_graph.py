@@ -124,9 +124,9 @@ class TokenGraph:
             # row 0's position, written before each replay
             self.position = DevicePosition(cupy.zeros(1, dtype=cupy.int32))
             # per layer: expert hits, misses (cumulative); a miss streams that layer's blob size
-            self.counts = cupy.zeros((transformer.hp.n_layer, 2), dtype=cupy.uint64)
+            self.counts = cupy.zeros((transformer.hp.n_moe_layer, 2), dtype=cupy.uint64)
             self.on_device = SourcedExperts(experts.host, self._expert_sources())
-        self._counted = np.zeros((transformer.hp.n_layer, 2), dtype=np.uint64)
+        self._counted = np.zeros((transformer.hp.n_moe_layer, 2), dtype=np.uint64)
 
     @property
     def nbytes(self) -> int:
@@ -300,7 +300,10 @@ def check_gemv_weights(tr: Transformer, n_rows: int) -> None:
     """Raise where a step of `n_rows` rows would not take the GEMV kernel for every linear
     (a cuBLAS call would end the capture): each weight quantized blocks or contiguous fp16."""
     assert n_rows <= GEMV_MAX_ROWS, n_rows
-    weights = [w for blk in tr.blocks for w in (blk.attn.wqkv, blk.attn.wo, blk.router)]
+    weights = [w for blk in tr.blocks for w in (blk.attn.wqkv, blk.attn.wo, blk.router)
+               if w is not None]
+    weights += [w for blk in tr.blocks for ffn in (blk.shared, blk.dense) if ffn is not None
+                for w in (ffn.gate_up, ffn.down)]
     for w in [*weights, tr.head]:
         for part in (w.parts if isinstance(w, QuantStack) else (w,)):
             if not (isinstance(part, QuantMatrix)

@@ -1,4 +1,5 @@
-"""The qwen3moe transformer: embed -> blocks (attention + MoE) -> final norm -> output head."""
+"""The transformer of qwen3moe and glm4moe: embed -> blocks (attention + MoE, or a dense FFN
+in glm4moe's leading blocks) -> final norm -> output head."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from engine.gguf.reader import ModelFile
 from engine.kv import KVCache
 from engine.memory.compute_arena import ArenaStats
 from engine.model.attention import attention_block
-from engine.model.moe import moe_block
+from engine.model.moe import dense_block, moe_block
 from engine.model.weights import BlockWeights, TokenEmbedding, WeightLoader, load_block
 from engine.trace import phases
 from engine.trace.phases import PhaseClock
@@ -56,7 +57,7 @@ class Transformer:
         self.quantized = quantized
         self.embd = TokenEmbedding(mf.tensor(names.TOKEN_EMBD))  # stays in host memory
         load = WeightLoader(to_device, quantized)
-        self.blocks: list[BlockWeights] = [load_block(mf, i, load) for i in range(hp.n_layer)]
+        self.blocks: list[BlockWeights] = [load_block(mf, hp, i, load) for i in range(hp.n_layer)]
         self.output_norm = load.vector(mf.tensor(names.OUTPUT_NORM))
         self.head: Any = None  # [V, d] the output head (array or QuantMatrix); `load_head`
         self._head_host: np.ndarray | None = None
@@ -133,10 +134,16 @@ class Transformer:
         lap("embed+setup")  # since the previous chunk's last layer (or the prompt's start)
         with arena or nullcontext(), phases.active(clock):
             for i, blk in enumerate(self.blocks):
-                experts.prefetch(i + 1)  # the next layer's experts upload while this one computes
+                layer = hp.moe_index(i)  # the expert provider's layer
+                if layer >= 0:  # the next layer's experts upload while this one computes
+                    experts.prefetch(layer + 1)
                 x += attention_block(be, hp, blk.attn, x, pos, kv, i)
                 lap("attention")
-                ffn, ids, margin = moe_block(be, hp, blk.ffn_norm, blk.router, x, i, experts)
+                if layer < 0:  # a dense leading block
+                    x += dense_block(be, hp, blk, x)
+                    lap("moe")
+                    continue
+                ffn, ids, margin = moe_block(be, hp, blk, x, layer, experts)
                 x += ffn
                 lap("moe")
                 routes.append(ids)

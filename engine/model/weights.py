@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from engine.gguf import names
-from engine.gguf.hparams import HParams
+from engine.gguf.hparams import HParams, block_shapes
 from engine.gguf.quant import (
     QuantMatrix,
     QuantStack,
@@ -21,13 +21,20 @@ from engine.gguf.quant import (
 )
 from engine.gguf.reader import ModelFile, TensorView
 from engine.model.attention import AttentionWeights
+from engine.model.moe import DenseFFN
 
 
 @dataclass
 class BlockWeights:
+    """One block's resident weights: attention, the FFN's norm, and either a router (with
+    glm4moe's selection bias and shared expert) or a dense FFN."""
+
     attn: AttentionWeights
     ffn_norm: Any  # [d]
-    router: Any  # [E, d]
+    router: Any  # [E, d], or None (a dense block)
+    selection_bias: Any = None  # [E] (sigmoid routing), or None
+    shared: DenseFFN | None = None  # the shared expert, or None
+    dense: DenseFFN | None = None  # a dense block's FFN (router None)
 
 
 @dataclass(frozen=True)
@@ -61,22 +68,38 @@ class WeightLoader:
         return self.to_device(np.concatenate([dequantize(t) for t in ts]) if len(ts) > 1 else dequantize(ts[0]))
 
 
-def load_attention(mf: ModelFile, i: int, load: WeightLoader) -> AttentionWeights:
+def load_attention(mf: ModelFile, hp: HParams, i: int, load: WeightLoader) -> AttentionWeights:
     get = lambda kind: mf.tensor(names.block(kind, i))
+    bias = None
+    if hp.qkv_bias:  # q, k and v biases stacked like the weight
+        bias = load.to_device(np.concatenate([dequantize(get(f"attn_{x}_bias")) for x in "qkv"]))
     return AttentionWeights(
         norm=load.vector(get("attn_norm")),
         wqkv=load.matrix(get("attn_q"), get("attn_k"), get("attn_v")),
         wo=load.matrix(get("attn_output")),
-        q_norm=load.vector(get("attn_q_norm")),
-        k_norm=load.vector(get("attn_k_norm")),
+        q_norm=load.vector(get("attn_q_norm")) if hp.qk_norm else None,
+        k_norm=load.vector(get("attn_k_norm")) if hp.qk_norm else None,
+        bias=bias,
     )
 
 
-def load_block(mf: ModelFile, i: int, load: WeightLoader) -> BlockWeights:
+def load_ffn(mf: ModelFile, i: int, load: WeightLoader, suffix: str) -> DenseFFN:
+    """A SwiGLU FFN's weights: `ffn_gate{suffix}` and `ffn_up{suffix}` stacked, `ffn_down{suffix}`."""
+    get = lambda kind: mf.tensor(names.block(kind + suffix, i))
+    gate = get("ffn_gate")
+    return DenseFFN(gate_up=load.matrix(gate, get("ffn_up")), down=load.matrix(get("ffn_down")),
+                    n_ff=gate.shape[0])
+
+
+def load_block(mf: ModelFile, hp: HParams, i: int, load: WeightLoader) -> BlockWeights:
+    attn, norm = load_attention(mf, hp, i, load), load.vector(mf.tensor(names.block(hp.ffn_norm, i)))
+    if not hp.is_moe(i):
+        return BlockWeights(attn, norm, router=None, dense=load_ffn(mf, i, load, ""))
     return BlockWeights(
-        attn=load_attention(mf, i, load),
-        ffn_norm=load.vector(mf.tensor(names.block("ffn_norm", i))),
+        attn, norm,
         router=load.vector(mf.tensor(names.block("ffn_gate_inp", i))),
+        selection_bias=load.vector(mf.tensor(names.block("exp_probs_b", i))) if hp.selection_bias else None,
+        shared=load_ffn(mf, i, load, "_shexp") if hp.n_expert_shared else None,
     )
 
 
@@ -102,10 +125,12 @@ class TokenEmbedding:
 
 
 def dense_bytes(mf: ModelFile, hp: HParams) -> int:
-    """Bytes of the always-resident dense weights of the main blocks (quantized sizes)."""
+    """Bytes of the always-resident dense weights of the main blocks (quantized sizes): the
+    embedding, the final norm, and every block tensor but the routed experts (a shared expert
+    and a dense block's FFN are resident)."""
     total = mf.tensor(names.TOKEN_EMBD).n_bytes + mf.tensor(names.OUTPUT_NORM).n_bytes
     for i in range(hp.n_layer):
-        for kind in names.BLOCK:
+        for kind in block_shapes(hp, i):
             if kind not in names.EXPERT_TENSORS:
                 total += mf.tensor(names.block(kind, i)).n_bytes
     return total

@@ -94,9 +94,10 @@ class Runtime:
         hp = self.model.hp
         n_slots = self.cache.n_slots if self.cache else 0
         return (
-            f"{self.model.path.name}: {hp.n_layer} layers x {hp.n_expert} experts (top-{hp.n_expert_used}), "
+            f"{self.model.path.name}: {hp.n_moe_layer} layers x {hp.n_expert} experts (top-{hp.n_expert_used})"
+            f"{hp.resident_ffn()}, "
             f"{self.backend.name} {format_mib(self.ledger.capacity_bytes)} MiB, "
-            f"cache {n_slots}/{hp.n_layer * hp.n_expert} experts, prompt plan {self.plan.prompt.label}"
+            f"cache {n_slots}/{hp.n_moe_layer * hp.n_expert} experts, prompt plan {self.plan.prompt.label}"
             + (", token graph" if self.session.graph is not None else "")
         )
 

@@ -224,7 +224,7 @@ class ServeLoop:
         profile = None
         if rt.cache is not None:
             profile = startup_profile(rt.options.expert_profile, rt.model, rt.backend)
-        return routing_odds(profile, hp.n_layer, hp.n_expert, hp.n_expert_used)
+        return routing_odds(profile, hp.n_moe_layer, hp.n_expert, hp.n_expert_used)
 
     # -- actions ---------------------------------------------------------------------------
     def close(self) -> None:

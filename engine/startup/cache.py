@@ -92,7 +92,7 @@ def startup_profile(path: str | None, model: Model, backend: Backend,
     (routed on `backend`; `warn`: a cached one that cannot be used, recorded again)."""
     if path:
         profile = ExpertProfile.load(path)
-        profile.check_model(model.hp.n_layer, model.hp.n_expert)
+        profile.check_model(model.hp.n_moe_layer, model.hp.n_expert)
         return profile
     # the calibration pass streams every expert it routes to (the cache is not filled yet)
     stream = CachedExperts(None, model.experts, DecodedLRU(), backend)

@@ -41,12 +41,12 @@ def calibration_text(n_words: int = 600, seed: int = 0) -> str:
 
 def record_profile(model: Model, texts: Iterable[str], max_tokens: int = 1 << 20,
                    experts: ExpertProvider | None = None) -> ExpertProfile:
-    """Route `texts` through the main blocks; counts every (layer, expert) pick. `experts`
+    """Route `texts` through the main blocks; counts every (MoE layer, expert) pick. `experts`
     computes the routed FFN (default: decoded from host memory)."""
     assert model.transformer is not None, "build the model weights first"
     hp = model.hp
     be = model.transformer.backend
-    rec = ProfileRecorder(hp.n_layer, hp.n_expert)
+    rec = ProfileRecorder(hp.n_moe_layer, hp.n_expert)
     experts = experts or DirectExperts(model.experts, be)
     for text in texts:
         ids = model.tokenizer.encode(text)[:max_tokens]
@@ -80,7 +80,7 @@ def cached_profile(model: Model, warn: Callable[[str], None] | None = None
     for path in _cached_path(model):
         if path.exists():
             try:
-                return ExpertProfile.load(path, n_layer=hp.n_layer, n_expert=hp.n_expert)
+                return ExpertProfile.load(path, n_layer=hp.n_moe_layer, n_expert=hp.n_expert)
             except ProfileError as e:
                 if warn is not None:
                     warn(f"strata: warning: {e} (ignored: the calibration profile is "

@@ -1,4 +1,5 @@
-"""Deterministic synthetic qwen3moe GGUF files (`strata make-model`), written with GGUFWriter.
+"""Deterministic synthetic qwen3moe and glm4moe GGUF files (`strata make-model`), written with
+GGUFWriter.
 
 Tensors are streamed to disk one at a time, so the `qwen3-30b-a3b` preset (about 17 GB of
 4-bit experts) never sits in memory. The same spec and seed always give the same bytes.
@@ -16,15 +17,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType
+from gguf import GGML_QUANT_SIZES, ExpertGatingFuncType, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 
 from engine.gguf import names
-from engine.gguf.hparams import HParams, expected_shapes
+from engine.gguf.hparams import HParams, expected_shapes, optional_shapes
 from engine.synth.blocks import random_tensor
 from engine.synth.mixes import MIXES, NEEDS_IMATRIX, mix_types
-from engine.synth.vocab import MAX_N_VOCAB, MIN_N_VOCAB, VocabSpec, build_vocab, write_vocab
+from engine.synth.vocab import MAX_N_VOCAB, MIN_N_VOCAB, PRE, VocabSpec, build_vocab, write_vocab
 
 GROUPS = ("embd", "attn", "router", "experts", "output", "norm", "nextn")
 _POSITIVE = ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_expert",
@@ -55,6 +56,17 @@ class SynthSpec:
     # a llama.cpp quantizer mix (`q4_k_m`, engine/synth/mixes.py): the types it gives each
     # tensor it re-encodes, layer by layer, in place of `qtypes` (norms and router keep theirs)
     mix: str = ""
+    # glm4moe (`arch`): dense leading blocks (`n_ff` rows), a shared expert, partial RoPE
+    # (`n_rot` of a head's dims, 0: all), q/k norms or not, and the routed weights' norm and
+    # scale; sigmoid routing with a selection bias and q/k/v biases come with the architecture
+    arch: str = names.ARCH_QWEN3MOE
+    n_dense_lead: int = 0
+    n_ff: int = 0
+    n_expert_shared: int = 0
+    n_rot: int = 0
+    qk_norm: bool = True
+    weights_norm: bool = True
+    weights_scale: float = 1.0
     qtypes: dict[str, str] = field(
         default_factory=lambda: {
             "embd": "Q8_0",
@@ -68,6 +80,7 @@ class SynthSpec:
     )
 
     def hparams(self) -> HParams:
+        glm = self.arch == names.ARCH_GLM4MOE
         return HParams(
             n_vocab=self.n_vocab,
             n_embd=self.n_embd,
@@ -83,6 +96,17 @@ class SynthSpec:
             rms_eps=self.rms_eps,
             rope_base=self.rope_base,
             has_output=not self.tied_output,
+            arch=self.arch,
+            n_rot=0 if self.n_rot == self.head_dim else self.n_rot,
+            n_dense_lead=self.n_dense_lead,
+            n_ff=self.n_ff if self.n_dense_lead else 0,
+            n_expert_shared=self.n_expert_shared,
+            gating="sigmoid" if glm else "softmax",
+            weights_norm=self.weights_norm,
+            weights_scale=self.weights_scale,
+            qk_norm=self.qk_norm or not glm,
+            qkv_bias=glm,
+            selection_bias=glm,
         )
 
     def with_qtype(self, group: str, qtype: str) -> SynthSpec:
@@ -100,15 +124,15 @@ class SynthSpec:
         return max(self.layer_blob_bytes())
 
     def layer_blob_bytes(self, with_mtp: bool = False) -> list[int]:
-        """Bytes of one (layer, expert) blob of each main layer (`with_mtp`: and then of the
-        MTP block, 0 without one)."""
+        """Bytes of one (layer, expert) blob of each main layer with experts (`with_mtp`: and
+        then of the MTP block, 0 without one)."""
         tensors = synth_tensors(self)
 
         def blob(i: int) -> int:
             parts = (tensors[names.block(k, i)] for k in names.EXPERT_TENSORS)
             return sum(_nbytes(shape[1:], qtype) for shape, qtype in parts)  # one expert's rows
 
-        out = [blob(i) for i in range(self.n_layer)]
+        out = [blob(i) for i in range(self.n_dense_lead, self.n_layer)]
         if with_mtp:
             out.append(blob(self.n_layer) if self.n_nextn else 0)
         return out
@@ -128,6 +152,18 @@ class SynthSpec:
             out.append(f"{named('seed')} must be >= 0")
         if self.mix and self.mix not in MIXES:
             out.append(f"{named('mix')} is not a quantizer mix; use one of {', '.join(MIXES)}")
+        if self.arch not in names.SUPPORTED_ARCHS:
+            out.append(f"{named('arch')} is not one strata runs; use one of "
+                       f"{', '.join(names.SUPPORTED_ARCHS)}")
+        if self.arch != names.ARCH_GLM4MOE and (self.n_dense_lead or self.n_expert_shared):
+            out.append("dense leading blocks and shared experts are glm4moe's; set the arch")
+        if not 0 <= self.n_dense_lead < self.n_layer:
+            out.append(f"{named('n_dense_lead')} must leave a block with experts (below "
+                       f"{named('n_layer')})")
+        if self.n_dense_lead and self.n_ff < 1:
+            out.append(f"{named('n_ff')} must be at least 1 for the dense leading blocks")
+        if self.n_rot < 0 or self.n_rot % 2 or self.n_rot > self.head_dim:
+            out.append(f"{named('n_rot')} must be even and at most {named('head_dim')} (0: all)")
         if out:  # the checks below need positive shapes
             return out
         if not MIN_N_VOCAB <= self.n_vocab <= MAX_N_VOCAB:
@@ -141,12 +177,15 @@ class SynthSpec:
         rows = {  # a tensor kind whose rows are not n_embd long -> what sets its row length
             "attn_output": f"{named('n_head')} x {named('head_dim')}",
             "ffn_down_exps": named("n_ff_exp"),
+            "ffn_down_shexp": f"{named('n_ff_exp')} x {named('n_expert_shared')}",
+            "ffn_down": named("n_ff"),
             "attn_q_norm": named("head_dim"),
             "attn_k_norm": named("head_dim"),
             "eh_proj": f"2 x {named('n_embd')}",
         }
         short: dict[str, dict[str, list[str]]] = {}  # row length -> quant type -> groups
-        for name, (shape, qtype) in synth_tensors(replace(self, n_layer=1)).items():
+        one = replace(self, n_layer=self.n_dense_lead + 1)  # a block of each kind
+        for name, (shape, qtype) in synth_tensors(one).items():
             if shape[-1] % GGML_QUANT_SIZES[qtype][0]:
                 kind = next((k for k in rows if f".{k}." in name), "")
                 groups = short.setdefault(rows.get(kind) or named("n_embd"), {})
@@ -170,7 +209,7 @@ class SynthSpec:
                 for shape, qtype in shapes.values()
             )
 
-        if self.mix:  # a mix gives layers their own types
+        if self.mix or self.n_dense_lead:  # a mix gives layers their own types
             return total(self.n_layer, self.n_nextn)
         base = total(0, 0)  # blocks are alike: count one of each kind, not all of them
         return base + self.n_layer * (total(1, 0) - base) + self.n_nextn * (total(0, 1) - base)
@@ -182,8 +221,15 @@ class SynthSpec:
         for name in ("centered", "mix"):  # only when set: older models keep their names
             if not fields[name]:
                 del fields[name]
+        for name in _LATER_FIELDS:  # likewise, the fields added with glm4moe
+            if fields[name] == _DEFAULTS[name]:
+                del fields[name]
         return f"{zlib.crc32(repr(sorted(fields.items())).encode()):08x}"
 
+
+_LATER_FIELDS = ("arch", "n_dense_lead", "n_ff", "n_expert_shared", "n_rot", "qk_norm",
+                 "weights_norm", "weights_scale")
+_DEFAULTS = {name: getattr(SynthSpec, name) for name in _LATER_FIELDS}
 
 PRESETS: dict[str, SynthSpec] = {
     # The shape of the shipped demo (engine/assets/demo.gguf) with random weights: small
@@ -203,15 +249,37 @@ PRESETS: dict[str, SynthSpec] = {
                 "output": "Q8_0", "norm": "F32", "nextn": "Q8_0"},
         centered=True,  # balanced routing through 48 layers, as a trained model's
     ),
+    # glm4moe for unit tests and the oracle: a dense leading block, a shared expert, partial
+    # RoPE, q/k/v biases, sigmoid routing with a selection bias, and the MTP block.
+    "tiny-glm": SynthSpec(
+        n_vocab=1024, n_embd=64, n_layer=3, n_head=4, n_head_kv=2, head_dim=16,
+        n_expert=8, n_expert_used=2, n_ff_exp=64, n_ctx=4096, rope_base=10000.0,
+        arch=names.ARCH_GLM4MOE, n_dense_lead=1, n_ff=128, n_expert_shared=1, n_rot=8,
+        qk_norm=False, weights_scale=1.5,
+    ),
+    # GLM-4.5-Air's real shapes (106B total, 12B active: 46 layers, the first dense, 128
+    # experts top-8 and one shared, partial RoPE over half of each 128-dim head, no q/k norm,
+    # routed weights scaled by 1.0) with 4-bit experts and its nextn block, for GPU benchmarks.
+    "glm4.5-air": SynthSpec(
+        n_vocab=151552, n_embd=4096, n_layer=46, n_head=96, n_head_kv=8, head_dim=128,
+        n_expert=128, n_expert_used=8, n_ff_exp=1408, n_ctx=131072, rope_base=1_000_000.0,
+        rms_eps=1e-5, arch=names.ARCH_GLM4MOE, n_dense_lead=1, n_ff=10944, n_expert_shared=1,
+        n_rot=64, qk_norm=False, weights_scale=1.0,
+        qtypes={"embd": "Q8_0", "attn": "Q8_0", "router": "F32", "experts": "Q4_0",
+                "output": "Q8_0", "norm": "F32", "nextn": "Q8_0"},
+        centered=True,
+    ),
 }
 
 
 def _group(name: str) -> str:
+    """A tensor's quant-type group: a shared expert's and a dense block's FFN go with attention
+    (resident dense weights), biases with the norms (vectors, F32)."""
     if name == names.TOKEN_EMBD:
         return "embd"
     if name == names.OUTPUT:
         return "output"
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or name.endswith(".bias"):
         return "norm"
     if ".nextn." in name:
         return "nextn"
@@ -223,11 +291,15 @@ def _group(name: str) -> str:
 
 
 def _std(name: str, spec: SynthSpec) -> float:
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or name.endswith(".bias"):
         return 0.1
     if name == names.TOKEN_EMBD:
         return 1.0
     fan_in = spec.n_ff_exp if "ffn_down" in name else spec.n_embd
+    if "ffn_down_shexp" in name:
+        fan_in = spec.n_ff_exp * spec.n_expert_shared
+    elif ".ffn_down." in name:  # a dense block's
+        fan_in = spec.n_ff
     if "attn_output" in name:
         fan_in = spec.n_head * spec.head_dim
     if "eh_proj" in name:
@@ -239,6 +311,8 @@ def synth_tensors(spec: SynthSpec) -> dict[str, tuple[tuple[int, ...], Q]]:
     """Every tensor of the model: name -> (numpy-order shape, quant type)."""
     hp = spec.hparams()
     shapes = expected_shapes(hp)
+    if spec.arch == names.ARCH_GLM4MOE:  # llama.cpp's glm4moe loader requires the nextn
+        shapes.update(optional_shapes(hp))  # block's own embedding and head
     # the mixes that need an importance matrix exist only with one; the others are as the
     # quantizer writes them without
     mixed = mix_types(spec.mix, shapes, n_head=spec.n_head, n_head_kv=spec.n_head_kv,
@@ -284,7 +358,7 @@ def write_model(
     spec: SynthSpec,
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Write `spec` as a qwen3moe GGUF at `path` (atomically: temp file, then rename)."""
+    """Write `spec` as a GGUF of its architecture at `path` (atomically: temp file, then rename)."""
     tensors = synth_tensors(spec)
     return write_gguf(
         path,
@@ -292,7 +366,7 @@ def write_model(
         build_vocab(spec.n_vocab, seed=spec.seed),
         tensors,
         _made_in_order(tensors, spec),
-        f"strata synthetic qwen3moe with random weights ({spec.digest()})",
+        f"strata synthetic {spec.arch} with random weights ({spec.digest()})",
         progress,
     )
 
@@ -307,18 +381,18 @@ def write_gguf(
     progress: Callable[[int, int], None] | None = None,
     description: str = "",
 ) -> Path:
-    """Write a qwen3moe GGUF of `spec`'s shapes: `tensors` (name -> (shape, quant type)) with
+    """Write a GGUF of `spec`'s architecture and shapes: `tensors` (name -> (shape, quant type)) with
     their encoded bytes from `data` in the same order (atomically: temp file, then rename).
     `title` is `general.name`; `description` (`general.description`) is what the app shows
     a newcomer before the first message."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".part")
-    w = GGUFWriter(tmp, names.ARCH_QWEN3MOE)
+    w = GGUFWriter(tmp, spec.arch)
     _write_metadata(w, spec, title)
     if description:
         w.add_description(description)
-    write_vocab(w, vocab)
+    write_vocab(w, vocab, pre="glm4" if spec.arch == names.ARCH_GLM4MOE else PRE)
     for name, (shape, qtype) in tensors.items():
         # logical shape + raw_dtype: the writer records the quant type and our byte count
         w.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
@@ -362,7 +436,7 @@ def _write_metadata(w: GGUFWriter, spec: SynthSpec, title: str) -> None:
     w.add_block_count(spec.n_layer + spec.n_nextn)
     w.add_context_length(spec.n_ctx)
     w.add_embedding_length(spec.n_embd)
-    w.add_feed_forward_length(spec.n_ff_exp)
+    w.add_feed_forward_length(spec.n_ff if spec.n_dense_lead else spec.n_ff_exp)
     w.add_head_count(spec.n_head)
     w.add_head_count_kv(spec.n_head_kv)
     w.add_key_length(spec.head_dim)
@@ -374,6 +448,13 @@ def _write_metadata(w: GGUFWriter, spec: SynthSpec, title: str) -> None:
     w.add_expert_feed_forward_length(spec.n_ff_exp)
     if spec.n_nextn:
         w.add_nextn_predict_layers(spec.n_nextn)
+    if spec.arch == names.ARCH_GLM4MOE:  # the keys llama.cpp's glm4moe loader reads
+        w.add_rope_dimension_count(spec.n_rot or spec.head_dim)
+        w.add_leading_dense_block_count(spec.n_dense_lead)
+        w.add_expert_shared_count(spec.n_expert_shared)
+        w.add_expert_weights_scale(spec.weights_scale)
+        w.add_expert_weights_norm(spec.weights_norm)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if spec.mix:
         w.add_file_type(int(LlamaFileType["MOSTLY_" + spec.mix.upper()]))
     else:

@@ -237,10 +237,11 @@ def _pad_with_pairs(
         merges.append(f"{left} {right}")
 
 
-def write_vocab(writer: gguf.GGUFWriter, spec: VocabSpec) -> None:
-    """Write the vocabulary as GGUF `tokenizer.*` metadata (gpt2 model, qwen2 pre-tokenizer)."""
+def write_vocab(writer: gguf.GGUFWriter, spec: VocabSpec, pre: str = PRE) -> None:
+    """Write the vocabulary as GGUF `tokenizer.*` metadata (gpt2 model, the qwen2
+    pre-tokenizer unless `pre` names another)."""
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(PRE)
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(spec.tokens)
     writer.add_token_types(spec.token_types)
     writer.add_token_merges(spec.merges)

@@ -39,6 +39,7 @@ from engine.gguf.quant import ExpertLayout, dequantize
 from engine.gguf.tokenizer import TokenType
 from engine.model.attention import attention_block
 from engine.model.loader import Model, load_model
+from engine.model.moe import routing
 from engine.model.mtp import MTPBlock, require_mtp
 from engine.request.session import Session
 from engine.speculative.draft_head import DraftHead
@@ -180,7 +181,7 @@ def fit_expert_down(
         x = _inputs(block, tr) @ block.eh_proj.T  # [n-1, d]
         a = x + attention_block(block.backend, hp, block.block.attn, x, 0, kv, 0)
         h = rms_norm(np, a, block.block.ffn_norm, hp.rms_eps)
-        ids, w, _ = route_topk(np, h @ block.block.router.T, hp.n_expert_used)  # [n-1, k]
+        ids, w, _ = route_topk(np, h @ block.block.router.T, routing(hp), block.block.selection_bias)  # [n-1, k]
         for e in np.unique(ids).tolist():
             tok, slot = np.nonzero(ids == e)
             gate, up, _ = w0[e]

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from engine.model.attention import qkv_rows
+from engine.model.moe import routing
 from engine.model.token_graph import TokenGraph
 
 
@@ -51,14 +52,14 @@ def profile_step(tg: TokenGraph, tokens: list[int], pos: int, repeat: int = 20) 
     be, tr, hp, kv, pos_at = tg.backend, tg.tr, tg.tr.hp, tg.kv, tg.position
     t = len(tokens)
     assert kv.n_tokens <= pos and pos + t <= kv.n_ctx, (kv.n_tokens, pos, t)
-    blk, layer = tr.blocks[0], 0
+    blk, layer = tr.blocks[hp.n_dense_lead], 0  # the first block with experts
     saved = tg.counts.copy()
     be.upload_inline(np.array([pos], dtype=np.int32), pos_at.array)
     x = be.to_device(np.ascontiguousarray(tr.embd.rows(np.asarray(tokens, dtype=np.int64)), np.float32))
     q, k, v = qkv_rows(be, hp, blk.attn, x, pos_at)
     o = kv.attend(layer, pos_at, q, k, v)
     h = be.rms_norm(x, blk.ffn_norm, hp.rms_eps)
-    ids, w, _ = be.route(be.linear(h, blk.router), hp.n_expert_used)
+    ids, w, _ = be.route(be.linear(h, blk.router), routing(hp), blk.selection_bias)
     source = tg.on_device.source(layer)
     parts: list[tuple[str, Callable[[], Any], int]] = [
         ("norm, q/k/v, rope", lambda: qkv_rows(be, hp, blk.attn, x, pos_at), hp.n_layer),
@@ -66,8 +67,9 @@ def profile_step(tg: TokenGraph, tokens: list[int], pos: int, repeat: int = 20) 
          hp.n_layer),
         ("output projection", lambda: be.linear(o.reshape(t, hp.q_dim), blk.attn.wo), hp.n_layer),
         ("norm, router, top-k", lambda: be.route(be.linear(be.rms_norm(x, blk.ffn_norm, hp.rms_eps),
-                                                         blk.router), hp.n_expert_used), hp.n_layer),
-        ("routed experts (layer 0's routing)", lambda: be.moe_at(h, ids, w, source), hp.n_layer),
+                                                         blk.router), routing(hp), blk.selection_bias),
+         hp.n_moe_layer),
+        ("routed experts (layer 0's routing)", lambda: be.moe_at(h, ids, w, source), hp.n_moe_layer),
         ("output head", lambda: tr.logits(x[-1:]), 1),
     ]
     rows = [(name, n * _time_graph(cp, tg.stream, tg.pool, fn, repeat)) for name, fn, n in parts]
