@@ -11,6 +11,7 @@ themselves (normalised, then scaled), and a shared expert beside the routed ones
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -189,3 +190,56 @@ def test_loan_startup_and_repeat_give_the_same_tokens(tmp_path: Path) -> None:
     assert len(releases) == 2 and all(s.n_bytes > 0 for s in releases)
     # the verifier, the native head, the MTP block's experts and its draft head, each named
     assert all(label in releases[0].detail for label in LABELS.values()), releases[0].detail
+
+
+# --- files that are not what they say ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("rope.dimension_count", 7, "rope.dimension_count' = 7 must be even and at most the head's 16"),
+    ("rope.dimension_count", 32, "rope.dimension_count' = 32 must be even and at most the head's 16"),
+    ("leading_dense_block_count", 3, "leading_dense_block_count 3 leaves none of the 3 main blocks"),
+    ("expert_weights_norm", 1, "expert_weights_norm' = 1 is not a boolean"),
+    ("expert_weights_scale", float("nan"), "expert_weights_scale' = nan is not a positive finite"),
+])
+def test_a_bad_glm4moe_key_is_one_line(glm_path: Path, key: str, value: object, message: str) -> None:
+    from engine.errors import GGUFError, ModelError
+    from engine.gguf.hparams import read_hparams
+    from engine.gguf.reader import open_gguf
+
+    mf = open_gguf(glm_path)
+    mf.metadata[f"glm4moe.{key}"] = value
+    with pytest.raises((GGUFError, ModelError)) as e:
+        read_hparams(mf)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_missing_glm4moe_tensor_is_named(glm_path: Path) -> None:
+    from engine.errors import GGUFError
+    from engine.gguf.hparams import read_hparams
+    from engine.gguf.reader import open_gguf
+
+    for name in ("blk.1.exp_probs_b.bias", "blk.2.ffn_up_shexp.weight", "blk.0.ffn_down.weight",
+                 "blk.1.attn_k.bias"):
+        mf = open_gguf(glm_path)
+        del mf.tensors[name]
+        with pytest.raises(GGUFError, match=f"tensor '{name}' is missing"):
+            read_hparams(mf)
+    mf = open_gguf(glm_path)  # a router on the dense block: llama.cpp counts it as extra too
+    mf.tensors["blk.0.ffn_gate_inp.weight"] = mf.tensors["blk.1.ffn_gate_inp.weight"]
+    with pytest.raises(GGUFError, match="is not one a glm4moe model has"):
+        read_hparams(mf)
+
+
+def test_make_model_and_info_name_the_glm4moe_parts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    out = tmp_path / "glm.gguf"
+    assert main(["make-model", str(out), "--preset", "tiny-glm", "--dense-ff", "96"]) == 0
+    assert main(["info", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "architecture  glm4moe" in text
+    assert "sigmoid + selection bias, normalised x 1.5" in text
+    assert "dense blocks  1 leading (ffn 96), resident" in text
+    assert "shared expert 1 beside the routed (ffn 64), resident" in text
+    assert "RoPE on 8 of 16 dims" in text and re.search(r"\nattn_q\.bias +F32\n", text)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from engine.gguf.hparams import read_hparams
+from engine.gguf.hparams import HParams, read_hparams
 from engine.gguf.reader import open_gguf
 from engine.gguf.tokenizer import Tokenizer
 from engine.gguf.type_mix import file_type_name, mix_lines
@@ -21,10 +21,30 @@ def tensor_group(name: str, n_layer: int) -> str:
         block = int(name.split(".")[1])
         if block >= n_layer:
             return "mtp.experts" if "_exps" in name else "mtp.block"
-        return "experts" if "_exps" in name else "dense.blocks"
+        return "experts" if "_exps" in name else "dense.blocks"  # a shared expert is dense
     if name == "output.weight":
         return "head.native"
     return "dense.embd_norm"
+
+
+def _routing(hp: HParams) -> str:
+    """glm4moe's router, where it is not qwen3moe's softmax."""
+    if hp.gating == "softmax":
+        return ""
+    scale = f" x {hp.weights_scale:g}" if hp.weights_scale != 1.0 else ""
+    return (f", {hp.gating}{' + selection bias' if hp.selection_bias else ''}"
+            f"{', normalised' if hp.weights_norm else ''}{scale}")
+
+
+def _resident_ffn(hp: HParams) -> list[str]:
+    """The dense leading blocks and the shared expert: resident weights, like attention's."""
+    out = []
+    if hp.n_dense_lead:
+        out.append(f"dense blocks  {hp.n_dense_lead} leading (ffn {hp.n_ff}), resident")
+    if hp.n_expert_shared:
+        out.append(f"shared expert {hp.n_expert_shared} beside the routed (ffn {hp.n_ff_shexp}), "
+                   "resident")
+    return out
 
 
 def describe(path: str) -> str:
@@ -44,8 +64,11 @@ def describe(path: str) -> str:
         f"vocab         {hp.n_vocab:,}",
         f"layers        {hp.n_layer} main + {hp.n_nextn} MTP (nextn)",
         f"hidden        {hp.n_embd}, heads {hp.n_head} q / {hp.n_head_kv} kv x {hp.head_dim}",
-        f"experts       {hp.n_expert} per layer, top-{hp.n_expert_used}, ffn {hp.n_ff_exp}",
-        f"context       {hp.n_ctx_train:,} (trained), rope base {hp.rope_base:g}",
+        f"experts       {hp.n_expert} per layer, top-{hp.n_expert_used}, ffn {hp.n_ff_exp}"
+        f"{_routing(hp)}",
+        *_resident_ffn(hp),
+        f"context       {hp.n_ctx_train:,} (trained), rope base {hp.rope_base:g}"
+        + (f", RoPE on {hp.n_rot} of {hp.head_dim} dims" if hp.n_rot else ""),
         f"output head   {'native' if hp.has_output else 'tied to token_embd'}",
         f"file type     {file_type_name(mf) or '?'}",
         "",

@@ -64,8 +64,8 @@ def plan_text(options: EngineOptions, flags: LoanFlags, shapes: Shapes, name: st
     hp = shapes.hp
     head = [
         (
-            f"model   {name}: {hp.n_layer} layers x {hp.n_expert} experts, expert blob "
-            f"{costs.expert_blob_bytes:,} B ({hp.n_layer * hp.n_expert} blobs, "
+            f"model   {name}: {hp.n_moe_layer} layers x {hp.n_expert} experts{hp.resident_ffn()}, "
+            f"expert blob {costs.expert_blob_bytes:,} B ({hp.n_moe_layer * hp.n_expert} blobs, "
             f"{format_mib(costs.cache_bytes(costs.n_blobs))} MiB)"
         ),
         *_blob_lines(shapes),

@@ -11,7 +11,7 @@ from gguf import LlamaFileType
 
 from engine.gguf.reader import ModelFile
 
-_BLOCK = re.compile(r"blk\.(\d+)\.(.+)\.weight$")
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+?)(?:\.weight)?$")  # a bias keeps its suffix: attn_q.bias
 
 
 def type_mix(mf: ModelFile) -> dict[str, dict[str, list[int]]]:
@@ -67,7 +67,7 @@ def file_type_name(mf: ModelFile) -> str:
 def mix_lines(mf: ModelFile) -> list[str]:
     """The type mix as aligned lines: a kind whose types differ by layer lists each type's
     layers; norms (F32 everywhere) are left out."""
-    lines = []
+    rows = []
     for kind, types in type_mix(mf).items():
         if kind.endswith("norm") and set(types) == {"F32"}:
             continue
@@ -75,5 +75,6 @@ def mix_lines(mf: ModelFile) -> list[str]:
             desc = ", ".join(types)
         else:
             desc = "; ".join(f"{q} in {layer_ranges(ls)}" for q, ls in types.items())
-        lines.append(f"{kind:<22}{desc}")
-    return lines
+        rows.append((kind, desc))
+    width = max([22, *(len(kind) + 2 for kind, _ in rows)])
+    return [f"{kind:<{width}}{desc}" for kind, desc in rows]

@@ -157,7 +157,7 @@ class SynthSpec:
                        f"{', '.join(names.SUPPORTED_ARCHS)}")
         if self.arch != names.ARCH_GLM4MOE and (self.n_dense_lead or self.n_expert_shared):
             out.append("dense leading blocks and shared experts are glm4moe's; set the arch")
-        if not 0 <= self.n_dense_lead < self.n_layer:
+        if self.n_dense_lead < 0 or 1 <= self.n_layer <= self.n_dense_lead:
             out.append(f"{named('n_dense_lead')} must leave a block with experts (below "
                        f"{named('n_layer')})")
         if self.n_dense_lead and self.n_ff < 1:
