@@ -27,6 +27,21 @@ def prefill_request(rt: Runtime, ids: list[int]) -> tuple[Any, Request]:
     return rt.prefill(req, QuietProgress()), req
 
 
+def greedy_steps(loop: Any, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """Greedy steps after prefilling `ids` on a serve loop's runtime: the tokens and every
+    step's logits [n, V]."""
+    rt = loop.rt
+    logits, _ = prefill_request(rt, ids)
+    rows, toks = [], []
+    row = host(logits)[-1]
+    for _ in range(n):
+        tok = int(np.argmax(row))
+        toks.append(tok)
+        row = host(rt.session.forward([tok]).logits)[-1]
+        rows.append(row)
+    return toks, np.stack(rows)
+
+
 def host(a: Any) -> np.ndarray:
     """A device array's host copy."""
     return a.get() if hasattr(a, "get") else np.asarray(a)

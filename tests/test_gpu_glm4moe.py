@@ -9,42 +9,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_helpers import host, prefill_request
+from engine_helpers import greedy_steps, host, prefill_request
 
 from engine.config import EngineOptions, LoanFlags
 from engine.gguf import names
 from engine.request.conversation import Conversation
 from engine.runtime.serve import ServeLoop
 from engine.synth.model import PRESETS, write_model
+from engine.tools.bench import LOAN_ON
 
 pytestmark = pytest.mark.gpu
-cupy = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001 - no driver
-    HAVE_GPU = False
-if not HAVE_GPU:
-    pytest.skip("no CUDA device", allow_module_level=True)
-
-LOAN = LoanFlags.make(elastic_loan=True, mtp_loan=True, head_loan=True,
-                      retain_startup_chunk=True, repeat_loan=True, repeat_min_tokens=256)
+LOAN = LoanFlags.make(**{**LOAN_ON.as_kwargs(), "repeat_min_tokens": 256})
 
 
 @pytest.fixture(scope="module")
-def glm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def glm_path(tmp_path_factory: pytest.TempPathFactory, cp) -> Path:  # type: ignore[no-untyped-def]
     """GLM-4.5-Air's shapes, 3 blocks (the first dense) + the nextn block, 128-dim heads."""
     spec = replace(PRESETS["glm4.5-air"], n_layer=3, n_ctx=8192, n_vocab=8192)
     return write_model(tmp_path_factory.mktemp("gpu-glm") / "glm-mid.gguf", spec)
-
-
-def greedy(loop: ServeLoop, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    logits, _ = prefill_request(loop.rt, ids)
-    row, toks, rows = host(logits)[-1], [], []
-    for _ in range(n):
-        toks.append(int(np.argmax(row)))
-        row = host(loop.rt.session.forward([toks[-1]]).logits)[-1]
-        rows.append(row)
-    return toks, np.stack(rows)
 
 
 def test_cuda_matches_the_simulated_device_and_the_graph_its_eager_steps(glm_path: Path) -> None:
@@ -61,8 +43,8 @@ def test_cuda_matches_the_simulated_device_and_the_graph_its_eager_steps(glm_pat
     a, b = host(a)[-1], host(b)[-1]
     assert float(np.abs(a - b).max() / np.abs(a).max()) < 0.03  # fp16 weights, tensor cores
     gpu.rt.session.truncate(0)
-    ta, la = greedy(gpu, ids, 12)
-    tb, lb = greedy(eager, ids, 12)
+    ta, la = greedy_steps(gpu, ids, 12)
+    tb, lb = greedy_steps(eager, ids, 12)
     assert ta == tb and float(np.abs(la - lb).max() / np.abs(lb).max()) < 1e-3
     gpu.rt.check_integrity()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_helpers import host, prefill_request
+from engine_helpers import greedy_steps, host
 
 from engine.config import EngineOptions, LoanFlags
 from engine.request.conversation import Conversation
@@ -54,20 +54,6 @@ def test_attention_and_kv_write_match_the_eager_path(cp, kind: str) -> None:  # 
     assert float(cp.abs(out - want).max()) < 1e-4 * float(cp.abs(want).max()) + 1e-5
 
 
-def _decode(loop: ServeLoop, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """Greedy steps after prefilling `ids`: the tokens and every step's logits [n, V]."""
-    rt = loop.rt
-    logits, _ = prefill_request(rt, ids)
-    rows, toks = [], []
-    row = host(logits)[-1]
-    for _ in range(n):
-        tok = int(np.argmax(row))
-        toks.append(tok)
-        row = host(rt.session.forward([tok]).logits)[-1]
-        rows.append(row)
-    return toks, np.stack(rows)
-
-
 def test_graph_steps_match_eager_steps_with_misses(mid_path: Path) -> None:
     """A cache of 40 of the 256 experts: most routed experts are read over PCIe in place."""
     base = EngineOptions(model=str(mid_path), device="cuda", ctx=4096, vram_limit="4GiB",
@@ -77,8 +63,8 @@ def test_graph_steps_match_eager_steps_with_misses(mid_path: Path) -> None:
     tg = graph.rt.session.graph
     assert tg is not None and eager.rt.session.graph is None
     ids = graph.rt.model.tokenizer.encode("the river runs through the old city " * 30)
-    ta, la = _decode(graph, ids, 12)
-    tb, lb = _decode(eager, ids, 12)
+    ta, la = greedy_steps(graph, ids, 12)
+    tb, lb = greedy_steps(eager, ids, 12)
     assert ta == tb
     assert float(np.abs(la - lb).max() / np.abs(lb).max()) < 1e-3
     assert tg.n_captures == 1 and tg.n_replays == 12
@@ -121,7 +107,7 @@ def test_a_deep_model_is_captured(tmp_path: Path, cp) -> None:  # type: ignore[n
         tg = loop.rt.session.graph
         assert tg is not None
         ids = loop.rt.model.tokenizer.encode("the river runs " * 8)
-        _decode(loop, ids, 6)
+        greedy_steps(loop, ids, 6)
         assert loop.rt.report.warnings == [] and loop.rt.session.graph is tg
         assert tg.n_captures == 1 and tg.n_replays == 6
     finally:
@@ -142,8 +128,8 @@ def test_promotions_under_the_graph_change_where_experts_are_read_not_what_they_
     assert adm is not None and still.rt.experts.admission is None
     adm.margin, adm.score[:] = 0.0, 0.0
     ids = moving.rt.model.tokenizer.encode("the river runs through the old city " * 30)
-    ta, la = _decode(moving, ids, 16)
-    tb, lb = _decode(still, ids, 16)
+    ta, la = greedy_steps(moving, ids, 16)
+    tb, lb = greedy_steps(still, ids, 16)
     assert ta == tb
     assert float(np.abs(la - lb).max() / np.abs(lb).max()) < 1e-3
     cache = moving.rt.cache

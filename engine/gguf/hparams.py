@@ -73,12 +73,20 @@ class HParams:
     weights_norm: bool = True  # the top-k weights renormalised to sum 1
     weights_scale: float = 1.0  # then multiplied by this
     qk_norm: bool = True  # per-head RMSNorm of q and k before RoPE
-    qkv_bias: bool = False  # q, k and v projections with a bias
-    selection_bias: bool = False  # a per-expert bias on the probabilities for the top-k
 
     @property
     def q_dim(self) -> int:
         return self.n_head * self.head_dim
+
+    @property
+    def qkv_bias(self) -> bool:
+        """q, k and v projections with a bias (glm4moe's)."""
+        return self.arch == names.ARCH_GLM4MOE
+
+    @property
+    def selection_bias(self) -> bool:
+        """A per-expert bias on the probabilities for the top-k (glm4moe's `exp_probs_b`)."""
+        return self.arch == names.ARCH_GLM4MOE
 
     @property
     def rot_dims(self) -> int:
@@ -201,8 +209,6 @@ def _arch_hparams(mf: ModelFile, head_dim: int, n_layer: int) -> dict:
         weights_norm=_bool(mf, "expert_weights_norm", False),
         weights_scale=_float(mf, "expert_weights_scale", 1.0, below=1e6),
         qk_norm=names.block("attn_q_norm", 0) in mf.tensors,
-        qkv_bias=True,
-        selection_bias=True,
     )
     return out
 

@@ -9,6 +9,7 @@ the staging ring. A shared expert and a dense FFN are resident weights, like att
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,10 @@ def dense_ffn(be: Backend, w: DenseFFN, h: Any) -> Any:
     return be.linear(g * u / (1.0 + xp.exp(-g)), w.down)  # [T, d]
 
 
+@functools.cache
 def routing(hp: HParams) -> Routing:
-    """The model's top-k rule (see `Routing`)."""
+    """The model's top-k rule (see `Routing`), made once per model (every MoE layer of every
+    step asks)."""
     return Routing(hp.n_expert_used, sigmoid=hp.gating == "sigmoid", norm=hp.weights_norm,
                    scale=hp.weights_scale)
 

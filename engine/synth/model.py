@@ -105,8 +105,6 @@ class SynthSpec:
             weights_norm=self.weights_norm,
             weights_scale=self.weights_scale,
             qk_norm=self.qk_norm or not glm,
-            qkv_bias=glm,
-            selection_bias=glm,
         )
 
     def with_qtype(self, group: str, qtype: str) -> SynthSpec:
