@@ -60,9 +60,19 @@
 #             (--temperature 1.0 --seed 1, 256 tokens); with a llama-bench from `lbuild` (or
 #             LLAMA_BENCH=path), llama.cpp on the same file (llama_mix below; `lmix` alone)
 #                                                                         -> $OUT/mix.md
-#   lbuild    llama.cpp's llama-bench with CUDA for sm_90, static, from .llama-src/llama.cpp.tar.gz
-#             (`bash scripts/llama_src.sh` here; carry .llama-src) into .llama-build/, about 2.5
-#             minutes on 16 cores; the next call's tree lacks it: `lbuild mix` in one call -> lbuild.log
+#   lbuild    llama.cpp's llama-bench and llama-speculative-simple with CUDA for sm_90, static, from
+#             .llama-src/llama.cpp-$LLAMA_VER.tar.gz (LLAMA_VER default: the newest there; `bash
+#             scripts/llama_src.sh [VERSION]` here; carry .llama-src) into .llama-build/, about 3
+#             minutes on 16 cores; a fresh machine's tree lacks it: `lbuild mix` in one call -> lbuild.log
+#   mglm      the full-size glm4.5-air preset (46 layers, 128 experts, nextn; 59 GiB) at $GLM_MODEL
+#             (default /dev/shm/glm.gguf where /dev/shm has room, else models/glm.gguf); the next
+#             call must follow at once (the machine goes back ~30 s after a call)
+#   glm       issue 31's table on $GLM_MODEL (after mglm; lbuild for llama.cpp's rows): strata's
+#             automatic planner loan off / on at 31,258 tokens inside --vram-limit 8GiB and 16GiB
+#             (--mtp --spec 2 --kv q4_0), sampled decode at depth 31k (T 1.0, seed 1, loan on), then
+#             llama.cpp on the same file (-ot exps=CPU, mapped, no repack: the repacked copy would not
+#             fit beside the file in host memory): pp31258, tg32 at depth 31,258, and its MTP drafts
+#             (llama-speculative-simple --spec-type draft-mtp --draft-max 2, T 1.0) -> $OUT/glm.md
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
@@ -77,8 +87,9 @@
 #   adec48    the same on the 48-layer file (after m48) at --vram-limit 8GiB, 256 tokens, RUNS_ADEC
 #             runs                                                    -> $OUT/adec48.md
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl
+# once a machine: stages may run side by side (`h200.sh lbuild & h200.sh mglm`) after one install
+[ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }
 export PYTHONPATH=/tmp/site:. STRATA_CACHE_DIR=/tmp/sc
 OUT=${OUT:-out}
 RUNS=${RUNS:-2}
@@ -100,6 +111,62 @@ llama_mix() {
   "$lb" $common -mmp 0 -p 0 -n 64 -d 31258 2>>"$OUT/llama.log" | grep -E "^\| qwen" | tee -a "$OUT/mix.md"
   kill $peak; wait $peak 2>/dev/null || true
   echo "llama.cpp GPU peak: $(cat "$OUT/llama-peak.txt") MiB (NVML, both runs)" | tee -a "$OUT/mix.md"
+}
+# issue 31's glm4.5-air file: in /dev/shm where it has room (the disk is 64 GiB), else models/
+if [ -z "${GLM_MODEL:-}" ]; then
+  shm_free=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -1 || echo 0)
+  GLM_MODEL=$([ "${shm_free:-0}" -gt $((62 * 2**30)) ] && echo /dev/shm/glm.gguf || echo models/glm.gguf)
+fi
+p31k() {  # 31,258 random token ids (seed 31), the prompt of every 31k row
+  [ -f /tmp/p31k.txt ] || python3 -c "import random; r=random.Random(31); \
+print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
+}
+# strata on the glm4.5-air file: the automatic planner loan off / on at 31k inside 8 and 16 GiB,
+# then sampled decode at depth 31k with the loan (the prefill is the loan's, the TG line is decode's)
+glm_strata() {
+  strata info "$GLM_MODEL" | tail -28 > "$OUT/glm-info.md"
+  for limit in 8GiB 16GiB; do
+    echo "#### strata, --vram-limit $limit" | tee -a "$OUT/glm.md"
+    STRATA_TRACE=1 strata bench --model "$GLM_MODEL" --device cuda --vram-limit "$limit" \
+      --mtp --spec 2 --kv q4_0 --h2d-gbs 55.3 --peak-tflops 989 --scenario auto --runs 1 \
+      --prompt-tokens 31258 --max-new 16 --ctx 31400 --json "$OUT/glm-$limit.json" \
+      > "$OUT/glm-$limit.log" 2>&1 || true
+    grep -E "^(\||#)|strata loan: restored|plan |GPU peak|error|Error" "$OUT/glm-$limit.log" \
+      | grep -vE "^  (chunk|strata serve: prompt)" | cut -c1-300 | tee -a "$OUT/glm.md" || true
+  done
+  p31k
+  echo "#### strata, sampled decode at depth 31k (8GiB, loan on, T 1.0, seed 1)" | tee -a "$OUT/glm.md"
+  STRATA_PREFILL_ELASTIC_LOAN=1 STRATA_PREFILL_MTP_LOAN=1 STRATA_PREFILL_HEAD_LOAN=1 \
+    strata run --serve --vram-elastic --model "$GLM_MODEL" --device cuda --vram-limit 8GiB \
+    --kv q4_0 --ctx 31600 --tokens-file /tmp/p31k.txt --max-new 128 --temperature 1.0 --seed 1 \
+    2>&1 >/dev/null | grep -E "strata serve|GPU peak|error" | cut -c1-300 | tee -a "$OUT/glm.md"
+}
+# llama.cpp on the same file: experts in host memory, mapped (-lm mmap) and not repacked (the
+# repacked copy would not fit beside the 59 GiB file in 128 GiB), flash attention, q4_0 KV
+glm_llama() {
+  local lb=${LLAMA_BENCH:-.llama-build/bin/llama-bench} ls=.llama-build/bin/llama-speculative-simple
+  if [ ! -x "$lb" ]; then
+    echo "llama.cpp: no llama-bench (run the lbuild stage first)" | tee -a "$OUT/glm.md"; return
+  fi
+  echo "#### llama.cpp ($(grep -o 'llama.cpp-[0-9.]*' "$OUT/lbuild.log" 2>/dev/null | head -1))" \
+    | tee -a "$OUT/glm.md"
+  python3 scripts/gpu_peak.py "$OUT/llama-glm-peak.txt" &
+  local peak=$! common="-m $GLM_MODEL -ngl 99 -ot exps=CPU -fa 1 -ctk q4_0 -ctv q4_0 -lm mmap --repack 0 -r 1 -o md"
+  "$lb" $common -ub "${GLM_UB:-8192}" -b "${GLM_UB:-8192}" -p 31258 -n 0 2>"$OUT/llama-glm.log" \
+    | grep -E "^\| (model|-|glm)" | tee -a "$OUT/glm.md"
+  "$lb" $common -ub "${GLM_UB:-8192}" -b "${GLM_UB:-8192}" -p 0 -n 32 -d 31258 2>>"$OUT/llama-glm.log" \
+    | grep -E "^\| glm" | tee -a "$OUT/glm.md"
+  kill $peak; wait $peak 2>/dev/null || true
+  echo "llama.cpp GPU peak: $(cat "$OUT/llama-glm-peak.txt") MiB (NVML, both runs)" | tee -a "$OUT/glm.md"
+  [ -x "$ls" ] || return 0
+  for temp in 1.0 0; do
+    timeout 120 "$ls" -m "$GLM_MODEL" -ngl 99 -ot exps=CPU -fa on -ctk q4_0 -ctv q4_0 -c 4096 \
+      --spec-type draft-mtp --draft-max 2 --temp "$temp" --seed 1 -n 128 \
+      -p "Tell me about the rivers of Europe and the cities on their banks." \
+      > "$OUT/llama-mtp-$temp.log" 2>&1 || true
+    grep -E "decoded|n_drafted|n_accept|accept |error" "$OUT/llama-mtp-$temp.log" \
+      | sed "s/^/llama.cpp draft-mtp T $temp: /" | tee -a "$OUT/glm.md" || true
+  done
 }
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
@@ -238,16 +305,21 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
            | sed 's/^/sampled TG: /' | tee -a "$OUT/mix.md"
          llama_mix ;;
     lmix) llama_mix ;;
-    lbuild) rm -rf .llama-build/src && mkdir -p .llama-build/src
-            tar -xzf .llama-src/llama.cpp.tar.gz -C .llama-build/src
+    lbuild) src=$(ls -v .llama-src/llama.cpp-${LLAMA_VER:-*}.tar.gz | tail -1)
+            echo "llama.cpp source: $src" | tee "$OUT/lbuild.log"
+            rm -rf .llama-build/src && mkdir -p .llama-build/src
+            tar -xzf "$src" -C .llama-build/src
             cmake -S .llama-build/src -B .llama-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
               -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
-              -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-              -DLLAMA_BUILD_SERVER=OFF >"$OUT/lbuild.log" 2>&1 || { tail -30 "$OUT/lbuild.log"; exit 1; }
-            cmake --build .llama-build --target llama-bench -j "$(nproc)" >>"$OUT/lbuild.log" 2>&1 \
-              || { tail -30 "$OUT/lbuild.log"; exit 1; }
-            ls -l .llama-build/bin/llama-bench && ldd .llama-build/bin/llama-bench | grep -v -E "^\s*/" \
-              | tee -a "$OUT/lbuild.log" ;;
+              -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
+              -DLLAMA_BUILD_SERVER=OFF >>"$OUT/lbuild.log" 2>&1 || { tail -30 "$OUT/lbuild.log"; exit 1; }
+            cmake --build .llama-build --target llama-bench llama-speculative-simple -j "$(nproc)" \
+              >>"$OUT/lbuild.log" 2>&1 || { tail -30 "$OUT/lbuild.log"; exit 1; }
+            ls -l .llama-build/bin/llama-bench .llama-build/bin/llama-speculative-simple | tee -a "$OUT/lbuild.log" ;;
+    mglm) [ -f "$GLM_MODEL" ] || strata make-model "$GLM_MODEL" --preset glm4.5-air \
+            2>"$OUT/make-glm.log" || { tail -c 600 "$OUT/make-glm.log"; exit 1; }
+          ls -l "$GLM_MODEL"; df -h "$(dirname "$GLM_MODEL")" | tail -1 ;;
+    glm) glm_strata; glm_llama ;;
     b8) strata bench --model models/q8.gguf --device cuda --vram-limit 5GiB --vram-segment-mib 64 \
           --mtp --spec 2 --scenario auto --scenario ab --prefill 1024 --runs "$RUNS" \
           --prompt-tokens 8192 --max-new 16 --kv q4_0 --ctx 9000 --json "$OUT/b8.json" \

@@ -257,13 +257,16 @@ PRESETS: dict[str, SynthSpec] = {
     ),
     # GLM-4.5-Air's real shapes (106B total, 12B active: 46 layers, the first dense, 128
     # experts top-8 and one shared, partial RoPE over half of each 128-dim head, no q/k norm,
-    # routed weights scaled by 1.0) with 4-bit experts and its nextn block, for GPU benchmarks.
+    # routed weights scaled by 1.0) with its nextn block, for GPU benchmarks. 4-bit weights
+    # (Q4_0: the shared expert's 1,408 and the dense FFN's 10,944 columns are no multiple of
+    # the 256 a K-quant block needs) so the resident part (3.3 GiB) fits --vram-limit 8GiB with
+    # a 31k q4_0 KV cache; with Q8_0 attention it alone would be 6.3 GiB (docs/glm4moe.md).
     "glm4.5-air": SynthSpec(
         n_vocab=151552, n_embd=4096, n_layer=46, n_head=96, n_head_kv=8, head_dim=128,
         n_expert=128, n_expert_used=8, n_ff_exp=1408, n_ctx=131072, rope_base=1_000_000.0,
         rms_eps=1e-5, arch=names.ARCH_GLM4MOE, n_dense_lead=1, n_ff=10944, n_expert_shared=1,
         n_rot=64, qk_norm=False, weights_scale=1.0,
-        qtypes={"embd": "Q8_0", "attn": "Q8_0", "router": "F32", "experts": "Q4_0",
+        qtypes={"embd": "Q8_0", "attn": "Q4_0", "router": "F32", "experts": "Q4_0",
                 "output": "Q8_0", "norm": "F32", "nextn": "Q8_0"},
         centered=True,
     ),
