@@ -64,7 +64,7 @@
 #             .llama-src/llama.cpp-$LLAMA_VER.tar.gz (LLAMA_VER default: the newest there; `bash
 #             scripts/llama_src.sh [VERSION]` here; carry .llama-src) into .llama-build/, about 3
 #             minutes on 16 cores; a fresh machine's tree lacks it: `lbuild mix` in one call -> lbuild.log
-#   mglm      the full-size glm4.5-air preset (46 layers, 128 experts, nextn; 59 GiB) at $GLM_MODEL
+#   mglm      the full-size glm4.5-air preset (46 layers, 128 experts, nextn; 59.1 GiB) at $GLM_MODEL
 #             (default /dev/shm/glm.gguf where /dev/shm has room, else models/glm.gguf); the next
 #             call must follow at once (the machine goes back ~30 s after a call)
 #   glm       issue 31's table on $GLM_MODEL (after mglm; lbuild for llama.cpp's rows): strata's
@@ -115,7 +115,7 @@ llama_mix() {
 # issue 31's glm4.5-air file: in /dev/shm where it has room (the disk is 64 GiB), else models/
 if [ -z "${GLM_MODEL:-}" ]; then
   shm_free=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -1 || echo 0)
-  GLM_MODEL=$([ "${shm_free:-0}" -gt $((62 * 2**30)) ] && echo /dev/shm/glm.gguf || echo models/glm.gguf)
+  GLM_MODEL=$([ "${shm_free:-0}" -gt $((60 * 2**30)) ] && echo /dev/shm/glm.gguf || echo models/glm.gguf)
 fi
 p31k() {  # 31,258 random token ids (seed 31), the prompt of every 31k row
   [ -f /tmp/p31k.txt ] || python3 -c "import random; r=random.Random(31); \
