@@ -72,7 +72,7 @@
 #             (--mtp --spec 2 --kv q4_0), sampled decode at depth 31k (T 1.0, seed 1, loan on), then
 #             llama.cpp on the same file (-ot exps=CPU, mapped, no repack: the repacked copy would not
 #             fit beside the file in host memory): pp31258, tg32 at depth 31,258, and its MTP drafts
-#             (llama-speculative-simple --spec-type draft-mtp --draft-max 2, T 1.0) -> $OUT/glm.md
+#             (llama-speculative-simple --spec-type draft-mtp --spec-draft-n-max 2, T 1.0 and 0) -> $OUT/glm.md
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
@@ -161,7 +161,7 @@ glm_llama() {
   [ -x "$ls" ] || return 0
   for temp in 1.0 0; do
     timeout 120 "$ls" -m "$GLM_MODEL" -ngl 99 -ot exps=CPU -fa on -ctk q4_0 -ctv q4_0 -c 4096 \
-      --spec-type draft-mtp --draft-max 2 --temp "$temp" --seed 1 -n 128 \
+      --spec-type draft-mtp --spec-draft-n-max 2 --temp "$temp" --seed 1 -n 128 \
       -p "Tell me about the rivers of Europe and the cities on their banks." \
       > "$OUT/llama-mtp-$temp.log" 2>&1 || true
     grep -E "decoded|n_drafted|n_accept|accept |error" "$OUT/llama-mtp-$temp.log" \
