@@ -72,7 +72,9 @@
 #             (--mtp --spec 2 --kv q4_0), sampled decode at depth 31k (T 1.0, seed 1, loan on), then
 #             llama.cpp on the same file (-ot exps=CPU, mapped, no repack: the repacked copy would not
 #             fit beside the file in host memory): pp31258, tg32 at depth 31,258, and its MTP drafts
-#             (llama-speculative-simple --spec-type draft-mtp --spec-draft-n-max 2, T 1.0 and 0) -> $OUT/glm.md
+#             (llama-speculative-simple --spec-type draft-mtp --spec-draft-n-max 2, T 1.0 and 0); in
+#             the order strata 8 GiB, llama-bench, strata 16 GiB, decode, llama.cpp's drafts (a call
+#             cut short keeps the first); `lbuild & mglm` then `glm` fits one call -> $OUT/glm.md
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
@@ -121,19 +123,20 @@ p31k() {  # 31,258 random token ids (seed 31), the prompt of every 31k row
   [ -f /tmp/p31k.txt ] || python3 -c "import random; r=random.Random(31); \
 print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
 }
-# strata on the glm4.5-air file: the automatic planner loan off / on at 31k inside 8 and 16 GiB,
-# then sampled decode at depth 31k with the loan (the prefill is the loan's, the TG line is decode's)
+# strata on the glm4.5-air file inside LIMIT: the automatic planner loan off / on at 31k
 glm_strata() {
-  strata info "$GLM_MODEL" | tail -28 > "$OUT/glm-info.md"
-  for limit in 8GiB 16GiB; do
-    echo "#### strata, --vram-limit $limit" | tee -a "$OUT/glm.md"
-    STRATA_TRACE=1 strata bench --model "$GLM_MODEL" --device cuda --vram-limit "$limit" \
-      --mtp --spec 2 --kv q4_0 --h2d-gbs 55.3 --peak-tflops 989 --scenario auto --runs 1 \
-      --prompt-tokens 31258 --max-new 16 --ctx 31400 --json "$OUT/glm-$limit.json" \
-      > "$OUT/glm-$limit.log" 2>&1 || true
-    grep -E "^(\||#)|strata loan: restored|plan |GPU peak|error|Error" "$OUT/glm-$limit.log" \
-      | grep -vE "^  (chunk|strata serve: prompt)" | cut -c1-300 | tee -a "$OUT/glm.md" || true
-  done
+  local limit=$1
+  [ -f "$OUT/glm-info.md" ] || strata info "$GLM_MODEL" | tail -28 > "$OUT/glm-info.md"
+  echo "#### strata, --vram-limit $limit" | tee -a "$OUT/glm.md"
+  STRATA_TRACE=1 strata bench --model "$GLM_MODEL" --device cuda --vram-limit "$limit" \
+    --mtp --spec 2 --kv q4_0 --h2d-gbs 55.3 --peak-tflops 989 --scenario auto --runs 1 \
+    --prompt-tokens 31258 --max-new 16 --ctx 31400 --json "$OUT/glm-$limit.json" \
+    > "$OUT/glm-$limit.log" 2>&1 || true
+  grep -E "^(\||#)|strata loan: restored|plan |GPU peak|error|Error" "$OUT/glm-$limit.log" \
+    | grep -vE "^  (chunk|strata serve: prompt)" | cut -c1-300 | tee -a "$OUT/glm.md" || true
+}
+# sampled decode at depth 31k inside 8 GiB with the loan (the prefill is the loan's)
+glm_tg() {
   p31k
   echo "#### strata, sampled decode at depth 31k (8GiB, loan on, T 1.0, seed 1)" | tee -a "$OUT/glm.md"
   STRATA_PREFILL_ELASTIC_LOAN=1 STRATA_PREFILL_MTP_LOAN=1 STRATA_PREFILL_HEAD_LOAN=1 \
@@ -142,22 +145,29 @@ glm_strata() {
     2>&1 >/dev/null | grep -E "strata serve|GPU peak|error" | cut -c1-300 | tee -a "$OUT/glm.md"
 }
 # llama.cpp on the same file: experts in host memory, mapped (-lm mmap) and not repacked (the
-# repacked copy would not fit beside the 59 GiB file in 128 GiB), flash attention, q4_0 KV
-glm_llama() {
-  local lb=${LLAMA_BENCH:-.llama-build/bin/llama-bench} ls=.llama-build/bin/llama-speculative-simple
+# repacked copy would not fit beside the 59 GiB file in 128 GiB), flash attention, q4_0 KV;
+# waits for a build still running beside it (`lbuild & mglm` then `glm`)
+glm_llama_bench() {
+  local lb=.llama-build/bin/llama-bench
+  while [ -f /tmp/lbuild.running ]; do sleep 2; done  # the lbuild stage's marker
   if [ ! -x "$lb" ]; then
     echo "llama.cpp: no llama-bench (run the lbuild stage first)" | tee -a "$OUT/glm.md"; return
   fi
   echo "#### llama.cpp ($(grep -o 'llama.cpp-[0-9.]*' "$OUT/lbuild.log" 2>/dev/null | head -1))" \
     | tee -a "$OUT/glm.md"
   python3 scripts/gpu_peak.py "$OUT/llama-glm-peak.txt" &
-  local peak=$! common="-m $GLM_MODEL -ngl 99 -ot exps=CPU -fa 1 -ctk q4_0 -ctv q4_0 -lm mmap --repack 0 -r 1 -o md"
-  "$lb" $common -ub "${GLM_UB:-8192}" -b "${GLM_UB:-8192}" -p 31258 -n 0 2>"$OUT/llama-glm.log" \
+  local peak=$! ub=${GLM_UB:-8192}
+  local common="-m $GLM_MODEL -ngl 99 -ot exps=CPU -fa 1 -ctk q4_0 -ctv q4_0 -lm mmap --repack 0 -r 1 -o md"
+  "$lb" $common -ub "$ub" -b "$ub" -p 31258 -n 0 2>"$OUT/llama-glm.log" \
     | grep -E "^\| (model|-|glm)" | tee -a "$OUT/glm.md"
-  "$lb" $common -ub "${GLM_UB:-8192}" -b "${GLM_UB:-8192}" -p 0 -n 32 -d 31258 2>>"$OUT/llama-glm.log" \
+  "$lb" $common -ub "$ub" -b "$ub" -p 0 -n 32 -d 31258 2>>"$OUT/llama-glm.log" \
     | grep -E "^\| glm" | tee -a "$OUT/glm.md"
   kill $peak; wait $peak 2>/dev/null || true
   echo "llama.cpp GPU peak: $(cat "$OUT/llama-glm-peak.txt") MiB (NVML, both runs)" | tee -a "$OUT/glm.md"
+}
+# llama.cpp's MTP drafts from the file's nextn block, sampled and greedy, 128 tokens
+glm_llama_mtp() {
+  local ls=.llama-build/bin/llama-speculative-simple
   [ -x "$ls" ] || return 0
   for temp in 1.0 0; do
     timeout 120 "$ls" -m "$GLM_MODEL" -ngl 99 -ot exps=CPU -fa on -ctk q4_0 -ctv q4_0 -c 4096 \
@@ -305,7 +315,8 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
            | sed 's/^/sampled TG: /' | tee -a "$OUT/mix.md"
          llama_mix ;;
     lmix) llama_mix ;;
-    lbuild) src=$(ls -v .llama-src/llama.cpp-${LLAMA_VER:-*}.tar.gz | tail -1)
+    lbuild) touch /tmp/lbuild.running; trap 'rm -f /tmp/lbuild.running' EXIT
+            src=$(ls -v .llama-src/llama.cpp-${LLAMA_VER:-*}.tar.gz | tail -1)
             echo "llama.cpp source: $src" | tee "$OUT/lbuild.log"
             rm -rf .llama-build/src && mkdir -p .llama-build/src
             tar -xzf "$src" -C .llama-build/src
@@ -319,7 +330,7 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
     mglm) [ -f "$GLM_MODEL" ] || strata make-model "$GLM_MODEL" --preset glm4.5-air \
             2>"$OUT/make-glm.log" || { tail -c 600 "$OUT/make-glm.log"; exit 1; }
           ls -l "$GLM_MODEL"; df -h "$(dirname "$GLM_MODEL")" | tail -1 ;;
-    glm) glm_strata; glm_llama ;;
+    glm) glm_strata 8GiB; glm_llama_bench; glm_strata 16GiB; glm_tg; glm_llama_mtp ;;
     b8) strata bench --model models/q8.gguf --device cuda --vram-limit 5GiB --vram-segment-mib 64 \
           --mtp --spec 2 --scenario auto --scenario ab --prefill 1024 --runs "$RUNS" \
           --prompt-tokens 8192 --max-new 16 --kv q4_0 --ctx 9000 --json "$OUT/b8.json" \
