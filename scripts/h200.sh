@@ -141,7 +141,7 @@ glm_tg() {
   echo "#### strata, sampled decode at depth 31k (8GiB, loan on, T 1.0, seed 1)" | tee -a "$OUT/glm.md"
   STRATA_PREFILL_ELASTIC_LOAN=1 STRATA_PREFILL_MTP_LOAN=1 STRATA_PREFILL_HEAD_LOAN=1 \
     strata run --serve --vram-elastic --model "$GLM_MODEL" --device cuda --vram-limit 8GiB \
-    --kv q4_0 --ctx 31600 --tokens-file /tmp/p31k.txt --max-new 128 --temperature 1.0 --seed 1 \
+    --mtp --spec 2 --kv q4_0 --ctx 31600 --tokens-file /tmp/p31k.txt --max-new 128 --temperature 1.0 --seed 1 \
     2>&1 >/dev/null | grep -E "strata serve|GPU peak|error" | cut -c1-300 | tee -a "$OUT/glm.md"
 }
 # llama.cpp on the same file: experts in host memory, mapped (-lm mmap) and not repacked (the
