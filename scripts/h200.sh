@@ -98,6 +98,21 @@ RUNS=${RUNS:-2}
 MAX_NEW=${MAX_NEW:-512}
 mkdir -p models "$OUT"
 strata() { python3 -m engine.cli "$@"; }
+p31k() {  # 31,258 random token ids (seed 31) in /tmp/p31k.txt, the prompt of every 31k row
+  [ -f /tmp/p31k.txt ] || python3 -c "import random; r=random.Random(31); \
+print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
+}
+# llama-bench's pp31258 (flags $4) then tg at depth 31,258 (flags $5) with $3 (llama-bench), the
+# table rows appended to $OUT/$2, its log in $OUT/$1.log, the GPU's peak over both in $OUT/$1-peak.txt
+llama_pp_tg() {
+  local name=$1 md=$2 lb=$3 pp=$4 tg=$5 peak
+  python3 scripts/gpu_peak.py "$OUT/$name-peak.txt" &
+  peak=$!
+  "$lb" $pp -p 31258 -n 0 2>"$OUT/$name.log" | grep -E "^\| (model|-|qwen|glm)" | tee -a "$OUT/$md"
+  "$lb" $tg -p 0 -d 31258 2>>"$OUT/$name.log" | grep -E "^\| (qwen|glm)" | tee -a "$OUT/$md"
+  kill $peak; wait $peak 2>/dev/null || true
+  echo "llama.cpp GPU peak: $(cat "$OUT/$name-peak.txt") MiB (NVML, both runs)" | tee -a "$OUT/$md"
+}
 # llama.cpp on the strip-mtp copy of models/q48km.gguf (the `mix` stage's second half; `lmix` alone):
 # experts in host memory (-ot exps=CPU), read into its own buffers (-mmp 0; mapped, -mmp 1, is
 # slower), flash attention, q4_0 KV, ubatch 8,192: pp31258, then tg64 at depth 31,258, GPU peak.
@@ -107,22 +122,14 @@ llama_mix() {
     echo "llama.cpp: no llama-bench (run the lbuild stage first)" | tee -a "$OUT/mix.md"; return
   fi
   [ -f models/q48km-nomtp.gguf ] || strata strip-mtp models/q48km.gguf models/q48km-nomtp.gguf >/dev/null
-  python3 scripts/gpu_peak.py "$OUT/llama-peak.txt" &
-  local peak=$! common="-m models/q48km-nomtp.gguf -ngl 99 -ot exps=CPU -fa 1 -ctk q4_0 -ctv q4_0 -ub 8192 -b 8192 -r 2 -o md"
-  "$lb" $common -mmp "${LLAMA_MMP:-0}" -p 31258 -n 0 2>"$OUT/llama.log" | grep -E "^\| (model|-|qwen)" | tee -a "$OUT/mix.md"
-  "$lb" $common -mmp 0 -p 0 -n 64 -d 31258 2>>"$OUT/llama.log" | grep -E "^\| qwen" | tee -a "$OUT/mix.md"
-  kill $peak; wait $peak 2>/dev/null || true
-  echo "llama.cpp GPU peak: $(cat "$OUT/llama-peak.txt") MiB (NVML, both runs)" | tee -a "$OUT/mix.md"
+  local common="-m models/q48km-nomtp.gguf -ngl 99 -ot exps=CPU -fa 1 -ctk q4_0 -ctv q4_0 -ub 8192 -b 8192 -r 2 -o md"
+  llama_pp_tg llama mix.md "$lb" "$common -mmp ${LLAMA_MMP:-0}" "$common -mmp 0 -n 64"
 }
 # issue 31's glm4.5-air file: in /dev/shm where it has room (the disk is 64 GiB), else models/
 if [ -z "${GLM_MODEL:-}" ]; then
   shm_free=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -1 || echo 0)
   GLM_MODEL=$([ "${shm_free:-0}" -gt $((60 * 2**30)) ] && echo /dev/shm/glm.gguf || echo models/glm.gguf)
 fi
-p31k() {  # 31,258 random token ids (seed 31), the prompt of every 31k row
-  [ -f /tmp/p31k.txt ] || python3 -c "import random; r=random.Random(31); \
-print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
-}
 # strata on the glm4.5-air file inside LIMIT: the automatic planner loan off / on at 31k
 glm_strata() {
   local limit=$1
@@ -153,17 +160,11 @@ glm_llama_bench() {
   if [ ! -x "$lb" ]; then
     echo "llama.cpp: no llama-bench (run the lbuild stage first)" | tee -a "$OUT/glm.md"; return
   fi
-  echo "#### llama.cpp ($(grep -o 'llama.cpp-[0-9.]*' "$OUT/lbuild.log" 2>/dev/null | head -1))" \
+  echo "#### llama.cpp ($(grep -o 'llama.cpp-[0-9.]*[0-9]' "$OUT/lbuild.log" 2>/dev/null | head -1))" \
     | tee -a "$OUT/glm.md"
-  python3 scripts/gpu_peak.py "$OUT/llama-glm-peak.txt" &
-  local peak=$! ub=${GLM_UB:-8192}
-  local common="-m $GLM_MODEL -ngl 99 -ot exps=CPU -fa 1 -ctk q4_0 -ctv q4_0 -lm mmap --repack 0 -r 1 -o md"
-  "$lb" $common -ub "$ub" -b "$ub" -p 31258 -n 0 2>"$OUT/llama-glm.log" \
-    | grep -E "^\| (model|-|glm)" | tee -a "$OUT/glm.md"
-  "$lb" $common -ub "$ub" -b "$ub" -p 0 -n 32 -d 31258 2>>"$OUT/llama-glm.log" \
-    | grep -E "^\| glm" | tee -a "$OUT/glm.md"
-  kill $peak; wait $peak 2>/dev/null || true
-  echo "llama.cpp GPU peak: $(cat "$OUT/llama-glm-peak.txt") MiB (NVML, both runs)" | tee -a "$OUT/glm.md"
+  local ub=${GLM_UB:-8192}
+  local common="-m $GLM_MODEL -ngl 99 -ot exps=CPU -fa 1 -ctk q4_0 -ctv q4_0 -lm mmap --repack 0 -r 1 -o md -ub $ub -b $ub"
+  llama_pp_tg llama-glm glm.md "$lb" "$common" "$common -n 32"
 }
 # llama.cpp's MTP drafts from the file's nextn block, sampled and greedy, 128 tokens
 glm_llama_mtp() {
@@ -188,8 +189,7 @@ for stage in "$@"; do
     vtests) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_gpu_vram_limit.py \
               tests/test_gpu_backend.py tests/test_gpu_engine.py tests/test_telemetry.py 2>&1 \
               | tail -60 | tee "$OUT/vram-tests.txt" || true ;;
-    vram) python3 -c "import random; r=random.Random(31); \
-print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
+    vram) p31k
           STRATA_PREFILL_ELASTIC_LOAN=1 STRATA_PREFILL_MTP_LOAN=1 STRATA_PREFILL_HEAD_LOAN=1 \
           STRATA_TRACE=1 strata run --serve --vram-elastic --model models/q48.gguf --device cuda \
             --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --ctx 31900 --tokens-file /tmp/p31k.txt \
@@ -199,8 +199,7 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
           strata bench --model models/q48.gguf --device cuda --vram-limit 8GiB --mtp --spec 2 \
             --kv q4_0 --scenario auto --runs 1 --prompt-tokens 31258 --max-new 128 \
             --ctx 31900 2>&1 | tee -a "$OUT/vram.md" ;;
-    cmp31) python3 -c "import random; r=random.Random(31); \
-print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
+    cmp31) p31k
           root=$PWD out_abs=$(cd "$OUT" && pwd)
           for r in $(seq "${ROUNDS:-2}"); do
             for side in base new; do
@@ -307,8 +306,7 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p3
            --mtp --spec 2 --h2d-gbs 55.3 --peak-tflops 989 --scenario auto --runs "${RUNS_MIX:-1}" \
            --prompt-tokens 31258 --max-new 16 --kv q4_0 --ctx 31400 2>&1 \
            | grep -vE "^  (chunk|strata serve: prompt)" | cut -c1-300 | tee -a "$OUT/mix.md"
-         python3 -c "import random; r=random.Random(31); \
-print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
+         p31k
          strata run --model models/q48km.gguf --device cuda --vram-limit 8GiB --kv q4_0 \
            --ctx 31600 --tokens-file /tmp/p31k.txt --max-new 256 --temperature 1.0 --seed 1 \
            2>&1 >/dev/null | grep -E "strata serve|GPU peak|error" | cut -c1-300 \
@@ -375,8 +373,7 @@ print(' '.join(str(r.randrange(1000, 150000)) for _ in range(16384)))" > /tmp/p1
             --prompt "Tell me about rivers." --max-new 48 > "$OUT/prof-run.txt" 2>&1 || true
           python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(45)" \
             "$OUT/prof.out" > "$OUT/prof.txt" ;;
-    pprof) python3 -c "import random; r=random.Random(31); \
-print(' '.join(str(r.randrange(1000, 150000)) for _ in range(31258)))" > /tmp/p31k.txt
+    pprof) p31k
           STRATA_PREFILL_ELASTIC_LOAN=1 STRATA_PREFILL_MTP_LOAN=1 STRATA_PREFILL_HEAD_LOAN=1 \
           STRATA_TRACE=1 python3 -m cProfile -o "$OUT/pprof.out" -m engine.cli run --serve --vram-elastic \
             --model models/q48.gguf --device cuda --vram-limit 8GiB --mtp --spec 2 --kv q4_0 --ctx 31900 \
