@@ -190,6 +190,7 @@ class EngineOptions:
     spec: int = 0
     spec_always: bool = False  # draft every step (else only while drafting is measured faster)
     draft_vocab: int = 0  # 0: every row of the head
+    mtp_experts: int | str = "auto"  # nextn experts kept on the device (auto: all that fit)
     no_token_graph: bool = False
     dense: str = "auto"  # dense linear weights: quant, float, or auto (quant on CUDA)
     no_borrow: bool = False
@@ -215,6 +216,8 @@ class EngineOptions:
         if self.cache_policy not in CACHE_POLICIES:
             errors.append(f"--cache-policy {self.cache_policy} must be one of "
                           f"{', '.join(CACHE_POLICIES)}")
+        if isinstance(self.mtp_experts, int) and self.mtp_experts < 1:
+            errors.append(f"--mtp-experts {self.mtp_experts} must be 'auto' or >= 1")
         if self.draft_vocab < 0:
             errors.append(f"--draft-vocab {self.draft_vocab} must be >= 0")
         if self.batch_slots < 1:
@@ -279,7 +282,7 @@ def unknown_env_warning(var: str) -> str:
 
 
 def parse_auto_int(text: str, flag: str) -> int | str:
-    """'auto' or a positive integer, for --prefill and --expert-cache."""
+    """'auto' or a positive integer, for --prefill, --expert-cache and --mtp-experts."""
     if text == "auto":
         return "auto"
     if not _INTEGER.fullmatch(text) or len(text) > 20:  # int() takes '1_0', ' 7', '١٢' too

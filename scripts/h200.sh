@@ -74,7 +74,10 @@
 #             fit beside the file in host memory): pp31258, tg32 at depth 31,258, and its MTP drafts
 #             (llama-speculative-simple --spec-type draft-mtp --spec-draft-n-max 2, T 1.0 and 0); in
 #             the order strata 8 GiB, llama-bench, strata 16 GiB, decode, llama.cpp's drafts (a call
-#             cut short keeps the first); `lbuild & mglm` then `glm` fits one call -> $OUT/glm.md
+#             cut short keeps the first); `lbuild & mglm` then `glm` fits one call -> $OUT/glm.md.
+#             Env: GLM_LIMITS (8GiB) and GLM_LATER_LIMITS (16GiB) before / after llama-bench,
+#             GLM_LLAMA_BENCH= skips it, GLM_TG_LIMIT (8GiB), GLM_PLAIN_LIMITS (none: limits
+#             without --mtp, after the decode), GLM_LLAMA_TEMPS ("1.0 0")
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
@@ -131,25 +134,30 @@ if [ -z "${GLM_MODEL:-}" ]; then
   GLM_MODEL=$([ "${shm_free:-0}" -gt $((60 * 2**30)) ] && echo /dev/shm/glm.gguf || echo models/glm.gguf)
 fi
 # strata on the glm4.5-air file inside LIMIT: the automatic planner loan off / on at 31k
+# (FLAGS: --mtp --spec 2 unless given; "plain" for none)
 glm_strata() {
-  local limit=$1
+  local limit=$1 flags=${2:---mtp --spec 2} tag=$1
+  [ "$flags" = plain ] && flags="" tag=$1-plain
   [ -f "$OUT/glm-info.md" ] || strata info "$GLM_MODEL" | tail -28 > "$OUT/glm-info.md"
-  echo "#### strata, --vram-limit $limit" | tee -a "$OUT/glm.md"
+  echo "#### strata, --vram-limit $limit ${flags:-(no --mtp)}" | tee -a "$OUT/glm.md"
+  # shellcheck disable=SC2086  # flags are words
   STRATA_TRACE=1 strata bench --model "$GLM_MODEL" --device cuda --vram-limit "$limit" \
-    --mtp --spec 2 --kv q4_0 --h2d-gbs 55.3 --peak-tflops 989 --scenario auto --runs 1 \
-    --prompt-tokens 31258 --max-new 16 --ctx 31400 --json "$OUT/glm-$limit.json" \
-    > "$OUT/glm-$limit.log" 2>&1 || true
-  grep -E "^(\||#)|strata loan: restored|plan |GPU peak|error|Error" "$OUT/glm-$limit.log" \
+    $flags --kv q4_0 --h2d-gbs 55.3 --peak-tflops 989 --scenario auto --runs 1 \
+    --prompt-tokens 31258 --max-new 16 --ctx 31400 --json "$OUT/glm-$tag.json" \
+    > "$OUT/glm-$tag.log" 2>&1 || true
+  grep -E "^(\||#)|strata loan: restored|plan |mtp.experts holds|GPU peak|error|Error" "$OUT/glm-$tag.log" \
     | grep -vE "^  (chunk|strata serve: prompt)" | cut -c1-300 | tee -a "$OUT/glm.md" || true
 }
-# sampled decode at depth 31k inside 8 GiB with the loan (the prefill is the loan's)
+# sampled decode at depth 31k inside $GLM_TG_LIMIT (8GiB) with the loan (the prefill is the loan's)
 glm_tg() {
   p31k
-  echo "#### strata, sampled decode at depth 31k (8GiB, loan on, T 1.0, seed 1)" | tee -a "$OUT/glm.md"
-  STRATA_PREFILL_ELASTIC_LOAN=1 STRATA_PREFILL_MTP_LOAN=1 STRATA_PREFILL_HEAD_LOAN=1 \
-    strata run --serve --vram-elastic --model "$GLM_MODEL" --device cuda --vram-limit 8GiB \
+  local limit=${GLM_TG_LIMIT:-8GiB}
+  echo "#### strata, sampled decode at depth 31k ($limit, loan on, T 1.0, seed 1)" | tee -a "$OUT/glm.md"
+  STRATA_TRACE=1 STRATA_PREFILL_ELASTIC_LOAN=1 STRATA_PREFILL_MTP_LOAN=1 STRATA_PREFILL_HEAD_LOAN=1 \
+    strata run --serve --vram-elastic --model "$GLM_MODEL" --device cuda --vram-limit "$limit" \
     --mtp --spec 2 --kv q4_0 --ctx 31600 --tokens-file /tmp/p31k.txt --max-new 128 --temperature 1.0 --seed 1 \
-    2>&1 >/dev/null | grep -E "strata serve|GPU peak|error" | cut -c1-300 | tee -a "$OUT/glm.md"
+    2>&1 >/dev/null | grep -E "strata serve|strata spec|mtp.experts|GPU peak|error" | cut -c1-300 \
+    | tee -a "$OUT/glm.md"
 }
 # llama.cpp on the same file: experts in host memory, mapped (-lm mmap) and not repacked (the
 # repacked copy would not fit beside the 59 GiB file in 128 GiB), flash attention, q4_0 KV;
@@ -170,7 +178,7 @@ glm_llama_bench() {
 glm_llama_mtp() {
   local ls=.llama-build/bin/llama-speculative-simple
   [ -x "$ls" ] || return 0
-  for temp in 1.0 0; do
+  for temp in ${GLM_LLAMA_TEMPS:-1.0 0}; do
     timeout 120 "$ls" -m "$GLM_MODEL" -ngl 99 -ot exps=CPU -fa on -ctk q4_0 -ctv q4_0 -c 4096 \
       --spec-type draft-mtp --spec-draft-n-max 2 --temp "$temp" --seed 1 -n 128 \
       -p "Tell me about the rivers of Europe and the cities on their banks." \
@@ -328,7 +336,12 @@ for stage in "$@"; do
     mglm) [ -f "$GLM_MODEL" ] || strata make-model "$GLM_MODEL" --preset glm4.5-air \
             2>"$OUT/make-glm.log" || { tail -c 600 "$OUT/make-glm.log"; exit 1; }
           ls -l "$GLM_MODEL"; df -h "$(dirname "$GLM_MODEL")" | tail -1 ;;
-    glm) glm_strata 8GiB; glm_llama_bench; glm_strata 16GiB; glm_tg; glm_llama_mtp ;;
+    glm) for limit in ${GLM_LIMITS:-8GiB}; do glm_strata "$limit"; done
+         [ -n "${GLM_LLAMA_BENCH-1}" ] && glm_llama_bench
+         for limit in ${GLM_LATER_LIMITS-16GiB}; do glm_strata "$limit"; done
+         glm_tg
+         for limit in ${GLM_PLAIN_LIMITS:-}; do glm_strata "$limit" plain; done
+         glm_llama_mtp ;;
     b8) strata bench --model models/q8.gguf --device cuda --vram-limit 5GiB --vram-segment-mib 64 \
           --mtp --spec 2 --scenario auto --scenario ab --prefill 1024 --runs "$RUNS" \
           --prompt-tokens 8192 --max-new 16 --kv q4_0 --ctx 9000 --json "$OUT/b8.json" \

@@ -58,6 +58,8 @@ VALUE_CASES = [
     (["--top-k", " 4"], "argument --top-k: ' 4' is not an integer"),
     (["--prefill", "\u0661\u0662"], "--prefill '١٢' must be 'auto' or an integer"),
     (["--expert-cache", "1_0"], "--expert-cache '1_0' must be 'auto' or an integer"),
+    (["--mtp-experts", "0"], "--mtp-experts 0 must be 'auto' or >= 1"),
+    (["--mtp-experts", "few"], "--mtp-experts 'few' must be 'auto' or an integer"),
     (["--vram-limit", ""], "--vram-limit is empty; give a size such as 8GiB"),
     (["--vram-limit", "\u0661GiB"], "--vram-limit '١GiB' is not a size"),
     (["--vram-limit", "1" + "0" * 30 + "GiB"], "is not a size"),

@@ -23,6 +23,7 @@ from engine.gguf import names
 from engine.gguf.quant import dequantize
 from engine.loan.resources import LABELS
 from engine.model.loader import Model, load_model
+from engine.model.mtp import MTPExperts
 from engine.request.conversation import Conversation
 from engine.request.record import generate
 from engine.request.sampler import SamplingParams
@@ -156,6 +157,21 @@ def test_greedy_mtp_drafts_equal_plain_decoding(model: Model, n_window: int) -> 
         dec.check_integrity()
 
 
+def test_greedy_mtp_drafts_with_few_expert_slots_equal_plain_decoding(model: Model) -> None:
+    """The nextn block's experts in 4 slots (a device too small for all of them): drafts
+    upload their misses and reach the same tokens."""
+    dec = SpecDecoder.with_mtp(model, 3, mtp_expert_slots=4)
+    dec.always = True
+    experts = dec.draft.block.experts
+    assert isinstance(experts, MTPExperts) and experts.partial
+    ids = np.random.default_rng(3).integers(0, GLM.n_vocab, 40).tolist()
+    want = list(generate(Session(model, n_ctx=256), ids, 30, SamplingParams(), 16))
+    got = list(generate(Session(model, n_ctx=256), ids, 30, SamplingParams(), 16, spec=dec))
+    assert got == want
+    assert experts.n_uploads > 4  # more experts than slots were read: slots were reused
+    experts.check_integrity(deep=True)
+
+
 # --- the loan ----------------------------------------------------------------------------------
 
 OPTS = {"serve": True, "vram_elastic": True, "mtp": True, "spec": 4, "prefill": "auto", "ctx": 4096}
@@ -168,8 +184,9 @@ def test_loan_startup_and_repeat_give_the_same_tokens(tmp_path: Path) -> None:
     names the dense layer and the shared expert as resident weights."""
     path = write_model(tmp_path / "glm-demo.gguf", GLM_DEMO)
 
-    def converse(flags: LoanFlags, bus: EventBus | None = None) -> list[str]:
-        loop = ServeLoop.create(EngineOptions(model=str(path), **OPTS), flags, bus)  # type: ignore[arg-type]
+    def converse(flags: LoanFlags, bus: EventBus | None = None, **more: object) -> list[str]:
+        options = EngineOptions(model=str(path), **{**OPTS, **more})  # type: ignore[arg-type]
+        loop = ServeLoop.create(options, flags, bus)
         assert "1 dense layer, 1 shared expert (resident)" in loop.rt.summary()
         tok = loop.rt.model.tokenizer
         conv, out = Conversation(), []
@@ -184,12 +201,15 @@ def test_loan_startup_and_repeat_give_the_same_tokens(tmp_path: Path) -> None:
     bus = EventBus()
     steps: list[LoanStep] = []
     bus.subscribe(lambda e: steps.append(e) if isinstance(e, LoanStep) else None)
-    assert converse(FLAGS, bus) == converse(LoanFlags())
+    plain = converse(LoanFlags())
+    assert converse(FLAGS, bus) == plain
     assert len([s for s in steps if s.step == "restore"]) == 2  # startup and repeat
     releases = [s for s in steps if s.step == "release"]
     assert len(releases) == 2 and all(s.n_bytes > 0 for s in releases)
     # the verifier, the native head, the MTP block's experts and its draft head, each named
     assert all(label in releases[0].detail for label in LABELS.values()), releases[0].detail
+    # a partial region of the nextn block's experts under the same loans: the same replies
+    assert converse(FLAGS, mtp_experts=4) == plain
 
 
 # --- files that are not what they say ------------------------------------------------------

@@ -62,3 +62,22 @@ def test_mtp_drafts_and_a_loan_on_cuda(glm_path: Path) -> None:
     assert a == b  # greedy: drafts and the loan change no token
     on.rt.check_integrity()
     assert on.rt.resources.all_resident()
+
+
+def test_mtp_drafts_through_a_partial_expert_region_on_cuda(glm_path: Path) -> None:
+    """The nextn block's 128 experts in 16 slots: drafts upload their misses into LRU slots
+    (the kernels read the slots' bytes), under a loan, and change no greedy token."""
+    opts = EngineOptions(model=str(glm_path), device="cuda", ctx=4096, serve=True,
+                         vram_elastic=True, mtp=True, spec=2, vram_limit="8GiB",
+                         vram_segment_mib=64, mtp_experts=16, spec_always=True)
+    on = ServeLoop.create(opts, LOAN)
+    off = ServeLoop.create(replace(opts, mtp=False, spec=0, mtp_experts="auto"), LoanFlags())
+    tok = on.rt.model.tokenizer
+    text = tok.decode(np.random.default_rng(6).integers(300, 8000, 900).tolist())
+    assert on.chat(Conversation(), text, max_new=24).text == off.chat(Conversation(), text, max_new=24).text
+    experts = on.rt.spec.draft.block.experts  # type: ignore[union-attr]
+    assert experts.partial and experts.n_slots == 16
+    assert experts.n_uploads > 16 and experts.n_hits > 0
+    on.rt.check_integrity()
+    experts.check_integrity(deep=True)
+    assert on.rt.resources.all_resident()

@@ -94,6 +94,39 @@ def test_mtp_experts_release_restore_byte_identical(model: Model) -> None:
         ex.check_integrity(deep=True)
 
 
+def test_a_partial_mtp_expert_region_uploads_misses_into_lru_slots(model: Model) -> None:
+    """Three slots for the nextn block's experts: a miss is uploaded into the least recently
+    used slot the call does not read, a call reading more experts than slots gets the rest
+    as transient copies, the bytes are always the file's, and a restore after a loan brings
+    back the experts the slots held."""
+    be, host = model.transformer.backend, model.mtp_experts
+    ex = MTPExperts(host, be, n_slots=3)
+    assert ex.partial and ex.data.shape == (3, host.blob_bytes) and ex.nbytes == 3 * host.blob_bytes
+    file = lambda e: host.blob(0, e)  # noqa: E731
+    for e, blob in zip([0, 1, 2], ex.blobs(0, [0, 1, 2])):
+        np.testing.assert_array_equal(blob, file(e))
+    assert (ex.n_uploads, ex.n_hits) == (3, 0)
+    ex.blobs(0, [0])  # 0 is now the most lately used; 1 the least
+    np.testing.assert_array_equal(ex.blobs(0, [3])[0], file(3))
+    assert sorted(ex._owner.tolist()) == [0, 2, 3] and (ex.n_uploads, ex.n_hits) == (4, 1)
+    four = ex.blobs(0, [4, 5, 6, 7])  # more than the slots: the fourth is a transient copy
+    for e, blob in zip([4, 5, 6, 7], four[:3]):
+        np.testing.assert_array_equal(blob, file(e))
+    np.testing.assert_array_equal(four[3], file(7))
+    assert sorted(ex._owner.tolist()) == [4, 5, 6]
+    ref = DirectExperts(host, be)
+    for a, b in zip(ex.weights(0, 1), ref.weights(0, 1)):
+        np.testing.assert_array_equal(a, b)
+    ex.check_integrity(deep=True)
+    held = sorted(ex._owner.tolist())
+    assert ex.release() == ex.nbytes and ex.restore() == ex.nbytes
+    assert sorted(ex._owner.tolist()) == held
+    ex.check_integrity(deep=True)
+    ex.data[0, 5] ^= 0xFF
+    with pytest.raises(AssertionError, match="checksum"):
+        ex.check_integrity(deep=True)
+
+
 def test_draft_vocab_selection(model: Model) -> None:
     tok = model.tokenizer
     v = tok.n_vocab

@@ -17,6 +17,7 @@ from engine.memory.planner import (
     ModelCosts,
     PlanOptions,
     StartupPlan,
+    fit_mtp_experts,
     format_plan_table,
     plan_loan,
     plan_prompt,
@@ -296,3 +297,51 @@ def test_shapes_name_the_quant_types_the_kernels_need(demo_path) -> None:  # typ
     assert {q for lay in model.experts.layouts for q in lay.qtypes} <= set(qtypes)
     assert model.mf.tensor(names.TOKEN_EMBD).qtype in qtypes
     assert len(set(qtypes)) == len(qtypes)
+
+
+# --- the nextn block's experts: all of them where they fit, else a partial region ------------
+
+MTP_COSTS = replace(COSTS, mtp_expert_bytes=16 * 4 * MiB, mtp_blob_bytes=4 * MiB,
+                    mtp_expert_slots=16)  # 64 MiB: 8 segments for all 16 nextn experts
+
+
+def test_every_mtp_expert_stays_resident_where_they_fit() -> None:
+    assert fit_mtp_experts(256 * MiB, MTP_COSTS, OPTS) == MTP_COSTS
+    assert fit_mtp_experts(256 * MiB, COSTS, OPTS) == COSTS  # no --mtp: nothing to size
+
+
+def test_a_tight_device_keeps_half_of_what_is_left_for_the_mtp_experts() -> None:
+    # 24 segments; the others take 8 (dense 3, kv 1, reserve 1, verifier 1, head 2), the
+    # smallest prompt path 5 (a 256-token chunk of 18 MiB = 3 segments beside a 4-slot ring of
+    # 16 MiB = 2): 24 - 8 - 5 = 11 left, the full set's 8 fit
+    assert fit_mtp_experts(192 * MiB, MTP_COSTS, OPTS) == MTP_COSTS
+    # 18 segments: 18 - 8 - 5 = 5 left, the full set needs 8: half of 5 = 2 segments = 4 slots
+    fitted = fit_mtp_experts(144 * MiB, MTP_COSTS, OPTS)
+    assert fitted.mtp_expert_slots == 4 and fitted.mtp_expert_bytes == 16 * MiB
+    plan = plan_startup(144 * MiB, fitted, OPTS)
+    assert plan.region_bytes("mtp.experts") == 16 * MiB
+    assert "mtp.experts holds 4 of the nextn block's 16 experts" in format_plan_table(plan)
+    with pytest.raises(PlanError, match="the prompt path needs 40.0 MiB"):
+        plan_startup(144 * MiB, MTP_COSTS, OPTS)  # all 16 of them leave 2 segments for it
+    # nothing left: the floor is two draft tokens' experts (2 x top-2 = 4 slots)
+    assert fit_mtp_experts(96 * MiB, MTP_COSTS, OPTS).mtp_expert_slots == 4
+
+
+def test_mtp_expert_slots_as_asked() -> None:
+    for asked, want in ((3, 3), (16, 16), (99, 16)):
+        fitted = fit_mtp_experts(256 * MiB, MTP_COSTS, replace(OPTS, mtp_expert_slots=asked))
+        assert fitted.mtp_expert_slots == want and fitted.mtp_expert_bytes == want * 4 * MiB
+    with pytest.raises(FlagError, match="mtp-experts '0' must be auto or a count >= 1"):
+        replace(OPTS, mtp_expert_slots=0)
+
+
+def test_the_prompt_path_comes_before_the_cache_floor() -> None:
+    """Owned, with too little left for the cache's floor and the smallest prompt path: the
+    prompt path gets its segments and the cache what remains (none here), not a refusal."""
+    costs = replace(COSTS, dense_bytes=20 * MiB + 18 * SEG)  # 21 mandatory segments of 32
+    plan = plan_startup(256 * MiB, costs, replace(OPTS, borrow=False))
+    g = plan.prompt
+    assert g.chunk_tokens >= 256 and not g.borrowed
+    assert plan.n_cache_slots < costs.min_kept_slots() == 8
+    assert "the cache's floor of 8 slots does not fit beside the prompt path" in format_plan_table(plan)
+    assert reserve_plan(plan).free_bytes == plan.free_bytes

@@ -87,6 +87,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft on every step (default: only while drafted steps are measured "
                         "faster per token than plain ones; sampled requests always draft)")
     s.add_argument("--draft-vocab", type=integer, default=0, help="draft head rows (0: all)")
+    s.add_argument("--mtp-experts", default="auto",
+                   help="with --mtp: nextn-block experts kept on the device, auto or N (auto: "
+                        "all where they fit, else fewer, the rest uploaded when a draft "
+                        "routes to them)")
     s.add_argument("--serve", action="store_true", help="the serialized serve loop (loans)")
     s.add_argument("--batch-slots", type=integer, default=1, help="concurrent requests (1)")
     s.add_argument("--prefill-head-alias", action="store_true",
@@ -110,7 +114,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         vram_reserve_mib=args.vram_reserve_mib, vram_elastic=args.vram_elastic,
         vram_limit=args.vram_limit, serve=args.serve, mtp=args.mtp, spec=args.spec,
         spec_always=args.spec_always,
-        draft_vocab=args.draft_vocab, no_token_graph=args.no_token_graph, dense=args.dense,
+        draft_vocab=args.draft_vocab,
+        mtp_experts=parse_auto_int(str(args.mtp_experts), "--mtp-experts"), no_token_graph=args.no_token_graph, dense=args.dense,
         cache_lend=args.cache_lend, cache_policy=args.cache_policy,
         no_borrow=args.no_borrow, batch_slots=args.batch_slots,
         prefill_head_alias=args.prefill_head_alias,

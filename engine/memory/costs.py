@@ -289,5 +289,7 @@ def model_costs(model: Shapes, options: EngineOptions, wb: int = F32,
         verifier_bytes=verifier_bytes(model, options.spec) if use_mtp else 0,
         head_bytes=head_bytes(model, wb, quant),
         mtp_expert_bytes=mtp_expert_bytes(model) if use_mtp else 0,
+        mtp_blob_bytes=model.mtp_blob_bytes if use_mtp else 0,
+        mtp_expert_slots=model.hp.n_expert if use_mtp else 0,
         draft_head_bytes=draft_head_bytes(model, options.draft_vocab, wb, quant) if use_mtp else 0,
     )

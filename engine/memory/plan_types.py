@@ -5,10 +5,11 @@ startup plan (frozen dataclasses, validated on construction). The planning funct
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from engine.errors import FlagError, ModelError
+from engine.memory.arena import padded
 from engine.memory.cache_layout import cache_region_bytes
 from engine.memory.ledger import DECODE_ONLY_REGIONS, DEFAULT_SEGMENT_BYTES
 
@@ -32,8 +33,16 @@ class ModelCosts:
     act_bytes_fixed: int = 0  # prompt-chunk bytes independent of the chunk length
     verifier_bytes: int = 0
     head_bytes: int = 0
-    mtp_expert_bytes: int = 0
+    mtp_expert_bytes: int = 0  # the `mtp.experts` region: `mtp_expert_slots` blobs
     draft_head_bytes: int = 0
+    mtp_blob_bytes: int = 0  # one expert of the nextn block
+    mtp_expert_slots: int = 0  # how many of its `n_expert` experts the region holds
+
+    def with_mtp_slots(self, n_slots: int) -> ModelCosts:
+        """These costs with an `mtp.experts` region of `n_slots` (1..n_expert) blobs."""
+        assert self.mtp_blob_bytes and 1 <= n_slots <= self.n_expert, (n_slots, self.n_expert)
+        return replace(self, mtp_expert_slots=n_slots,
+                       mtp_expert_bytes=padded(n_slots * self.mtp_blob_bytes))
 
     def __post_init__(self) -> None:
         bad = [f"{k}={v}" for k, v in vars(self).items() if v < 0 or (v == 0 and k in _POSITIVE)]
@@ -81,6 +90,7 @@ class PlanOptions:
     max_chunk_tokens: int = 65536  # the flash kernel keeps no score block: memory decides
     owned_chunk_tokens: int = 2048
     ring_layers: int = 1  # the ring wants this many layers' experts (2 on CUDA: prefetch)
+    mtp_expert_slots: int | Auto = "auto"  # nextn experts in `mtp.experts` (`fit_mtp_experts`)
 
     def __post_init__(self) -> None:
         bad = []
@@ -88,6 +98,9 @@ class PlanOptions:
             v = getattr(self, name)
             if v != "auto" and not (isinstance(v, int) and v >= 0):
                 bad.append(f"{name.replace('_', '-')} '{v}' must be auto or a count >= 0")
+        v = self.mtp_expert_slots
+        if v != "auto" and not (isinstance(v, int) and v >= 1):
+            bad.append(f"mtp-experts '{v}' must be auto or a count >= 1")
         if not self.deferred <= set(DECODE_ONLY_REGIONS):
             bad.append(f"deferred {sorted(self.deferred)} must be among {DECODE_ONLY_REGIONS}")
         if not 0.0 < self.max_lent_share <= 1.0:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.errors import PlanError
+from engine.memory.arena import padded
 from engine.memory.ledger import REGION_NAMES
 from engine.memory.plan_types import (  # noqa: F401  (re-exported: the planner's vocabulary)
     NO_PROMPT,
@@ -50,14 +51,16 @@ def plan_startup(capacity_bytes: int, costs: ModelCosts, opts: PlanOptions) -> S
     """
     seg = opts.segment_bytes
     n_segments = capacity_bytes // seg
-    items = [("weights.dense", costs.dense_bytes), ("kv", costs.kv_bytes)]
-    items += [("reserve", opts.reserve_bytes)]
-    items += [(n, b) for n, b in costs.decode_only_bytes().items() if b > 0]
-    need = [_region(n, b, seg) for n, b in items]
+    need = [_region(n, b, seg) for n, b in _mandatory(costs, opts)]
     n_need = sum(r.n_segments for r in need)
     if n_need > n_segments:
         _raise_short(need, opts, n_segments, seg)
     reasons = [f"mandatory items take {n_need} of {n_segments} segments of {format_mib(seg)} MiB"]
+    if costs.mtp_expert_bytes and costs.mtp_expert_slots < costs.n_expert:
+        reasons.append(
+            f"mtp.experts holds {costs.mtp_expert_slots} of the nextn block's {costs.n_expert} "
+            f"experts (the most lately drafted); a draft uploads the others it routes to"
+        )
     if opts.deferred:
         reasons.append(f"deferred by the startup loan: {', '.join(sorted(opts.deferred))}")
     n_cache, prompt = _split(n_segments - n_need, costs, opts, reasons)
@@ -77,6 +80,28 @@ def plan_startup(capacity_bytes: int, costs: ModelCosts, opts: PlanOptions) -> S
         freed = sum(r.n_segments for r in deferred) * seg
         plan = replace(plan, startup_prompt=plan_loan(plan, freed, costs, opts))
     return plan
+
+
+def fit_mtp_experts(capacity_bytes: int, costs: ModelCosts, opts: PlanOptions) -> ModelCosts:
+    """`costs` with the `mtp.experts` region sized: `opts.mtp_expert_slots` where asked; auto:
+    every expert of the nextn block where they fit beside the other mandatory items and the
+    smallest prompt path, else half of the segments left there (at least two draft tokens'
+    experts, `2 * n_expert_used`), filling the region's last segment. The rest of the
+    segments go to the expert cache and the prompt path (`plan_startup`)."""
+    if not costs.mtp_expert_bytes:
+        return costs
+    n_expert, blob, seg = costs.n_expert, costs.mtp_blob_bytes, opts.segment_bytes
+    if opts.mtp_expert_slots != "auto":
+        return costs.with_mtp_slots(max(1, min(opts.mtp_expert_slots, n_expert)))
+    others = sum(ceil_div(b, seg) for n, b in _mandatory(costs, opts) if n != "mtp.experts")
+    room = capacity_bytes // seg - others - _smallest_prompt_segments(costs, opts)
+    if ceil_div(costs.mtp_expert_bytes, seg) <= room:
+        return costs
+    n_seg = max(room // 2, ceil_div(2 * costs.n_expert_used * blob, seg))
+    n = n_seg * seg // blob
+    while n > 1 and padded(n * blob) > n_seg * seg:  # the array's alignment fits too
+        n -= 1
+    return costs.with_mtp_slots(max(1, min(n, n_expert)))
 
 
 def plan_prompt(
@@ -162,6 +187,29 @@ def format_plan_table(plan: StartupPlan) -> str:
 # -- helpers --------------------------------------------------------------------------------------
 
 
+def _mandatory(costs: ModelCosts, opts: PlanOptions) -> list[tuple[str, int]]:
+    """What every plan reserves (deferred decode-only items included): (region, bytes)."""
+    items = [("weights.dense", costs.dense_bytes), ("kv", costs.kv_bytes)]
+    items += [("reserve", opts.reserve_bytes)]
+    return items + [(n, b) for n, b in costs.decode_only_bytes().items() if b > 0]
+
+
+def _smallest_prompt(costs: ModelCosts, opts: PlanOptions) -> tuple[int, int, int, int]:
+    """The smallest prompt path: (chunk tokens, ring slots, chunk bytes, ring bytes) of a grid
+    chunk (or the --prefill chunk) beside its minimum ring."""
+    tokens = opts.grid_tokens if opts.prefill == "auto" else opts.prefill
+    _, ring = _chunk_tokens(0, 1, costs, replace(opts, prefill=tokens), tokens)
+    return tokens, ring, costs.chunk_bytes(tokens), ring * costs.expert_blob_bytes
+
+
+def _smallest_prompt_segments(costs: ModelCosts, opts: PlanOptions) -> int:
+    """Segments the smallest prompt path owns (0 without prompt chunking)."""
+    if opts.prefill == 0:
+        return 0
+    _, _, chunk, ring = _smallest_prompt(costs, opts)
+    return ceil_div(chunk, opts.segment_bytes) + ceil_div(ring, opts.segment_bytes)
+
+
 def _region(name: str, n_bytes: int, seg: int) -> RegionPlan:
     return RegionPlan(name, n_bytes, ceil_div(n_bytes, seg))
 
@@ -214,6 +262,11 @@ def _split(
         keep = cache_segments(min(n_all, opts.kept_slots(costs)))
         room = avail_segments - keep
         g = owned(room, opts.owned_chunk_tokens)
+        if g is None and keep:  # the floor and the smallest prompt path do not both fit
+            room, g = avail_segments, owned(avail_segments, opts.owned_chunk_tokens)
+            if g is not None:
+                reasons.append(f"the cache's floor of {opts.kept_slots(costs):,} slots does not "
+                               f"fit beside the prompt path: the prompt path comes first")
         if g is not None:
             used = ceil_div(g.chunk_bytes, seg) + ceil_div(g.ring_bytes, seg)
             n_cache = slots_in(avail_segments - used)
@@ -296,9 +349,7 @@ def _raise_no_prompt(room: int, unit_bytes: int, costs: ModelCosts, opts: PlanOp
     """The smallest prompt path (a grid chunk or the --prefill chunk, and its minimum ring)
     against the `room` left for it, both in its units: whole segments of `unit_bytes` for
     owned regions, cache slots when `borrowed` (chunk and ring share the lent slots)."""
-    tokens = opts.grid_tokens if opts.prefill == "auto" else opts.prefill
-    _, ring = _chunk_tokens(0, 1, costs, replace(opts, prefill=tokens), tokens)
-    chunk_bytes, ring_bytes = costs.chunk_bytes(tokens), ring * costs.expert_blob_bytes
+    tokens, ring, chunk_bytes, ring_bytes = _smallest_prompt(costs, opts)
     units = [ceil_div(chunk_bytes, unit_bytes), ceil_div(ring_bytes, unit_bytes)]
     if borrowed:
         need, what = ceil_div(chunk_bytes + ring_bytes, unit_bytes), "cache slots"

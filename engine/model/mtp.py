@@ -51,26 +51,48 @@ class MTPOutput:
 
 
 class MTPExperts:
-    """The MTP block's routed experts as one resident quantized array `data` [E, blob_bytes]
-    (region `mtp.experts`); an `ExpertProvider` for local layer 0 (no ring), releasable."""
+    """The MTP block's routed experts in the releasable region `mtp.experts`; an
+    `ExpertProvider` for local layer 0 (no ring).
+
+    Every expert resident (`n_slots` None or >= E): one quantized array `data` [E, blob_bytes]
+    uploaded once. Fewer slots (a device too small for all of them, `strata plan` says so):
+    `data` [n_slots, blob_bytes] holds the experts drafts routed to most lately (LRU); a miss
+    is uploaded from the page-locked host copy into the least recently used slot the call
+    does not read. A call that reads more experts than there are slots gets the rest as
+    transient device copies (outside the ledger, freed after the call)."""
 
     name = "mtp.experts"
     ring_slots = None
 
     def __init__(self, host: FileExperts, backend: Backend,
-                 to_device: Callable[[np.ndarray], Any] | None = None):
-        """`to_device`: where the blobs are uploaded (a ledger region's arena; by default a
-        new device array)."""
+                 to_device: Callable[[np.ndarray], Any] | None = None,
+                 n_slots: int | None = None,
+                 alloc: Callable[[tuple[int, ...], Any], Any] | None = None):
+        """`to_device` / `alloc`: where the blobs go (a ledger region's arena; by default new
+        device arrays); `n_slots`: how many experts the region holds (None: all)."""
         assert host.n_layer == 1, f"one MTP block supported, got {host.n_layer}"
         self.host, self.backend, self.layout = host, backend, host.layout_of(0)
         self._to_device = to_device or backend.to_device
-        self.nbytes = host.n_expert * host.blob_bytes
-        # uint8 [E, blob_bytes] gathered from the file once: a loan's restore is one upload
-        # from it (page-locked on CUDA), not 128 gathers and a staged copy (344 ms at 324 MiB)
+        self._alloc = alloc or (lambda shape, dtype: backend.xp.zeros(shape, dtype=dtype))
+        n_expert = host.n_expert
+        self.n_slots = n_expert if n_slots is None else min(n_slots, n_expert)
+        assert self.n_slots >= 1, "an MTP expert region holds at least one expert"
+        self.partial = self.n_slots < n_expert
+        self.nbytes = self.n_slots * host.blob_bytes
+        # uint8 [E, blob_bytes] gathered from the file once: a loan's restore (and a partial
+        # region's miss) is one upload from it (page-locked on CUDA), not a gather and a staged
+        # copy (344 ms for 324 MiB)
         self._host_data = self._read()
         backend.keep_for_upload(self._host_data)
         self._crc = zlib.crc32(self._host_data)
-        self.data: Any = self._to_device(self._host_data)  # uint8 [E, blob_bytes]
+        # a partial region's bookkeeping: the expert in each slot (-1 empty), its last use
+        self._owner = np.full(self.n_slots, -1, dtype=np.int64)  # [n_slots]
+        self._slot_of = np.full(n_expert, -1, dtype=np.int64)  # [E]
+        self._used_at = np.zeros(self.n_slots, dtype=np.int64)  # [n_slots] LRU clock
+        self._clock = 0
+        self.n_hits = self.n_uploads = 0  # partial region: reads served / uploads on a miss
+        self.data: Any = None  # uint8 [n_slots, blob_bytes]
+        self.restore()
         # decoded float32 copies: what the array ops keep in place of a GPU's dequantizing GEMV
         self._decoded = DecodedLRU()
 
@@ -85,29 +107,30 @@ class MTPExperts:
         assert layer == 0, f"MTP experts have one local layer, got {layer}"
 
     def prefetch(self, layer: int) -> None:
-        pass  # resident: nothing to stage
+        pass  # misses are uploaded where they are read
 
     def weights(self, layer: int, expert: int) -> tuple[Any, Any, Any]:
         assert self.data is not None, "MTP experts are released (on loan); restore them first"
         return self._decoded.get(
-            expert, lambda: self.backend.decode_expert(self.data[expert], self.layout)
+            expert, lambda: self.backend.decode_expert(self._view(expert, {expert}), self.layout)
         )
 
     def blobs(self, layer: int, experts: list[int]) -> list[Any]:
         assert self.data is not None, "MTP experts are released (on loan); restore them first"
-        return [self.data[e] for e in experts]
+        reading = set(experts)
+        return [self._view(e, reading) for e in experts]
 
     def needs_slot(self, layer: int, expert: int) -> bool:
         return False
 
     def reads_queued(self, layer: int, experts: list[int]) -> None:
-        pass  # resident: no slot to give back
+        pass  # no ring: a slot's next upload waits for the compute queued before it
 
     def source(self, layer: int) -> None:
         return None
 
     def release(self) -> int:
-        """Drop the resident blobs; returns the bytes freed (0 if already released). The
+        """Drop the device blobs; returns the bytes freed (0 if already released). The
         decoded float copies stay: they stand in for a GPU's dequantizing reads (host memory,
         outside the device's ledger), and `restore` brings back the same bytes, so a draft
         after a loan or a cache lend does not decode every expert again."""
@@ -117,25 +140,63 @@ class MTPExperts:
         return self.nbytes
 
     def restore(self) -> int:
-        """Upload every blob again from the host copy; returns the bytes resident."""
-        if self.data is None:
+        """Upload the blobs again from the host copy (a partial region: the experts its slots
+        held); returns the bytes resident."""
+        if self.data is not None:
+            return self.nbytes
+        if not self.partial:
             self.data = self._to_device(self._host_data)
+            return self.nbytes
+        self.data = self._alloc((self.n_slots, self.host.blob_bytes), np.uint8)
+        for slot in np.flatnonzero(self._owner >= 0):
+            self.backend.upload(self._host_data[self._owner[slot]], self.data[slot])
         return self.nbytes
 
     def check_integrity(self, deep: bool = False) -> None:
-        """Shape and size always; with `deep`, the blobs' checksum against the file's."""
+        """Shape and size always; with `deep`, the resident blobs' checksum against the file's."""
         if self.data is None:
             return
-        want = (self.host.n_expert, self.host.blob_bytes)
+        want = (self.n_slots, self.host.blob_bytes)
         if tuple(self.data.shape) != want or int(self.data.nbytes) != self.nbytes:
             raise AssertionError(
                 f"MTP experts {tuple(self.data.shape)} ({int(self.data.nbytes)} bytes), "
                 f"expected {want} ({self.nbytes} bytes)"
             )
-        if deep:
-            crc = zlib.crc32(np.ascontiguousarray(self.backend.download(self.data)))
-            if crc != self._crc:
-                raise AssertionError(f"MTP experts checksum {crc:08x} != file {self._crc:08x}")
+        if not deep:
+            return
+        held = np.flatnonzero(self._owner >= 0) if self.partial else np.arange(self.n_slots)
+        experts = self._owner[held] if self.partial else held
+        if not len(held):
+            return
+        got = np.ascontiguousarray(self.backend.download(self.data)[held])  # [n, blob_bytes]
+        crc = zlib.crc32(got)
+        file_crc = (zlib.crc32(np.stack([self.host.blob(0, int(e)) for e in experts]))
+                    if self.partial else self._crc)  # the file's bytes, not the host copy's
+        if crc != file_crc:
+            raise AssertionError(f"MTP experts checksum {crc:08x} != file {file_crc:08x}")
+
+    def _view(self, expert: int, reading: set[int]) -> Any:
+        """The device bytes of `expert`: its slot, after an upload on a miss into the least
+        recently used slot holding none of `reading`, or (every slot read by this call) a
+        transient copy."""
+        if not self.partial:
+            return self.data[expert]
+        self._clock += 1
+        slot = int(self._slot_of[expert])
+        if slot >= 0:
+            self.n_hits += 1
+            self._used_at[slot] = self._clock
+            return self.data[slot]
+        self.n_uploads += 1
+        free = [s for s in range(self.n_slots) if self._owner[s] not in reading]
+        if not free:
+            return self.backend.to_device(self._host_data[expert])
+        slot = min(free, key=lambda s: self._used_at[s])
+        if self._owner[slot] >= 0:
+            self._slot_of[self._owner[slot]] = -1
+        self.backend.upload(self._host_data[expert], self.data[slot])
+        self._owner[slot], self._slot_of[expert], self._used_at[slot] = expert, slot, self._clock
+        return self.data[slot]
 
     def _read(self) -> np.ndarray:
         return np.stack([self.host.blob(0, e) for e in range(self.host.n_expert)])

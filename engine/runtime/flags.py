@@ -19,7 +19,7 @@ from engine.runtime.parts import Runtime
 from engine.trace.events import EventBus, FlagsChanged, FlagsRefused
 
 RESTART_FIELDS = ("model", "device", "ctx", "kv", "expert_cache", "expert_profile",
-                  "vram_segment_mib", "vram_reserve_mib", "vram_limit", "mtp", "draft_vocab",
+                  "vram_segment_mib", "vram_reserve_mib", "vram_limit", "mtp", "draft_vocab", "mtp_experts",
                   "no_borrow", "batch_slots", "prefill_head_alias", "vram_elastic", "serve",
                   "dense", "cache_lend")
 

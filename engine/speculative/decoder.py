@@ -41,7 +41,7 @@ from engine.config import DECODE_ROWS, SPEC_MIN
 from engine.errors import FlagError, StrataError
 from engine.loan.resources import Releasable
 from engine.model.loader import Model
-from engine.model.mtp import MTPBlock
+from engine.model.mtp import MTPBlock, MTPExperts, require_mtp
 from engine.request.sampler import Sampler
 from engine.request.session import Session
 from engine.speculative.draft import Draft, DraftSource, MTPDraft
@@ -146,12 +146,20 @@ class SpecDecoder:
         n_window: int,
         draft_vocab: int = 0,
         to_device: Callable[[np.ndarray], Any] | None = None,
+        mtp_expert_slots: int | None = None,
     ) -> SpecDecoder:
-        """MTP drafts through a `draft_vocab`-row head, on the built model's backend;
-        `ModelError` without a nextn block."""
+        """MTP drafts through a `draft_vocab`-row head, on the built model's backend, the
+        nextn block's experts in `mtp_expert_slots` slots (None: all resident); `ModelError`
+        without a nextn block."""
         check_spec(n_window)
         head = draft_head_of(model, draft_vocab, to_device)
-        block = MTPBlock(model, head=head, to_device=to_device)
+        experts = None
+        if mtp_expert_slots is not None:
+            require_mtp(model)
+            assert model.mtp_experts is not None and model.transformer is not None
+            experts = MTPExperts(model.mtp_experts, model.transformer.backend, to_device,
+                                 mtp_expert_slots)
+        block = MTPBlock(model, head=head, experts=experts, to_device=to_device)
         return cls(n_window, MTPDraft(block), Verifier.for_model(model, n_window, block.xp))
 
     def resources(self) -> list[Releasable]:

@@ -24,7 +24,7 @@ from engine.loan.deferral import deferred_regions
 from engine.loan.guards import validate
 from engine.memory.costs import Shapes, model_costs
 from engine.memory.plan_types import ModelCosts, PlanOptions, StartupPlan
-from engine.memory.planner import plan_startup
+from engine.memory.planner import fit_mtp_experts, plan_startup
 from engine.memory.sizes import MiB
 
 
@@ -65,6 +65,7 @@ def plan_device(options: EngineOptions, flags: LoanFlags, shapes: Shapes,
     if violations:
         raise FlagError(violations)
     plan_options = plan_options_for(options, flags, reserve, seg, traits)
+    costs = fit_mtp_experts(capacity, costs, plan_options)
     return DevicePlan(backend, costs, plan_options, plan_startup(capacity, costs, plan_options),
                       quantized)
 
@@ -77,4 +78,5 @@ def plan_options_for(options: EngineOptions, flags: LoanFlags, reserve_bytes: in
         expert_cache=options.expert_cache, prefill=options.prefill,
         deferred=deferred_regions(flags, options), borrow=not options.no_borrow,
         reserve_bytes=reserve_bytes, segment_bytes=segment_bytes,
+        mtp_expert_slots=options.mtp_experts,
     )

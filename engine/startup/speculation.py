@@ -30,7 +30,7 @@ def build_spec(
     assert m.mtp_experts is not None and m.transformer is not None
     be = m.transformer.backend
     exa = Arena(ledger, "mtp.experts", costs.mtp_expert_bytes)
-    experts = MTPExperts(m.mtp_experts, be, exa.to_device)
+    experts = MTPExperts(m.mtp_experts, be, exa.to_device, costs.mtp_expert_slots, exa.alloc)
     items = [DecodeResource("mtp.experts", exa, experts)]
     head: NativeDraftHead | DraftHead
     if shares_native_head(m, o.draft_vocab):  # the native head itself: no region of its own
