@@ -77,7 +77,7 @@
 #             cut short keeps the first); `lbuild & mglm` then `glm` fits one call -> $OUT/glm.md.
 #             Env: GLM_LIMITS (8GiB) and GLM_LATER_LIMITS (16GiB) before / after llama-bench,
 #             GLM_LLAMA_BENCH= skips it, GLM_TG_LIMIT (8GiB), GLM_PLAIN_LIMITS (none: limits
-#             without --mtp, after the decode), GLM_LLAMA_TEMPS ("1.0 0")
+#             without --mtp, last), GLM_LLAMA_TEMPS ("1.0 0")
 #   fc        the loan forecast against measured prefill (docs/forecast.md): 48 layers, 8 GiB,
 #             8,192 / 31,258 / 72,061 tokens (SIZES=...), loan off, startup and repeat loan,
 #             from the GPU's default rates on       -> $OUT/forecast.md, forecast.json
@@ -340,8 +340,8 @@ for stage in "$@"; do
          [ -n "${GLM_LLAMA_BENCH-1}" ] && glm_llama_bench
          for limit in ${GLM_LATER_LIMITS-16GiB}; do glm_strata "$limit"; done
          glm_tg
-         for limit in ${GLM_PLAIN_LIMITS:-}; do glm_strata "$limit" plain; done
-         glm_llama_mtp ;;
+         glm_llama_mtp
+         for limit in ${GLM_PLAIN_LIMITS:-}; do glm_strata "$limit" plain; done ;;
     b8) strata bench --model models/q8.gguf --device cuda --vram-limit 5GiB --vram-segment-mib 64 \
           --mtp --spec 2 --scenario auto --scenario ab --prefill 1024 --runs "$RUNS" \
           --prompt-tokens 8192 --max-new 16 --kv q4_0 --ctx 9000 --json "$OUT/b8.json" \
