@@ -188,10 +188,10 @@ class MTPExperts:
             self._used_at[slot] = self._clock
             return self.data[slot]
         self.n_uploads += 1
-        free = [s for s in range(self.n_slots) if self._owner[s] not in reading]
-        if not free:
+        free = np.flatnonzero(~np.isin(self._owner, list(reading)))  # slots this call does not read
+        if not free.size:
             return self.backend.to_device(self._host_data[expert])
-        slot = min(free, key=lambda s: self._used_at[s])
+        slot = int(free[np.argmin(self._used_at[free])])
         if self._owner[slot] >= 0:
             self._slot_of[self._owner[slot]] = -1
         self.backend.upload(self._host_data[expert], self.data[slot])
